@@ -1,0 +1,66 @@
+"""First code every distrun worker runs, before it becomes the user's script.
+
+The elastic agent starts ``python _bootstrap.py`` for each worker. This file:
+
+1. asks the kernel to SIGKILL the worker when the launcher dies
+   (``PR_SET_PDEATHSIG``), so a ``kill -9`` of distrun leaves no orphan;
+2. sends stdout and stderr to ``log_dir/workerlog.RANK``, opened in append
+   mode so restarts add to the same file (the launcher writes the separator);
+3. ``exec``s the interpreter on the user's script or module, so the worker's
+   pid, exit code and signals are the script's own.
+
+It is run by path (not ``-m``) and imports only the standard library so it
+works without ``distamp`` on ``sys.path`` and costs a few milliseconds.
+The command travels in the environment, not in argv, because the agent
+rewrites ``$``-macros in argv and the user's arguments must stay untouched.
+"""
+
+import ctypes
+import json
+import os
+import signal
+import sys
+
+COMMAND_VAR = "DISTAMP_WORKER_COMMAND"
+LOG_DIR_VAR = "DISTAMP_WORKER_LOG_DIR"
+LAUNCHER_PID_VAR = "DISTAMP_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def _die_with_launcher(launcher_pid: int) -> None:
+    """Get SIGKILL when the launcher exits; exit now if it is already gone."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            errno = ctypes.get_errno()
+            print(f"distrun bootstrap: prctl(PR_SET_PDEATHSIG) failed: "
+                  f"{os.strerror(errno)}", file=sys.stderr)
+    # The launcher may have died between fork and prctl: the death signal
+    # would then never come, so check the parent after arming it.
+    if os.getppid() != launcher_pid:
+        os._exit(128 + int(signal.SIGKILL))
+
+
+def _redirect_output(log_dir: str, rank: str) -> None:
+    """Point fds 1 and 2 at ``log_dir/workerlog.RANK`` (append mode)."""
+    path = os.path.join(log_dir, f"workerlog.{rank}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def main() -> None:
+    """Arm the death signal, redirect output, then exec the user's command."""
+    env = dict(os.environ)
+    command = json.loads(env.pop(COMMAND_VAR))
+    log_dir = env.pop(LOG_DIR_VAR)
+    launcher_pid = int(env.pop(LAUNCHER_PID_VAR))
+    _die_with_launcher(launcher_pid)
+    _redirect_output(log_dir, env["RANK"])
+    argv = [sys.executable, "-u", *command]
+    os.execve(sys.executable, argv, env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The ``distrun`` command line: parse, validate, then launch.
+
+Examples::
+
+    distrun --gpus 0,1,2,3 train.py --lr 0.1
+    distrun --nproc_per_node 2 train.py                     # CPU workers
+    distrun --nnodes 2 --node_rank 0 --master 10.0.0.1:29500 --gpus 0,1,2,3 train.py
+    distrun --ips 10.0.0.1,10.0.0.2 --gpus 0,1 -m mypkg.train
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from distamp.launcher.plan import LaunchPlan, UsageError, build_plan
+
+__all__ = ["build_parser", "main", "parse_plan"]
+
+USAGE_EXIT_CODE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that raises :class:`UsageError` instead of exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``distrun`` argument parser, with flags grouped by concern."""
+    parser = _Parser(
+        prog="distrun",
+        description="Start a multi-process training job (one worker per GPU or CPU "
+        "process) on one or several nodes, built on torch.distributed.elastic.",
+        epilog="Workers get RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, "
+        "MASTER_PORT (as with torchrun), DISTAMP_SELECTED_GPUS and "
+        "TORCHELASTIC_RESTART_COUNT.",
+        allow_abbrev=False,
+    )
+    workers = parser.add_argument_group("workers on this node")
+    workers.add_argument(
+        "--gpus", metavar="IDS",
+        help="comma-separated GPU ids, one worker per id, e.g. 0,1,2,3 (indices into "
+        "CUDA_VISIBLE_DEVICES when it is set); worker i uses cuda:i",
+    )
+    workers.add_argument(
+        "--nproc_per_node", type=int, metavar="N",
+        help="number of workers on this node, CPU or GPU (default: 1, or one per --gpus id)",
+    )
+    nodes = parser.add_argument_group("several nodes")
+    nodes.add_argument("--nnodes", type=int, metavar="N", help="number of nodes (default: 1)")
+    nodes.add_argument(
+        "--node_rank", type=int, metavar="R", help="rank of this node, 0..nnodes-1 (default: 0)"
+    )
+    nodes.add_argument(
+        "--master", metavar="HOST:PORT",
+        help="rendezvous address, on node rank 0; one node without it uses "
+        "127.0.0.1 and a free port",
+    )
+    nodes.add_argument(
+        "--ips", metavar="H1,H2,...",
+        help="all nodes' hosts (Fleet style): nnodes is their number, the master is the "
+        "first, and this node's rank is its position in the list",
+    )
+    logs = parser.add_argument_group("logs and failures")
+    logs.add_argument(
+        "--log_dir", default="log", metavar="DIR",
+        help="per-rank logs DIR/workerlog.N (stdout and stderr) (default: log)",
+    )
+    logs.add_argument(
+        "--tee", default="0", metavar="RANKS",
+        help="ranks whose output also goes to the console, prefixed with the rank: "
+        "comma-separated ranks, 'all' or 'none' (default: 0)",
+    )
+    logs.add_argument(
+        "--max_restarts", type=int, default=0, metavar="N",
+        help="restart the whole group up to N times after a failure (default: 0)",
+    )
+    logs.add_argument(
+        "--grace_period", type=int, default=30, metavar="SECONDS",
+        help="when stopping workers, seconds between SIGTERM and SIGKILL (default: 30)",
+    )
+    what = parser.add_argument_group("what to run")
+    what.add_argument(
+        "-m", "--module", action="store_true",
+        help="run SCRIPT as a module (python -m SCRIPT)",
+    )
+    what.add_argument("script", nargs="?", metavar="SCRIPT", help="training script (or module with -m)")
+    what.add_argument(
+        "script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+        help="arguments passed to the script untouched",
+    )
+    return parser
+
+
+def parse_plan(argv: Sequence[str]) -> LaunchPlan:
+    """Parse and validate ``argv`` (without the program name); start nothing.
+
+    Raises:
+        UsageError: for any bad input, naming the flag and value.
+    """
+    args = build_parser().parse_args(list(argv))
+    return build_plan(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``distrun``; returns the process exit code.
+
+    2 for bad input (nothing was started), otherwise what
+    :func:`distamp.launcher.run.launch` returns.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        plan = parse_plan(argv)
+    except UsageError as exc:
+        print(f"distrun: error: {exc}", file=sys.stderr)
+        print("Run 'distrun --help' for the options.", file=sys.stderr)
+        return USAGE_EXIT_CODE
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    from distamp.launcher.run import launch  # deferred: imports torch
+
+    return launch(plan)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

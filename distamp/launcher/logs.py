@@ -1,0 +1,153 @@
+"""Per-rank log files ``log_dir/workerlog.N`` and the console tee.
+
+Workers write their own stdout and stderr to ``workerlog.RANK`` in append
+mode (see ``_bootstrap.py``), so a restart adds to the file. Torch's
+default log layout opens files with ``"w"`` per attempt and tails them from
+the start; :class:`RankLogs` replaces it: it starts each job with fresh
+files, writes a separator line before every attempt, and tails only the new
+part of the tee'd ranks' files to the console, each line prefixed with
+``[rankN]:``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from typing import TextIO
+
+from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
+
+__all__ = ["RankLogs", "log_path", "tail_lines"]
+
+
+def log_path(log_dir: str, rank: int) -> str:
+    """Path of global rank ``rank``'s log file."""
+    return os.path.join(log_dir, f"workerlog.{rank}")
+
+
+def tail_lines(path: str, count: int = 20) -> list[str]:
+    """The last ``count`` lines of ``path`` (empty when it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            data = f.read()
+    except OSError:
+        return []
+    return data.decode("utf-8", errors="replace").splitlines()[-count:]
+
+
+class _Tee:
+    """Copy new lines of some files to a stream, each with a prefix.
+
+    One thread polls every file; :meth:`stop` drains what is left (including
+    a last line without a newline) before returning.
+    """
+
+    def __init__(self, files: dict[str, tuple[str, int]], out: TextIO, interval: float = 0.05):
+        self._files = {p: [prefix, offset, b""] for p, (prefix, offset) in files.items()}
+        self._out = out
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="distrun-tee", daemon=True)
+        self._thread.start()
+
+    def _pump(self, final: bool) -> None:
+        for path, state in self._files.items():
+            prefix, offset, partial = state
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    data = f.read()
+            except OSError:
+                continue
+            state[1] = offset + len(data)
+            lines = (partial + data).split(b"\n")
+            state[2] = lines.pop()
+            if final and state[2]:
+                lines.append(state[2])
+                state[2] = b""
+            for line in lines:
+                self._out.write(f"{prefix}{line.decode('utf-8', errors='replace')}\n")
+        self._out.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._pump(final=False)
+
+    def stop(self) -> None:
+        """Stop polling after copying everything written so far."""
+        self._stop.set()
+        self._thread.join()
+        self._pump(final=True)
+
+
+class RankLogs(LogsSpecs):
+    """Torch ``LogsSpecs`` for distrun: ``log_dir/workerlog.RANK`` plus a tee.
+
+    Args:
+        log_dir: where ``workerlog.N`` files go (must exist).
+        tee_ranks: global ranks whose new lines are copied to ``out``.
+        out: console stream for the tee (default ``sys.stdout``).
+    """
+
+    def __init__(self, log_dir: str, tee_ranks: frozenset[int], out: TextIO | None = None):
+        super().__init__(log_dir=log_dir)
+        self._log_dir = log_dir
+        self._tee_ranks = tee_ranks
+        self._out = out if out is not None else sys.stdout
+        self._tee: _Tee | None = None
+        # Torch's error-reply files (written by @record-decorated workers);
+        # not logs, so they live outside log_dir and go away with the launch.
+        self._error_dir = tempfile.mkdtemp(prefix="distrun-errors-")
+
+    @property
+    def root_log_dir(self) -> str:
+        """The directory holding ``workerlog.N``."""
+        return self._log_dir
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        """Called by the agent before each attempt: write separators, start the tee."""
+        self._stop_tee()
+        tee_files = {}
+        error_files = {}
+        for local_rank, env in envs.items():
+            rank = int(env["RANK"])
+            attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            path = log_path(self._log_dir, rank)
+            # A new job starts a fresh file; a restart appends to it.
+            with open(path, "w" if attempt == 0 else "a", encoding="utf-8") as f:
+                f.write(
+                    f"===== distrun: rank {rank} (local rank {local_rank}), attempt "
+                    f"{attempt + 1}, TORCHELASTIC_RESTART_COUNT={attempt}, "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S')} =====\n"
+                )
+                offset = f.tell()
+            if rank in self._tee_ranks:
+                tee_files[path] = (f"[rank{rank}]: ", offset)
+            error_file = os.path.join(self._error_dir, f"attempt{attempt}.rank{rank}.json")
+            error_files[local_rank] = error_file
+            env["TORCHELASTIC_ERROR_FILE"] = error_file
+        if tee_files:
+            self._tee = _Tee(tee_files, self._out)
+        # Empty stdouts/stderrs: torch leaves the workers' streams alone and
+        # the bootstrap redirects them into the files above.
+        return LogsDest(
+            stdouts=dict.fromkeys(envs, ""),
+            stderrs=dict.fromkeys(envs, ""),
+            error_files=error_files,
+        )
+
+    def _stop_tee(self) -> None:
+        if self._tee is not None:
+            self._tee.stop()
+            self._tee = None
+
+    def close(self) -> None:
+        """Flush the tee and remove the temporary error-file directory."""
+        self._stop_tee()
+        shutil.rmtree(self._error_dir, ignore_errors=True)

@@ -1,0 +1,178 @@
+"""Start a validated :class:`LaunchPlan` with torch's elastic agent.
+
+The agent (``torch.distributed.launcher.api.elastic_launch``) does the
+process management: rendezvous, start, monitor, fail the group together
+(SIGTERM, then SIGKILL after the grace period), restart up to
+``max_restarts`` times, and stop everything on SIGINT/SIGTERM/SIGHUP/SIGQUIT.
+This module chooses the rendezvous, wires in :class:`RankLogs`, and turns
+the outcome into an exit code and a report a user can act on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import uuid
+from typing import TextIO
+
+from torch.distributed.elastic.multiprocessing import ProcessFailure, SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from distamp.launcher import _bootstrap
+from distamp.launcher.env import build_worker_env, patched_environ
+from distamp.launcher.logs import RankLogs, log_path, tail_lines
+from distamp.launcher.plan import LaunchPlan
+
+__all__ = ["describe_failure", "exit_code_of", "launch", "launch_config"]
+
+TAIL_LINES = 20
+_RENDEZVOUS_TIMEOUT = 900  # seconds the nodes wait for each other (torch's default)
+
+
+def launch_config(plan: LaunchPlan, logs: RankLogs) -> LaunchConfig:
+    """The torch ``LaunchConfig`` for ``plan``.
+
+    One node without ``--master``: c10d rendezvous on 127.0.0.1 port 0, so the
+    OS picks a free port for the rendezvous store with no bind-then-close race
+    and MASTER_ADDR is loopback. With ``--master``/``--ips``: static
+    rendezvous at that address, where node rank ``--node_rank`` hosts the
+    store, so node ranks are the ones the user gave.
+    """
+    common = {
+        "min_nodes": plan.nnodes,
+        "max_nodes": plan.nnodes,
+        "nproc_per_node": plan.nproc_per_node,
+        "logs_specs": logs,
+        "max_restarts": plan.max_restarts,
+        "monitor_interval": 0.1,
+        "start_method": "spawn",
+        "shutdown_timeout": plan.grace_period,
+    }
+    if plan.local_rendezvous:
+        return LaunchConfig(
+            run_id=f"distrun-{uuid.uuid4().hex}",
+            rdzv_backend="c10d",
+            rdzv_endpoint="127.0.0.1:0",
+            rdzv_configs={"timeout": _RENDEZVOUS_TIMEOUT},
+            local_addr="127.0.0.1",
+            **common,
+        )
+    return LaunchConfig(
+        run_id="distrun",
+        rdzv_backend="static",
+        rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
+        rdzv_configs={"rank": plan.node_rank, "timeout": _RENDEZVOUS_TIMEOUT},
+        **common,
+    )
+
+
+def exit_code_of(failure: ProcessFailure) -> int:
+    """The shell-style exit code of a failed worker (128 + signal number)."""
+    return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
+
+
+def _first_failure(error: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The root-cause failure: earliest, preferring workers we did not stop."""
+    items = list(error.failures.items())  # in the order the agent saw them
+    stopped = {-int(signal.SIGTERM), -int(signal.SIGKILL)}
+    # The agent SIGTERMs the survivors after the first failure and records
+    # them too; a SIGTERM/SIGKILL is the root cause only when nothing else is.
+    def key(item: tuple[int, ProcessFailure]) -> tuple[int, int]:
+        index = items.index(item)
+        return (item[1].timestamp, index)
+    own = [it for it in items if it[1].exitcode not in stopped]
+    return min(own or items, key=key)
+
+
+def _how(failure: ProcessFailure) -> str:
+    if failure.exitcode < 0:
+        try:
+            name = signal.Signals(-failure.exitcode).name
+        except ValueError:
+            name = f"signal {-failure.exitcode}"
+        return f"was killed by {name} (signal {-failure.exitcode})"
+    return f"exited with code {failure.exitcode}"
+
+
+def describe_failure(plan: LaunchPlan, error: ChildFailedError) -> tuple[int, str]:
+    """Exit code and report for a job whose workers failed.
+
+    The report ends with the log tail and then a summary line naming the
+    first failing rank, how it failed, and its log file.
+    """
+    rank, failure = _first_failure(error)
+    path = log_path(plan.log_dir, rank)
+    code = exit_code_of(failure)
+    lines = [f"distrun: ----- last {TAIL_LINES} lines of {path} (rank {rank}) -----"]
+    lines += [f"  {line}" for line in tail_lines(path, TAIL_LINES)]
+    lines.append(f"distrun: ----- end of {path} -----")
+    restarts = (
+        f" after {plan.max_restarts} restart(s) (--max_restarts {plan.max_restarts})"
+        if plan.max_restarts
+        else ""
+    )
+    lines.append(
+        f"distrun: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
+        f"{_how(failure)}{restarts}; full log: {path}. The other workers were "
+        f"stopped; exiting with code {code}."
+    )
+    return code, "\n".join(lines)
+
+
+def _summary(plan: LaunchPlan) -> str:
+    where = (
+        "127.0.0.1 (a free port)"
+        if plan.local_rendezvous
+        else f"{plan.master_addr}:{plan.master_port}, node rank {plan.node_rank} of {plan.nnodes}"
+    )
+    gpus = f", GPUs {','.join(plan.gpus)}" if plan.gpus is not None else ""
+    tee = ",".join(map(str, sorted(plan.tee))) or "none"
+    return (
+        f"distrun: {plan.nproc_per_node} worker(s) on this node, world size "
+        f"{plan.world_size}{gpus}; rendezvous {where}; logs {plan.log_dir}/workerlog.N; "
+        f"console shows rank(s) {tee}."
+    )
+
+
+def launch(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run ``plan`` to completion and return distrun's exit code.
+
+    0 when every worker succeeded; the first failing worker's code (128 +
+    signal number for a signal) when they failed; 128 + signal number when
+    distrun itself was interrupted; 1 when the rendezvous failed.
+    """
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    worker_env = build_worker_env(plan, os.environ, launcher_pid=os.getpid())
+    print(_summary(plan), file=err)
+    for note in worker_env.notes:
+        print(f"distrun: {note}", file=err)
+    err.flush()
+    logs = RankLogs(plan.log_dir, plan.tee, out=out)
+    bootstrap = os.path.abspath(_bootstrap.__file__)
+    try:
+        with patched_environ(worker_env.variables):
+            elastic_launch(launch_config(plan, logs), sys.executable)(bootstrap)
+        return 0
+    except ChildFailedError as error:
+        logs.close()
+        code, report = describe_failure(plan, error)
+        print(report, file=err)
+        return code
+    except SignalException as error:
+        logs.close()
+        print(
+            f"distrun: received {error.sigval.name}; stopped every worker "
+            f"(logs in {plan.log_dir}).",
+            file=err,
+        )
+        return 128 + int(error.sigval)
+    except RendezvousError as error:
+        logs.close()
+        print(f"distrun: rendezvous failed: {error}", file=err)
+        return 1
+    finally:
+        logs.close()
