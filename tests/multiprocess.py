@@ -1,0 +1,113 @@
+"""Run a function on N real processes joined in a gloo group on 127.0.0.1.
+
+Tests call :func:`run_workers` with a module-level function; each worker
+gets ``(rank, world_size, *args)``, runs inside an initialised
+``torch.distributed`` gloo group and returns a picklable value. A worker
+that raises fails the test with its traceback; a group that does not finish
+within ``timeout`` seconds is killed and fails instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, env, results):
+    os.environ.update(env)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException:  # noqa: BLE001 - reported to the parent verbatim
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes.
+
+    Returns the per-rank return values, ordered by rank.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, rank, world_size, port, args, dict(env or {}), results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    values: dict[int, Any] = {}
+    failures: list[str] = []
+    try:
+        import time
+
+        deadline = time.monotonic() + timeout
+        while len(values) + len(failures) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"workers did not finish within {timeout}s; "
+                    f"finished ranks: {sorted(values)}"
+                )
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead and len(values) + len(failures) < world_size:
+                    # A worker died without reporting (e.g. killed by a signal).
+                    codes = {i: procs[i].exitcode for i in dead}
+                    raise RuntimeError(f"worker(s) died without a result: {codes}")
+                continue
+            if ok:
+                values[rank] = value
+            else:
+                failures.append(f"--- rank {rank} ---\n{value}")
+                break
+        if failures:
+            raise AssertionError("worker failed:\n" + "\n".join(failures))
+        return [values[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)

@@ -1,0 +1,451 @@
+"""The AMP meta-optimizer in one process: O1/O2, scaling, skipping, state."""
+
+from __future__ import annotations
+
+import io
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distamp.amp.auto_cast import auto_cast
+from distamp.optimizer import AmpOptimizer
+from distamp.strategy import DistributedStrategy
+
+
+def make_strategy(amp: bool = True, **configs) -> DistributedStrategy:
+    strategy = DistributedStrategy()
+    strategy.amp = amp
+    strategy.amp_configs = configs
+    return strategy
+
+
+def tiny_mlp(seed: int = 0, bias: bool = True) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8, bias=bias), nn.ReLU(), nn.Linear(8, 3, bias=bias))
+
+
+def batches(n: int, seed: int = 1, batch: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 6, generator=g), torch.randn(batch, 3, generator=g)) for _ in range(n)]
+
+
+def train(model, opt, data, dtype="float16", amp=True) -> list[float]:
+    losses = []
+    for x, y in data:
+        with auto_cast(enable=amp, dtype=dtype):
+            loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        opt.backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+# --------------------------------------------------------------------------- master weights
+
+
+def test_master_weights_keep_updates_too_small_for_fp16():
+    """1e-4 updates on FP16 ones: the master moves by 1e-2 over 100 steps, FP16 does not."""
+    param = nn.Parameter(torch.ones(8))
+    opt = AmpOptimizer(
+        torch.optim.SGD([param], lr=1e-4),
+        make_strategy(use_pure_fp16=True, init_loss_scaling=1024.0),
+    )
+    assert param.dtype == torch.float16
+    for _ in range(100):
+        opt.zero_grad()
+        opt.backward(param.float().sum())  # gradient 1.0 everywhere
+        assert opt.step() is True
+    master = opt.param_groups[0]["params"][0]
+    assert master.dtype == torch.float32
+    torch.testing.assert_close(master.detach(), torch.full((8,), 1.0 - 1e-2), rtol=0, atol=1e-5)
+    assert torch.equal(param.detach(), master.detach().half())
+
+    # The same updates applied to the FP16 value directly are all rounded away.
+    pure = torch.ones(8, dtype=torch.float16)
+    for _ in range(100):
+        pure -= torch.tensor(1e-4, dtype=torch.float16)
+    assert torch.equal(pure, torch.ones(8, dtype=torch.float16))
+
+
+def test_o2_masters_come_from_the_original_fp32_values():
+    model = tiny_mlp()
+    original = [p.detach().clone() for p in model.parameters()]
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy(use_pure_fp16=True))
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    for p, m, o in zip(model.parameters(), masters, original):
+        assert p.dtype == torch.float16 and m.dtype == torch.float32
+        assert torch.equal(m.detach(), o)  # not the rounded FP16 value
+        assert torch.equal(p.detach(), o.half())
+
+
+def test_o2_keeps_buffers_fp32_and_all_optimizer_state_fp32():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    opt = AmpOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), make_strategy(use_pure_fp16=True, dtype="bfloat16"))
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    with auto_cast(dtype="bfloat16"):
+        loss = F.mse_loss(model(x), y)
+    opt.backward(loss)
+    assert opt.step()
+    bn = model[1]
+    assert bn.running_mean.dtype == torch.float32 and bn.running_var.dtype == torch.float32
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    for state in opt.state.values():
+        for key, value in state.items():
+            if torch.is_tensor(value) and key != "step":
+                assert value.dtype == torch.float32, key
+
+
+def manual_o2_reference(model, inner_cls, groups_fn, data, scale, dtype):
+    """O2 by hand: FP32 masters, grads = model grads / scale, copy back."""
+    masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+    inner = inner_cls(groups_fn(masters))
+    for step, (x, y) in enumerate(data):
+        with auto_cast(dtype=dtype):
+            loss = F.mse_loss(model(x), y)
+        model.zero_grad(set_to_none=True)
+        (loss.float() * scale).backward()
+        for p, m in zip(model.parameters(), masters):
+            if p.grad is None or step % 3 == 2 and p is model[2].bias:
+                m.grad = None
+                continue
+            m.grad = p.grad.float() * torch.tensor(1.0 / scale, dtype=torch.float32)
+        inner.step()
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters):
+                p.copy_(m)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "inner_cls,kwargs",
+    [
+        (torch.optim.SGD, dict(lr=0.05)),
+        (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+        (torch.optim.Adam, dict(lr=1e-2)),
+        (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    ],
+)
+def test_o2_matches_a_manual_master_weight_loop_bitwise(inner_cls, kwargs):
+    """Several param groups with their own options, and a parameter that sometimes has no grad."""
+    data = batches(6)
+
+    def groups(params):
+        first = dict(kwargs, params=params[:2])
+        second = dict(kwargs, params=params[2:], lr=kwargs["lr"] / 2)
+        return [first, second]
+
+    reference = manual_o2_reference(tiny_mlp(), inner_cls, groups, data, 1024.0, torch.bfloat16)
+
+    model = tiny_mlp()
+    params = list(model.parameters())
+    opt = AmpOptimizer(
+        inner_cls(groups(params)),
+        make_strategy(use_pure_fp16=True, dtype="bfloat16"),
+    )
+    for step, (x, y) in enumerate(data):
+        with auto_cast(dtype="bfloat16"):
+            loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        opt.backward(loss)
+        if step % 3 == 2:
+            model[2].bias.grad = None  # no gradient for this parameter this step
+        assert opt.step()
+    for got, want in zip(model.parameters(), reference):
+        assert torch.equal(got.detach(), want)
+
+
+# --------------------------------------------------------------------------- loss scaling
+
+
+def tiny_gradient_problem(seed=0):
+    """A regression whose true gradients are about 1e-8 (below FP16's smallest subnormal)."""
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 1, bias=False)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(64, 4, generator=g)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+    return model, x, y
+
+
+def run_tiny_gradient(amp_configs: dict | None, steps: int = 100) -> list[float]:
+    model, x, y = tiny_gradient_problem()
+    inner = torch.optim.Adam(model.parameters(), lr=0.1, eps=1e-16)
+    strategy = make_strategy(amp=amp_configs is not None, **(amp_configs or {}))
+    opt = AmpOptimizer(inner, strategy)
+    losses = []
+    for _ in range(steps):
+        with auto_cast(enable=amp_configs is not None, dtype="float16"):
+            loss = F.mse_loss(model(x), y) * 1e-9  # gradients ~1e-8
+        opt.zero_grad()
+        opt.backward(loss)
+        opt.step()
+        losses.append(loss.item() / 1e-9)
+    return losses
+
+
+def test_loss_scaling_lets_tiny_gradients_learn_in_fp16():
+    fp32 = run_tiny_gradient(None)
+    scaled = run_tiny_gradient({"use_pure_fp16": True})
+    unscaled = run_tiny_gradient(
+        {"use_pure_fp16": True, "init_loss_scaling": 1.0, "use_dynamic_loss_scaling": False}
+    )
+    assert fp32[-1] < 1e-4 * fp32[0]
+    # With scaling the FP16 run falls like FP32 (FP16 weights/activations cost a little precision).
+    assert scaled[-1] < 1e-4 * scaled[0]
+    assert abs(scaled[-1] - fp32[-1]) < 1e-4 * fp32[0]
+    # Without it every gradient underflows to zero and nothing is learned.
+    assert unscaled[-1] == pytest.approx(unscaled[0], rel=1e-3)
+
+
+def test_nonfinite_gradient_skips_the_inner_step_and_backs_off():
+    model = tiny_mlp()
+    opt = AmpOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        make_strategy(init_loss_scaling=8.0, decr_every_n_nan_or_inf=1, incr_every_n_steps=1000),
+    )
+    x, y = batches(1)[0]
+    opt.backward(F.mse_loss(model(x), y))
+    assert opt.step() is True
+    momentum_before = {k: v["momentum_buffer"].clone() for k, v in enumerate(opt.state.values())}
+    params_before = [p.detach().clone() for p in model.parameters()]
+
+    opt.zero_grad()
+    opt.backward(F.mse_loss(model(x), y))
+    model[0].weight.grad[0, 0] = float("nan")
+    assert opt.step() is False
+    assert opt.step_was_skipped
+    assert opt.get_loss_scaling() == 4.0
+    assert (opt.steps_applied, opt.steps_skipped) == (1, 1)
+    for p, before in zip(model.parameters(), params_before):
+        assert torch.equal(p.detach(), before)
+    for k, v in enumerate(opt.state.values()):
+        assert torch.equal(v["momentum_buffer"], momentum_before[k])
+
+    opt.zero_grad()
+    opt.backward(F.mse_loss(model(x), y))
+    assert opt.step() is True and not opt.step_was_skipped
+
+
+def test_scale_stuck_at_minimum_raises_and_suggests_bfloat16():
+    param = nn.Parameter(torch.ones(2))
+    opt = AmpOptimizer(
+        torch.optim.SGD([param], lr=0.1),
+        make_strategy(init_loss_scaling=4.0, min_loss_scaling=1.0, decr_every_n_nan_or_inf=1, stuck_scale_patience=3),
+    )
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        for _ in range(10):
+            opt.zero_grad()
+            opt.backward((param * float("inf")).sum())
+            opt.step()
+    # 4 -> 2 -> 1, then three more overflows at the minimum
+    assert opt.steps_skipped == 2 + 3
+
+
+def test_scale_changes_and_skips_are_logged_not_every_step(caplog):
+    param = nn.Parameter(torch.ones(2))
+    opt = AmpOptimizer(
+        torch.optim.SGD([param], lr=0.1),
+        make_strategy(init_loss_scaling=4.0, incr_every_n_steps=3, decr_every_n_nan_or_inf=1),
+    )
+    with caplog.at_level(logging.INFO, logger="distamp"):
+        for step in range(6):
+            opt.zero_grad()
+            opt.backward(param.sum() * (float("inf") if step == 4 else 1.0))
+            opt.step()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("4 -> 8" in m for m in messages)
+    assert any("skipped" in m for m in messages)
+    assert any("8 -> 4" in m for m in messages)
+    assert len(messages) == 3
+    assert opt.stats() == {"steps_applied": 5, "steps_skipped": 1, "loss_scale": 4.0}
+
+
+# --------------------------------------------------------------------------- references
+
+
+def test_amp_off_is_a_bitwise_pass_through():
+    data = batches(5)
+    ref_model = tiny_mlp()
+    ref_opt = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+    for x, y in data:
+        ref_opt.zero_grad()
+        F.mse_loss(ref_model(x), y).backward()
+        ref_opt.step()
+
+    model = tiny_mlp()
+    opt = AmpOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), make_strategy(amp=False, use_pure_fp16=True))
+    train(model, opt, data, amp=False)
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert a.dtype == torch.float32
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("inner_cls", [torch.optim.SGD, torch.optim.Adam])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_o1_matches_torch_autocast_and_gradscaler_bitwise(inner_cls, dtype):
+    """Same ops in low precision, same scale schedule: identical parameters."""
+    data = batches(6)
+    torch_dtype = getattr(torch, dtype)
+
+    ref_model = tiny_mlp()
+    ref_opt = inner_cls(ref_model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2000, enabled=dtype == "float16")
+    for x, y in data:
+        with torch.autocast("cpu", dtype=torch_dtype):
+            loss = F.mse_loss(ref_model(x), y)
+        ref_opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+
+    model = tiny_mlp()
+    scaling = dict(init_loss_scaling=2.0**16, incr_every_n_steps=2000, decr_every_n_nan_or_inf=1)
+    opt = AmpOptimizer(
+        inner_cls(model.parameters(), lr=1e-2),
+        make_strategy(dtype=dtype, **(scaling if dtype == "float16" else {})),
+    )
+    train(model, opt, data, dtype=dtype)
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+    if dtype == "float16":
+        assert opt.get_loss_scaling() == scaler.get_scale()
+
+
+# --------------------------------------------------------------------------- step mechanics
+
+
+def test_gradient_accumulation_matches_gradscaler_accumulation_bitwise():
+    """Two backward() calls then one step(), as torch's own AMP accumulation loop does it."""
+    data = batches(2)
+    ref = tiny_mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for x, y in data:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.mse_loss(ref(x), y)
+        scaler.scale(loss).backward()
+    scaler.step(ref_opt)
+
+    model = tiny_mlp()
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy(init_loss_scaling=2.0**10))
+    for x, y in data:
+        with auto_cast(dtype="float16"):
+            loss = F.mse_loss(model(x), y)
+        opt.backward(loss)
+    assert opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_clip_grad_norm_clips_unscaled_gradients_once():
+    x, y = batches(1)[0]
+    ref = tiny_mlp()
+    F.mse_loss(ref(x), y).backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    ref_grads = [p.grad.clone() for p in ref.parameters()]
+
+    model = tiny_mlp()
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy(init_loss_scaling=2.0**10))
+    opt.backward(F.mse_loss(model(x), y))
+    norm = opt.clip_grad_norm_(0.1)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+    for p, g in zip(model.parameters(), ref_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-9)
+    with pytest.raises(RuntimeError, match="call step\\(\\) first"):
+        opt.backward(F.mse_loss(model(x), y))
+    before = [p.detach().clone() for p in model.parameters()]
+    assert opt.step()
+    for p, b, g in zip(model.parameters(), before, ref_grads):
+        # step used the clipped, unscaled gradient (not unscaled twice)
+        torch.testing.assert_close(p.detach(), b - 0.1 * g, rtol=1e-6, atol=1e-8)
+
+
+def test_lr_scheduler_works_without_warnings_and_can_skip_on_skipped_steps():
+    param = nn.Parameter(torch.ones(2))
+    opt = AmpOptimizer(torch.optim.SGD([param], lr=1.0), make_strategy(init_loss_scaling=2.0, decr_every_n_nan_or_inf=1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for bad in (False, True, False):
+            opt.zero_grad()
+            opt.backward(param.sum() * (float("inf") if bad else 1.0))
+            opt.step()
+            if not opt.step_was_skipped:
+                scheduler.step()
+    assert opt.param_groups[0]["lr"] == 0.25
+    assert opt.inner_opt.param_groups[0]["lr"] == 0.25
+
+
+def test_minimize_is_backward_then_step():
+    param = nn.Parameter(torch.ones(2))
+    opt = AmpOptimizer(torch.optim.SGD([param], lr=0.5), make_strategy())
+    assert opt.minimize(param.sum()) is True
+    assert torch.equal(param.detach(), torch.full((2,), 0.5))
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_checkpoint_resume_is_bitwise_identical(dtype):
+    data = batches(8)
+    data[3][0][0, 0] = float("inf")  # one skipped step before the checkpoint
+    scaling = dict(incr_every_n_steps=2, init_loss_scaling=2.0**10) if dtype == "float16" else {}
+    strategy = make_strategy(use_pure_fp16=True, dtype=dtype, **scaling)
+
+    def build():
+        model = tiny_mlp()
+        return model, AmpOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), strategy)
+
+    model, opt = build()
+    train(model, opt, data, dtype=dtype)
+    uninterrupted = [p.detach().clone() for p in model.parameters()]
+
+    model, opt = build()
+    train(model, opt, data[:5], dtype=dtype)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+
+    model2, opt2 = build()  # fresh: other parameters until the load
+    opt2.load_state_dict(saved)
+    assert opt2.get_loss_scaling() == opt.get_loss_scaling()
+    assert (opt2.steps_applied, opt2.steps_skipped) == (opt.steps_applied, opt.steps_skipped)
+    train(model2, opt2, data[5:], dtype=dtype)
+    for got, want in zip(model2.parameters(), uninterrupted):
+        assert torch.equal(got.detach(), want)
+
+
+def test_load_state_dict_refuses_a_bare_torch_state_and_a_mismatched_mode():
+    model = tiny_mlp()
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy(use_pure_fp16=True))
+    with pytest.raises(ValueError, match="inner_opt.load_state_dict"):
+        opt.load_state_dict(torch.optim.SGD(tiny_mlp().parameters(), lr=0.1).state_dict())
+    o1 = AmpOptimizer(torch.optim.SGD(tiny_mlp().parameters(), lr=0.1), make_strategy())
+    with pytest.raises(ValueError, match="use_pure_fp16"):
+        o1.load_state_dict(opt.state_dict())
+
+
+# --------------------------------------------------------------------------- misuse
+
+
+def test_bad_arguments_raise_clear_errors():
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        AmpOptimizer(object(), make_strategy())
+    opt = AmpOptimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1), make_strategy())
+    with pytest.raises(TypeError, match="only once"):
+        AmpOptimizer(opt, make_strategy())
+    with pytest.raises(RuntimeError, match="closure"):
+        opt.step(lambda: 0.0)
+    with pytest.raises(TypeError, match="loss must be a torch.Tensor"):
+        opt.backward(1.0)
