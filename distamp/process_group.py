@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["WorldInfo", "world_info_from_env", "default_backend", "default_device", "init_process_group"]
+__all__ = ["WorldInfo", "default_backend", "default_device", "init_process_group", "world_info_from_env"]
 
 _RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 

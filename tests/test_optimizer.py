@@ -128,10 +128,10 @@ def manual_o2_reference(model, inner_cls, groups_fn, data, scale, dtype):
 @pytest.mark.parametrize(
     "inner_cls,kwargs",
     [
-        (torch.optim.SGD, dict(lr=0.05)),
-        (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
-        (torch.optim.Adam, dict(lr=1e-2)),
-        (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+        (torch.optim.SGD, {"lr": 0.05}),
+        (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
+        (torch.optim.Adam, {"lr": 1e-2}),
+        (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
     ],
 )
 def test_o2_matches_a_manual_master_weight_loop_bitwise(inner_cls, kwargs):
@@ -308,7 +308,7 @@ def test_o1_matches_torch_autocast_and_gradscaler_bitwise(inner_cls, dtype):
         scaler.update()
 
     model = tiny_mlp()
-    scaling = dict(init_loss_scaling=2.0**16, incr_every_n_steps=2000, decr_every_n_nan_or_inf=1)
+    scaling = {"init_loss_scaling": 2.0**16, "incr_every_n_steps": 2000, "decr_every_n_nan_or_inf": 1}
     opt = AmpOptimizer(
         inner_cls(model.parameters(), lr=1e-2),
         make_strategy(dtype=dtype, **(scaling if dtype == "float16" else {})),
@@ -399,7 +399,7 @@ def test_minimize_is_backward_then_step():
 def test_checkpoint_resume_is_bitwise_identical(dtype):
     data = batches(8)
     data[3][0][0, 0] = float("inf")  # one skipped step before the checkpoint
-    scaling = dict(incr_every_n_steps=2, init_loss_scaling=2.0**10) if dtype == "float16" else {}
+    scaling = {"incr_every_n_steps": 2, "init_loss_scaling": 2.0**10} if dtype == "float16" else {}
     strategy = make_strategy(use_pure_fp16=True, dtype=dtype, **scaling)
 
     def build():
