@@ -261,7 +261,8 @@ class AmpConfig(_Config):
     comm_dtype: str | None = None
     """Wire dtype of the gradient all-reduce: None means dtype; else "float16", "bfloat16", "float32"."""
     gradient_predivide_factor: float | None = None
-    """Divide gradients by this before the all-reduce and by world/factor after; None means the world size."""
+    """Divide gradients by this (>= 1, at most the world size) before the all-reduce and by
+    world/factor after; None means the world size (everything pre-divided, no FP16 overflow)."""
     stuck_scale_patience: int = 20
     """Consecutive skipped steps at the minimum scale before raising an error (>= 1)."""
 
@@ -289,7 +290,8 @@ class AmpConfig(_Config):
         if self.gradient_predivide_factor is not None:
             put("gradient_predivide_factor", _as_float(own, "gradient_predivide_factor",
                                                        self.gradient_predivide_factor,
-                                                       "None or a finite float > 0", lambda x: x > 0))
+                                                       "None or a finite float >= 1 (and at most the world size)",
+                                                       lambda x: x >= 1))
         put("stuck_scale_patience", _as_int(own, "stuck_scale_patience", self.stuck_scale_patience, 1))
         self._check_op_lists()
         self._check_scale_bounds()
