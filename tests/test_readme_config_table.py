@@ -79,7 +79,13 @@ def parse_amp_configs_table(markdown: str) -> dict:
         for key, raw in zip(keys, values):
             if key in defaults:
                 raise AssertionError(f"key {key!r} appears twice in the table")
-            defaults[key] = _safe_eval(_unquote_code(raw))
+            try:
+                defaults[key] = _safe_eval(_unquote_code(raw))
+            except (SyntaxError, ValueError) as error:
+                raise AssertionError(
+                    f"cannot read the default {raw!r} of {key!r}: write a Python literal "
+                    f"(number, 2**24, True/False/None, [], 'quoted string'): {error}"
+                ) from error
     return defaults
 
 
@@ -109,6 +115,8 @@ After the table.
     }
     with pytest.raises(ValueError, match="unsupported default"):
         _safe_eval("__import__('os')")
+    with pytest.raises(AssertionError, match="cannot read the default 'None \\(same as dtype\\)' of 'comm_dtype'"):
+        parse_amp_configs_table(sample.replace("| `None` |", "| None (same as dtype) |"))
     with pytest.raises(AssertionError, match="no table"):
         parse_amp_configs_table("# amp_configs\n\nno table here\n")
 
