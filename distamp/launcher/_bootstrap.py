@@ -3,7 +3,10 @@
 The elastic agent starts ``python _bootstrap.py`` for each worker. This file:
 
 1. asks the kernel to SIGKILL the worker when the launcher dies
-   (``PR_SET_PDEATHSIG``), so a ``kill -9`` of distrun leaves no orphan;
+   (``PR_SET_PDEATHSIG``), and leaves a tiny guardian process in the
+   worker's process group that SIGKILLs the whole group (the worker's own
+   children too) when the launcher dies, so a ``kill -9`` of distrun leaves
+   no orphan; the guardian exits when the worker does;
 2. sends stdout and stderr to ``log_dir/workerlog.RANK``, opened in append
    mode so restarts add to the same file (the launcher writes the separator);
 3. ``exec``s the interpreter on the user's script or module, so the worker's
@@ -18,8 +21,10 @@ rewrites ``$``-macros in argv and the user's arguments must stay untouched.
 import ctypes
 import json
 import os
+import select
 import signal
 import sys
+import time
 
 COMMAND_VAR = "DISTAMP_WORKER_COMMAND"
 LOG_DIR_VAR = "DISTAMP_WORKER_LOG_DIR"
@@ -41,6 +46,61 @@ def _die_with_launcher(launcher_pid: int) -> None:
         os._exit(128 + int(signal.SIGKILL))
 
 
+def _launcher_died(launcher_pid: int, worker_pid: int) -> bool:
+    """Block until the launcher or the worker exits; True if it was the launcher.
+
+    Exit is judged by pidfd readiness (or ``/proc`` state), not ``kill(pid,
+    0)``, because a dead launcher stays a zombie until its parent reaps it.
+    """
+    try:
+        launcher_fd = os.pidfd_open(launcher_pid)
+        worker_fd = os.pidfd_open(worker_pid)
+    except ProcessLookupError:
+        return not _alive(launcher_pid)
+    except (AttributeError, OSError):  # no pidfd (Linux < 5.3): poll instead
+        while _alive(launcher_pid) and _alive(worker_pid):
+            time.sleep(0.5)
+        return not _alive(launcher_pid)
+    ready, _, _ = select.select([launcher_fd, worker_fd], [], [])
+    return launcher_fd in ready
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as dead)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
+
+
+def _start_guardian(launcher_pid: int) -> None:
+    """Fork a guardian that kills this worker's process group if the launcher dies.
+
+    The death signal reaches the worker only, not processes it starts (data
+    loader workers, tools); the guardian shares the worker's process group
+    and SIGKILLs all of it. It is double-forked so it is never the user's
+    child (a user ``os.wait()`` cannot reap it), and it exits with the worker.
+    """
+    worker_pid = os.getpid()
+    first = os.fork()
+    if first:
+        os.waitpid(first, 0)
+        return
+    try:
+        if os.fork():
+            os._exit(0)
+        os.closerange(0, 3)
+        group = os.getpgid(0)
+        # A worker that exits while the launcher lives is the normal case:
+        # nothing to do. After the launcher dies, kill whatever is left.
+        if _launcher_died(launcher_pid, worker_pid):
+            os.killpg(group, signal.SIGKILL)
+    finally:
+        os._exit(0)
+
+
 def _redirect_output(log_dir: str, rank: str) -> None:
     """Point fds 1 and 2 at ``log_dir/workerlog.RANK`` (append mode)."""
     path = os.path.join(log_dir, f"workerlog.{rank}")
@@ -57,6 +117,7 @@ def main() -> None:
     log_dir = env.pop(LOG_DIR_VAR)
     launcher_pid = int(env.pop(LAUNCHER_PID_VAR))
     _die_with_launcher(launcher_pid)
+    _start_guardian(launcher_pid)
     _redirect_output(log_dir, env["RANK"])
     argv = [sys.executable, "-u", *command]
     os.execve(sys.executable, argv, env)

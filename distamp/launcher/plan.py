@@ -9,6 +9,7 @@ with code 2.
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import importlib.util
 import ipaddress
 import os
@@ -276,9 +277,7 @@ def _resolve_command(args: argparse.Namespace) -> tuple[str, ...]:
     if args.module:
         if target is None:
             raise UsageError("-m needs a module name, e.g. distrun -m package.train --lr 0.1.")
-        if not _MODULE_NAME.match(target) or importlib.util.find_spec(
-            target.partition(".")[0]
-        ) is None:
+        if not _MODULE_NAME.match(target) or not _module_exists(target):
             raise UsageError(
                 f"-m {target!r}: no module of that name can be imported here; "
                 f"check the name and that its package is installed or on PYTHONPATH."
@@ -299,16 +298,32 @@ def _resolve_command(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _check_log_dir(log_dir: str) -> str:
-    if not log_dir:
-        raise UsageError("--log_dir '' is invalid: give a directory path, e.g. --log_dir log.")
-    try:
-        # Created now, not later, so an unusable path is refused before launch.
-        os.makedirs(log_dir, exist_ok=True)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--log_dir {log_dir!r} cannot be used as a directory: {exc}.") from None
-    if not os.access(log_dir, os.W_OK):
-        raise UsageError(f"--log_dir {log_dir!r} is not writable; choose another directory.")
+    """Refuse a log directory that cannot be created or written, creating nothing."""
+    fix = "choose another directory with --log_dir."
+    if not log_dir or "\0" in log_dir:
+        raise UsageError(f"--log_dir {log_dir!r} is not a valid directory path; {fix}")
+    path = os.path.abspath(log_dir)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    if not os.path.isdir(path):
+        raise UsageError(f"--log_dir {log_dir!r}: {path!r} exists and is not a directory; {fix}")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--log_dir {log_dir!r}: {path!r} is not writable; {fix}")
     return log_dir
+
+
+def _module_exists(name: str) -> bool:
+    """Whether ``python -m name`` can find the top-level package from here."""
+    top = name.partition(".")[0]
+    # The worker runs ``python -m`` from this directory, which puts the
+    # directory first on sys.path; distrun's own sys.path does not have it.
+    return (
+        importlib.util.find_spec(top) is not None
+        or importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is not None
+    )
 
 
 def build_plan(

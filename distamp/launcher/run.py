@@ -74,17 +74,36 @@ def exit_code_of(failure: ProcessFailure) -> int:
     return 128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode
 
 
-def _first_failure(error: ChildFailedError) -> tuple[int, ProcessFailure]:
-    """The root-cause failure: earliest, preferring workers we did not stop."""
-    items = list(error.failures.items())  # in the order the agent saw them
-    stopped = {-int(signal.SIGTERM), -int(signal.SIGKILL)}
-    # The agent SIGTERMs the survivors after the first failure and records
-    # them too; a SIGTERM/SIGKILL is the root cause only when nothing else is.
-    def key(item: tuple[int, ProcessFailure]) -> tuple[int, int]:
-        index = items.index(item)
-        return (item[1].timestamp, index)
-    own = [it for it in items if it[1].exitcode not in stopped]
-    return min(own or items, key=key)
+# Text in a log tail that shows a worker failed because a peer died first.
+_PEER_FAILURE_SIGNS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+)
+
+
+def _first_failure(plan: LaunchPlan, error: ChildFailedError) -> tuple[int, ProcessFailure]:
+    """The root-cause failure among the workers the agent saw fail.
+
+    The agent polls every 0.1 s and stamps failures to the second, so a
+    worker that crashed and a peer that failed because of it often look
+    simultaneous. Ties go to the worker that was not stopped by the agent
+    (SIGTERM) and whose log does not report a lost peer, then to the order
+    in which the agent recorded them.
+    """
+    items = list(error.failures.items())
+
+    def key(indexed: tuple[int, tuple[int, ProcessFailure]]) -> tuple[int, bool, int]:
+        index, (rank, failure) = indexed
+        tail = "\n".join(tail_lines(log_path(plan.log_dir, rank), TAIL_LINES))
+        consequence = failure.exitcode == -int(signal.SIGTERM) or any(
+            sign in tail for sign in _PEER_FAILURE_SIGNS
+        )
+        return (failure.timestamp, consequence, index)
+
+    return min(enumerate(items), key=key)[1]
 
 
 def _how(failure: ProcessFailure) -> str:
@@ -103,12 +122,19 @@ def describe_failure(plan: LaunchPlan, error: ChildFailedError) -> tuple[int, st
     The report ends with the log tail and then a summary line naming the
     first failing rank, how it failed, and its log file.
     """
-    rank, failure = _first_failure(error)
+    rank, failure = _first_failure(plan, error)
     path = log_path(plan.log_dir, rank)
     code = exit_code_of(failure)
+    others = [
+        f"rank {r} {_how(f)}"
+        for r, f in sorted(error.failures.items())
+        if r != rank and f.exitcode != -int(signal.SIGTERM)
+    ]
     lines = [f"distrun: ----- last {TAIL_LINES} lines of {path} (rank {rank}) -----"]
     lines += [f"  {line}" for line in tail_lines(path, TAIL_LINES)]
     lines.append(f"distrun: ----- end of {path} -----")
+    if others:
+        lines.append(f"distrun: also failed: {'; '.join(others)}.")
     restarts = (
         f" after {plan.max_restarts} restart(s) (--max_restarts {plan.max_restarts})"
         if plan.max_restarts
@@ -151,6 +177,11 @@ def launch(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = Non
     for note in worker_env.notes:
         print(f"distrun: {note}", file=err)
     err.flush()
+    try:
+        os.makedirs(plan.log_dir, exist_ok=True)
+    except OSError as exc:
+        print(f"distrun: error: --log_dir {plan.log_dir!r} cannot be created: {exc}", file=err)
+        return 2
     logs = RankLogs(plan.log_dir, plan.tee, out=out)
     bootstrap = os.path.abspath(_bootstrap.__file__)
     try:
@@ -158,12 +189,12 @@ def launch(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = Non
             elastic_launch(launch_config(plan, logs), sys.executable)(bootstrap)
         return 0
     except ChildFailedError as error:
-        logs.close()
+        logs.close()  # flush the tee before the report
         code, report = describe_failure(plan, error)
         print(report, file=err)
         return code
     except SignalException as error:
-        logs.close()
+        logs.close()  # flush the tee before the message
         print(
             f"distrun: received {error.sigval.name}; stopped every worker "
             f"(logs in {plan.log_dir}).",
@@ -171,7 +202,6 @@ def launch(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = Non
         )
         return 128 + int(error.sigval)
     except RendezvousError as error:
-        logs.close()
         print(f"distrun: rendezvous failed: {error}", file=err)
         return 1
     finally:
