@@ -8,14 +8,12 @@ and benchmarks can check "one all-reduce per bucket" and "half the bytes of
 FP32".
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "LowPrecisionAllReduce"]
+__all__ = ["CommStats", "LowPrecisionAllReduce", "low_precision_allreduce_hook"]
 
 
 @dataclass
@@ -39,7 +37,7 @@ class CommStats:
 
 
 class LowPrecisionAllReduce:
-    """A DDP comm hook: average a gradient bucket with ``wire_dtype`` on the wire.
+    """State of a DDP comm hook that averages a gradient bucket with ``wire_dtype`` on the wire.
 
     The bucket is cast to ``wire_dtype`` (no copy when it already has that
     dtype, as in O2 where parameters and hence buckets are 16-bit), divided
@@ -50,7 +48,7 @@ class LowPrecisionAllReduce:
     Example::
 
         hook = LowPrecisionAllReduce(torch.float16)
-        ddp_model.register_comm_hook(None, hook)
+        hook.register(ddp_model)
         ...
         print(hook.stats.calls, hook.stats.bytes)
 
@@ -87,25 +85,32 @@ class LowPrecisionAllReduce:
         self.postdivide_factor = world_size / self.predivide_factor
         self.stats = CommStats()
 
-    def __call__(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Launch the all-reduce of one bucket; DDP waits on the returned future."""
-        buffer = bucket.buffer()
-        if buffer.dtype == self.wire_dtype:
-            wire = buffer.div_(self.predivide_factor)
-        else:
-            wire = buffer.to(self.wire_dtype).div_(self.predivide_factor)
-        self.stats.calls += 1
-        nbytes = wire.numel() * wire.element_size()
-        self.stats.bytes += nbytes
-        self.stats.history.append(nbytes)
-        work = dist.all_reduce(wire, group=self.process_group, async_op=True)
+    def register(self, ddp: "torch.nn.parallel.DistributedDataParallel") -> None:
+        """Install this hook on ``ddp`` (once, before its first backward)."""
+        ddp.register_comm_hook(self, low_precision_allreduce_hook)
 
-        def finish(fut: torch.futures.Future) -> torch.Tensor:
-            reduced = fut.value()[0]
-            if self.postdivide_factor != 1.0:
-                reduced.div_(self.postdivide_factor)
-            if reduced is not buffer:
-                buffer.copy_(reduced)
-            return buffer
 
-        return work.get_future().then(finish)
+def low_precision_allreduce_hook(
+    state: LowPrecisionAllReduce, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook body for :class:`LowPrecisionAllReduce` (``state`` is the instance)."""
+    buffer = bucket.buffer()
+    if buffer.dtype == state.wire_dtype:
+        wire = buffer.div_(state.predivide_factor)
+    else:
+        wire = buffer.to(state.wire_dtype).div_(state.predivide_factor)
+    nbytes = wire.numel() * wire.element_size()
+    state.stats.calls += 1
+    state.stats.bytes += nbytes
+    state.stats.history.append(nbytes)
+    work = dist.all_reduce(wire, group=state.process_group, async_op=True)
+
+    def finish(fut: torch.futures.Future) -> torch.Tensor:
+        reduced = fut.value()[0]
+        if state.postdivide_factor != 1.0:
+            reduced.div_(state.postdivide_factor)
+        if reduced is not buffer:
+            buffer.copy_(reduced)
+        return buffer
+
+    return work.get_future().then(finish)

@@ -9,6 +9,7 @@ within ``timeout`` seconds is killed and fails instead of hanging CI.
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -43,7 +44,11 @@ def _worker(fn, rank, world_size, port, args, env, results):
         if not dist.is_initialized():
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        # Bytes, not tensors: torch would share tensor storage by file
+        # descriptor, which breaks once this process has exited.
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, True, buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - reported to the parent verbatim
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -98,7 +103,9 @@ def run_workers(
                     raise RuntimeError(f"worker(s) died without a result: {codes}")
                 continue
             if ok:
-                values[rank] = value
+                import torch
+
+                values[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 failures.append(f"--- rank {rank} ---\n{value}")
                 break

@@ -1,0 +1,223 @@
+"""The Fleet-style facade: ``from distamp import fleet``.
+
+Example::
+
+    from distamp import fleet
+    fleet.init()
+    strategy = fleet.DistributedStrategy()
+    strategy.amp = True
+    strategy.amp_configs = {"init_loss_scaling": 32768.0, "use_pure_fp16": True}
+    model = Net().to(fleet.device())
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    model = fleet.distributed_model(model)
+    for x, y in loader:
+        with fleet.auto_cast():
+            loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        optimizer.minimize(loss)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distamp.amp.auto_cast import auto_cast as _auto_cast
+from distamp.optimizer import AmpOptimizer
+from distamp.parallel import DataParallel
+from distamp.process_group import (
+    WorldInfo,
+    default_device,
+    init_process_group,
+    world_info_from_env,
+)
+from distamp.strategy import DistributedStrategy
+
+__all__ = [
+    "DistributedStrategy",
+    "auto_cast",
+    "barrier_worker",
+    "device",
+    "distributed_model",
+    "distributed_optimizer",
+    "init",
+    "is_first_worker",
+    "local_rank",
+    "worker_index",
+    "worker_num",
+]
+
+
+@dataclass
+class _FleetState:
+    """What ``init`` learned and which objects fleet has built since."""
+
+    world: WorldInfo | None = None
+    strategy: DistributedStrategy | None = None
+    optimizers: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    models: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+
+
+_state = _FleetState()
+
+
+def init(
+    role_maker: Any = None,
+    is_collective: bool = True,
+    strategy: DistributedStrategy | None = None,
+    log_level: int | str | None = None,
+) -> None:
+    """Join the job described by the launcher's environment.
+
+    Reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (set by
+    ``distrun`` or ``torchrun``) and creates the process group: NCCL when
+    CUDA is available (after selecting ``cuda:LOCAL_RANK``), gloo otherwise.
+    Without those variables it is a one-process world with no group.
+    Calling it again is harmless.
+
+    Args:
+        role_maker: Paddle's argument; only ``None`` is supported.
+        is_collective: Paddle's argument; distamp is collective only, so it
+            must be True.
+        strategy: the default strategy for ``distributed_optimizer``,
+            ``distributed_model`` and ``auto_cast``.
+        log_level: level for the ``distamp`` logger (e.g. ``"INFO"``).
+    """
+    if role_maker is not None:
+        raise ValueError(
+            f"role_maker={role_maker!r} is not supported: distamp reads the job from the "
+            "environment set by distrun/torchrun; call fleet.init() without it"
+        )
+    if is_collective is not True:
+        raise ValueError(
+            f"is_collective={is_collective!r}: distamp supports collective (data-parallel) "
+            "training only; parameter-server mode is not available. Use is_collective=True"
+        )
+    if strategy is not None and not isinstance(strategy, DistributedStrategy):
+        raise TypeError(
+            f"strategy must be a fleet.DistributedStrategy, got {type(strategy).__name__}"
+        )
+    if log_level is not None:
+        logging.getLogger("distamp").setLevel(log_level)
+    world = world_info_from_env()
+    init_process_group(world)
+    if dist.is_available() and dist.is_initialized() and not world.from_env:
+        # A group created by the user (e.g. mp.spawn): trust it.
+        world = WorldInfo(dist.get_rank(), dist.get_world_size(), world.local_rank, world.local_world_size)
+    _state.world = world
+    if strategy is not None:
+        _state.strategy = strategy
+
+
+def _world() -> WorldInfo:
+    if _state.world is None:
+        init()
+    return _state.world
+
+
+def _strategy(strategy: DistributedStrategy | None) -> DistributedStrategy:
+    if strategy is not None:
+        if not isinstance(strategy, DistributedStrategy):
+            raise TypeError(
+                f"strategy must be a fleet.DistributedStrategy, got {type(strategy).__name__}"
+            )
+        _state.strategy = strategy
+    if _state.strategy is None:
+        _state.strategy = DistributedStrategy()
+    return _state.strategy
+
+
+def distributed_optimizer(
+    optimizer: torch.optim.Optimizer, strategy: DistributedStrategy | None = None
+) -> AmpOptimizer:
+    """Wrap ``optimizer`` in the AMP meta-optimizer described by ``strategy``.
+
+    In O2 (``use_pure_fp16``) the parameters given to ``optimizer`` are
+    converted to the low-precision dtype and the optimizer is given FP32
+    masters. ``strategy`` (or, when None, the one given to ``init``)
+    becomes the latest strategy, which ``auto_cast`` follows.
+    """
+    _world()
+    strategy = _strategy(strategy)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    models = [m for m in _state.models if m.owns_any(params)]
+    keep_fp32 = [p for m in models for p in m.black_parameters]
+    opt = AmpOptimizer(optimizer, strategy, keep_fp32=keep_fp32)
+    _state.optimizers.add(opt)
+    for model in models:
+        model.attach_optimizer(opt)
+    return opt
+
+
+def distributed_model(model: nn.Module, **kwargs: Any) -> DataParallel:
+    """Make ``model`` data parallel over the group created by ``init``.
+
+    Returns a :class:`~distamp.parallel.DataParallel` (DDP underneath);
+    ``model.module`` is the original model. Keyword arguments go to it
+    (``find_unused_parameters``, ``static_graph``, ...).
+    """
+    _world()
+    strategy = _strategy(None)
+    wrapped = DataParallel(model, strategy, **kwargs)
+    params = list(model.parameters())
+    for opt in list(_state.optimizers):
+        if any(id(p) in {id(q) for q in params} for p in opt.master_weights.model_params):
+            wrapped.attach_optimizer(opt)
+    _state.models.add(wrapped)
+    return wrapped
+
+
+def auto_cast(enable: bool = True) -> contextlib.AbstractContextManager:
+    """Op-level mixed precision from the latest strategy's dtype and op lists.
+
+    A no-op when the strategy's ``amp`` is off (or ``enable`` is False).
+    """
+    strategy = _state.strategy
+    if not enable or strategy is None or not strategy.amp:
+        return _auto_cast(enable=False)
+    cfg = strategy.amp_config
+    return _auto_cast(
+        enable=True,
+        dtype=cfg.dtype,
+        custom_white_list=cfg.custom_white_list,
+        custom_black_list=cfg.custom_black_list,
+    )
+
+
+def worker_index() -> int:
+    """This worker's global rank."""
+    return _world().rank
+
+
+def worker_num() -> int:
+    """The number of workers in the job."""
+    return _world().world_size
+
+
+def local_rank() -> int:
+    """This worker's rank on its host."""
+    return _world().local_rank
+
+
+def device() -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
+    return default_device(_world().local_rank)
+
+
+def is_first_worker() -> bool:
+    """True on global rank 0."""
+    return worker_index() == 0
+
+
+def barrier_worker() -> None:
+    """Wait until every worker reaches this point (no-op in one process)."""
+    _world()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,403 @@
+"""Data-parallel AMP on real gloo groups: 16-bit wire, lockstep skipping, merge.
+
+Each test spawns real processes (see tests/multiprocess.py) and checks that
+ranks never disagree: same skip decisions, same scale, bitwise-equal
+parameters, and results that match a one-process run on the whole batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.multiprocess import run_workers
+
+
+def tiny_mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def global_batches(steps: int, world_size: int, per_rank: int = 4, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(per_rank * world_size, 6, generator=g), torch.randn(per_rank * world_size, 3, generator=g))
+        for _ in range(steps)
+    ]
+
+
+def shard(batch, rank, world_size):
+    x, y = batch
+    n = x.shape[0] // world_size
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+
+
+def make_strategy(amp=True, **configs):
+    from distamp import fleet
+
+    strategy = fleet.DistributedStrategy()
+    strategy.amp = amp
+    strategy.amp_configs = configs
+    return strategy
+
+
+def build(strategy, inner="sgd", seed=0, model_first=False, **model_kwargs):
+    """fleet.distributed_optimizer + fleet.distributed_model, in either order."""
+    from distamp import fleet
+
+    fleet.init()
+    model = tiny_mlp(seed)
+    make_inner = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+    }[inner]
+    if model_first:
+        wrapped = fleet.distributed_model(model, **model_kwargs)
+        opt = fleet.distributed_optimizer(make_inner(model.parameters()), strategy)
+    else:
+        opt = fleet.distributed_optimizer(make_inner(model.parameters()), strategy)
+        wrapped = fleet.distributed_model(model, **model_kwargs)
+    return model, wrapped, opt
+
+
+def gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    out = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, tensor)
+    return out
+
+
+# --------------------------------------------------------------------------- lockstep skip
+
+
+def _inf_after_backward_on_last_rank(rank, world_size, sync, pure):
+    from distamp import fleet
+
+    strategy = make_strategy(use_pure_fp16=pure, init_loss_scaling=1024.0, decr_every_n_nan_or_inf=1)
+    _, wrapped, opt = build(strategy)
+    opt.sync_found_inf = sync
+    results = []
+    for step, batch in enumerate(global_batches(3, world_size)):
+        x, y = shard(batch, rank, world_size)
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(x), y)
+        opt.zero_grad()
+        opt.backward(loss)
+        if step == 1 and rank == world_size - 1:
+            # after the all-reduce: only this rank sees it
+            wrapped.module[0].weight.grad[0, 0] = float("inf")
+        results.append(opt.step())
+    return results, opt.get_loss_scaling(), flat_params(wrapped.module), flat_params_masters(opt)
+
+
+def flat_params_masters(opt) -> torch.Tensor:
+    return torch.cat([m.detach().reshape(-1) for m in opt.master_weights.masters])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size,pure", [(2, True), (4, False)])
+def test_inf_on_one_rank_after_communication_skips_on_every_rank(world_size, pure):
+    out = run_workers(_inf_after_backward_on_last_rank, world_size, True, pure, timeout=100)
+    for steps, scale, params, masters in out:
+        assert steps == [True, False, True]
+        assert scale == out[0][1] == 512.0
+        assert torch.equal(params, out[0][2])
+        assert torch.equal(masters, out[0][3])
+
+
+@pytest.mark.timeout(120)
+def test_without_the_flag_sync_ranks_would_diverge():
+    """The same injection with the all-reduce of the flag switched off."""
+    out = run_workers(_inf_after_backward_on_last_rank, 2, False, True, timeout=100)
+    assert out[0][0] == [True, True, True]
+    assert out[1][0] == [True, False, True]
+    assert out[0][1] != out[1][1]
+    assert not torch.equal(out[0][2], out[1][2])
+
+
+def _nan_in_forward_on_rank_1(rank, world_size):
+    from distamp import fleet
+
+    strategy = make_strategy(use_pure_fp16=True, dtype="bfloat16")
+    _, wrapped, opt = build(strategy, inner="adamw")
+    results = []
+    for step, batch in enumerate(global_batches(3, world_size)):
+        x, y = shard(batch, rank, world_size)
+        if step == 1 and rank == 1:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(x), y)
+        opt.zero_grad()
+        opt.backward(loss)
+        results.append(opt.step())
+    return results, opt.steps_skipped, flat_params(wrapped.module)
+
+
+@pytest.mark.timeout(120)
+def test_nan_from_the_forward_pass_on_one_rank_skips_everywhere():
+    out = run_workers(_nan_in_forward_on_rank_1, 2, timeout=100)
+    for steps, skipped, params in out:
+        assert steps == [True, False, True] and skipped == 1
+        assert torch.equal(params, out[0][2])
+
+
+# --------------------------------------------------------------------------- numerics vs one process
+
+
+COMBOS = list(itertools.product([False, True], ["float16", "bfloat16"], ["sgd", "adamw"]))
+STEPS = 4
+
+
+def _train_distributed(rank, world_size, pure, dtype, inner, model_first):
+    from distamp import fleet
+
+    strategy = make_strategy(use_pure_fp16=pure, dtype=dtype)
+    _, wrapped, opt = build(strategy, inner=inner, seed=rank, model_first=model_first)  # seeds differ: broadcast fixes
+    for batch in global_batches(STEPS, world_size):
+        x, y = shard(batch, rank, world_size)
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(x), y)
+        opt.zero_grad()
+        opt.backward(loss)
+        assert opt.step()
+    return flat_params(wrapped.module), flat_params_masters(opt)
+
+
+def _single_process_reference(pure, dtype, inner, world_size):
+    from distamp.amp.auto_cast import auto_cast
+    from distamp.optimizer import AmpOptimizer
+
+    model = tiny_mlp(0)
+    make_inner = {
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
+    }[inner]
+    opt = AmpOptimizer(make_inner(model.parameters()), make_strategy(use_pure_fp16=pure, dtype=dtype))
+    for x, y in global_batches(STEPS, world_size):
+        with auto_cast(dtype=dtype):
+            loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        opt.backward(loss)
+        assert opt.step()
+    return flat_params_masters(opt)
+
+
+def _all_combos(rank, world_size):
+    results = {}
+    for i, (pure, dtype, inner) in enumerate(COMBOS):
+        params, masters = _train_distributed(rank, world_size, pure, dtype, inner, model_first=i % 2 == 1)
+        results[(pure, dtype, inner)] = (params, masters)
+    return results
+
+
+@pytest.mark.timeout(240)
+def test_o1_o2_fp16_bf16_sgd_adamw_bitwise_across_ranks_and_close_to_one_process():
+    world_size = 2
+    out = run_workers(_all_combos, world_size, timeout=220)
+    for combo in COMBOS:
+        params0, masters0 = out[0][combo]
+        for rank in range(1, world_size):
+            assert torch.equal(out[rank][combo][0], params0), combo
+            assert torch.equal(out[rank][combo][1], masters0), combo
+        reference = _single_process_reference(*combo, world_size)
+        # Differences come from 16-bit rounding of the all-reduced gradients
+        # (the one-process run never rounds its gradient sum to 16 bits) and,
+        # in BF16, from its 8-bit mantissa; 2e-2 is a few BF16 ulps at |w| ~ 1.
+        tolerance = 2e-2 if combo[1] == "bfloat16" else 2e-3
+        torch.testing.assert_close(masters0, reference, rtol=0, atol=tolerance, msg=str(combo))
+
+
+# --------------------------------------------------------------------------- gradient merge
+
+
+def _gradient_merge(rank, world_size, k_steps):
+    from distamp import fleet
+
+    strategy = make_strategy(dtype="bfloat16")
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": k_steps, "avg": True}
+    _, wrapped, opt = build(strategy)
+    micro = global_batches(k_steps, world_size, per_rank=2)
+    calls = []
+    results = []
+    for batch in micro:
+        x, y = shard(batch, rank, world_size)
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(x), y)
+        opt.zero_grad()
+        results.append(opt.minimize(loss))
+        calls.append(wrapped.comm_stats.calls)
+    return results, calls, flat_params_masters(opt)
+
+
+def _one_big_batch(rank, world_size, k_steps):
+    from distamp import fleet
+
+    strategy = make_strategy(dtype="bfloat16")
+    _, wrapped, opt = build(strategy)
+    micro = global_batches(k_steps, world_size, per_rank=2)
+    xs, ys = zip(*(shard(b, rank, world_size) for b in micro))
+    with fleet.auto_cast():
+        loss = F.mse_loss(wrapped(torch.cat(xs)), torch.cat(ys))
+    opt.backward(loss)
+    assert opt.step()
+    return flat_params_masters(opt)
+
+
+@pytest.mark.timeout(120)
+def test_gradient_merge_communicates_once_per_window_and_equals_one_big_batch():
+    k = 4
+    merged = run_workers(_gradient_merge, 2, k, timeout=100)
+    big = run_workers(_one_big_batch, 2, k, timeout=100)
+    for results, calls, masters in merged:
+        assert results == [False, False, False, True]
+        n_buckets = calls[-1]
+        assert n_buckets >= 1
+        assert calls == [0, 0, 0, n_buckets]  # nothing sent until the K-th micro-batch
+        assert torch.equal(masters, merged[0][2])
+        # BF16 micro-batch gradients summed in a different order than one big batch
+        torch.testing.assert_close(masters, big[0], rtol=0, atol=1e-2)
+
+
+# --------------------------------------------------------------------------- odd shapes
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(6, 8)
+        self.sometimes = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, use_branch: bool):
+        h = torch.relu(self.trunk(x))
+        if use_branch:
+            h = h + self.sometimes(h)
+        return self.head(h)
+
+
+def _uneven_and_unused(rank, world_size):
+    from distamp import fleet
+
+    fleet.init()
+    model = Branchy()
+    strategy = make_strategy(use_pure_fp16=True, dtype="bfloat16")
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(model, find_unused_parameters=True)
+    branch_before = flat_params(model.sometimes)
+    for step, batch in enumerate(global_batches(4, world_size, per_rank=4)):
+        x, y = shard(batch, rank, world_size)
+        if step == 3 and rank == 1:
+            x, y = x[:1], y[:1]  # the uneven last batch
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(x, use_branch=step == 2), y)
+        opt.zero_grad()
+        opt.backward(loss)
+        assert opt.step()
+        if step == 1:
+            unused_so_far = torch.equal(flat_params(model.sometimes), branch_before)
+    return flat_params(model), flat_params_masters(opt), unused_so_far
+
+
+@pytest.mark.timeout(120)
+def test_uneven_last_batch_and_parameters_without_gradients():
+    out = run_workers(_uneven_and_unused, 2, timeout=100)
+    for params, masters, unused_so_far in out:
+        assert unused_so_far  # no gradient, no update (SGD without momentum)
+        assert torch.equal(params, out[0][0])
+        assert torch.equal(masters, out[0][1])
+
+
+# --------------------------------------------------------------------------- wire and FP32 modules
+
+
+def _wire_bytes(rank, world_size):
+    from distamp import fleet
+
+    out = {}
+    for name, configs in {
+        "o1_fp16": {},
+        "o2_bf16": {"use_pure_fp16": True, "dtype": "bfloat16"},
+        "o1_fp32_wire": {"comm_dtype": "float32"},
+    }.items():
+        strategy = make_strategy(**configs)
+        model, wrapped, opt = build(strategy)
+        x, y = shard(global_batches(1, world_size)[0], rank, world_size)
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(x), y)
+        opt.backward(loss)
+        opt.step()
+        out[name] = wrapped.comm_stats.bytes
+    out["n_params"] = sum(p.numel() for p in model.parameters())
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_gradients_cross_the_wire_in_16_bits():
+    out = run_workers(_wire_bytes, 2, timeout=100)[0]
+    assert out["o1_fp16"] == 2 * out["n_params"]
+    assert out["o2_bf16"] == 2 * out["n_params"]
+    assert out["o1_fp32_wire"] == 4 * out["n_params"]
+
+
+class WithHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def _black_varnames(rank, world_size, model_first):
+    from distamp import fleet
+
+    fleet.init()
+    model = WithHead()
+    original_head = [p.detach().clone() for p in model.head.parameters()]
+    strategy = make_strategy(use_pure_fp16=True, custom_black_varnames=["head"])
+    if model_first:
+        fleet.init(strategy=strategy)
+        wrapped = fleet.distributed_model(model)
+        opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    else:
+        opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+        wrapped = fleet.distributed_model(model)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    exact = all(torch.equal(p.detach(), o) for p, o in zip(model.head.parameters(), original_head))
+    x, y = shard(global_batches(1, world_size)[0], rank, world_size)
+    with fleet.auto_cast():
+        out = wrapped(x)
+        loss = F.mse_loss(out, y)
+    opt.backward(loss)
+    assert opt.step()
+    return dtypes, exact, out.dtype, flat_params(model)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model_first", [False, True])
+def test_black_varnames_modules_stay_fp32_in_o2_whichever_call_comes_first(model_first):
+    out = run_workers(_black_varnames, 2, model_first, timeout=100)
+    for dtypes, exact, out_dtype, params in out:
+        assert dtypes == {
+            "body.weight": torch.float16,
+            "body.bias": torch.float16,
+            "head.weight": torch.float32,
+            "head.bias": torch.float32,
+        }
+        assert exact  # restored from the exact FP32 master, not from FP16
+        assert out_dtype == torch.float32
+        assert torch.equal(params, out[0][3])
