@@ -1,0 +1,173 @@
+"""Black-listed modules: found by pattern, computed in FP32, hooks undone by remove()."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distamp.amp.auto_cast import auto_cast, is_autocast_active
+from distamp.amp.black_modules import find_black_modules, keep_in_fp32
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x):
+        return self.norm(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(3, 4)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+    def forward(self, x):
+        h = self.body(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def _net():
+    torch.manual_seed(0)
+    return Net()
+
+
+def _record_dtypes(module, seen):
+    return module.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+
+
+def test_find_black_modules_returns_topmost_matches_in_order():
+    net = _net()
+    found = find_black_modules(net, ["head.0", "blocks.*.norm", "head"])
+    assert [name for name, _ in found] == ["blocks.0.norm", "blocks.1.norm", "head"]
+    assert found[2][1] is net.head
+    assert [name for name, _ in find_black_modules(net, ["blocks.1"])] == ["blocks.1"]
+    assert [name for name, _ in find_black_modules(net, ["*"])] == [""]
+    assert find_black_modules(net, []) == []
+
+
+def test_shared_module_is_returned_once():
+    net = _net()
+    net.alias = net.head  # the same module under two names
+    found = find_black_modules(net, ["alias", "head"])
+    assert [module for _, module in found] == [net.head]
+
+
+def test_unmatched_pattern_names_it_and_suggests():
+    with pytest.raises(ValueError, match=r"'hed' matches no submodule of Net\. Did you mean 'head'\?"):
+        find_black_modules(_net(), ["head", "hed"])
+    with pytest.raises(ValueError, match=r"available: 'body', 'blocks', 'blocks\.0'.* and \d+ more"):
+        find_black_modules(_net(), ["decoder.*"])
+    with pytest.raises(TypeError, match="non-empty strings"):
+        find_black_modules(_net(), [None])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_black_submodule_computes_in_fp32(dtype):
+    net = _net()
+    x = torch.randn(5, 3)
+    head_linears: list[torch.dtype] = []
+    body: list[torch.dtype] = []
+    hooks = [_record_dtypes(net.head[0], head_linears), _record_dtypes(net.head[2], head_linears)]
+    hooks.append(_record_dtypes(net.blocks[1].fc, body))
+    with keep_in_fp32(net, ["head"]), auto_cast(dtype=dtype):
+        out = net(x)
+        h = net.blocks[1](net.blocks[0](net.body(x)))  # the head's input, as it arrives
+    assert body == [dtype, dtype]  # the rest of the model is untouched
+    assert head_linears == [torch.float32, torch.float32]
+    assert h.dtype == torch.float32  # the LayerNorm before the head is black
+    assert out.dtype == torch.float32
+    # Bitwise the FP32 head on the FP32 upcast of what reached it.
+    assert torch.equal(out, net.head(h.float()))
+    for hook in hooks:
+        hook.remove()
+
+
+def test_without_the_hooks_the_head_runs_in_low_precision():
+    net = _net()
+    with auto_cast(dtype="bfloat16"):
+        assert net(torch.randn(2, 3)).dtype == torch.bfloat16
+
+
+def test_inputs_are_cast_up_also_outside_auto_cast_and_in_kwargs():
+    class Takes(nn.Module):
+        def forward(self, xs, scale=None, extra=None):
+            self.seen = ([x.dtype for x in xs], scale.dtype, extra["t"].dtype, extra["i"].dtype)
+            return xs[0] * scale
+
+    net = nn.Sequential()
+    net.add_module("takes", Takes())
+    handle = keep_in_fp32(net, ["takes"])
+    low = torch.ones(2, dtype=torch.float16)
+    ints = torch.arange(2)
+    out = net.takes([low, low.bfloat16()], scale=low, extra={"t": low, "i": ints})
+    assert net.takes.seen == ([torch.float32, torch.float32], torch.float32, torch.float32, torch.int64)
+    assert out.dtype == torch.float32
+    handle.remove()
+
+
+def test_gradients_reach_both_parts_in_fp32():
+    net = _net()
+    with keep_in_fp32(net, ["head"]):
+        with auto_cast(dtype="bfloat16"):
+            loss = F.mse_loss(net(torch.randn(4, 3)), torch.zeros(4, 2))
+        loss.backward()
+    for name, p in net.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        assert torch.isfinite(p.grad).all(), name
+
+
+def test_casting_is_restored_after_an_exception_inside_the_module():
+    class Boom(nn.Module):
+        def forward(self, x):
+            assert not is_autocast_active()
+            raise RuntimeError("boom")
+
+    net = nn.Sequential()
+    net.add_module("boom", Boom())
+    handle = keep_in_fp32(net, ["boom"])
+    a = torch.ones(2, 2)
+    with auto_cast(dtype="bfloat16"):
+        with pytest.raises(RuntimeError, match="boom"):
+            net(a)
+        assert is_autocast_active()
+        assert (a @ a).dtype == torch.bfloat16
+    assert torch._C._len_torch_function_stack() == 0
+    handle.remove()
+
+
+def test_failing_earlier_pre_hook_does_not_unbalance_the_state():
+    net = _net()
+    handle = keep_in_fp32(net, ["head"])
+    failing = net.head.register_forward_pre_hook(lambda m, args: 1 / 0, prepend=True)
+    a = torch.ones(2, 2)
+    # torch turns an exception in an always_call hook into a warning: make it fail.
+    with warnings.catch_warnings(), auto_cast(dtype="bfloat16"):
+        warnings.simplefilter("error")
+        with pytest.raises(ZeroDivisionError):
+            net(torch.randn(2, 3))
+        assert (a @ a).dtype == torch.bfloat16
+    failing.remove()
+    handle.remove()
+
+
+def test_remove_undoes_everything():
+    net = _net()
+    handle = keep_in_fp32(net, ["head", "blocks.0"])
+    assert handle.names == ["blocks.0", "head"]
+    handle.remove()
+    handle.remove()  # idempotent
+    for module in (net.head, net.blocks[0]):
+        assert not module._forward_hooks and not module._forward_pre_hooks
+    with auto_cast(dtype="bfloat16"):
+        assert net(torch.randn(2, 3)).dtype == torch.bfloat16
