@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from distamp.launcher.plan import LaunchPlan, UsageError, build_plan
+from distamp.suggest import did_you_mean
 
 __all__ = ["build_parser", "main", "parse_plan"]
 
@@ -102,7 +103,15 @@ def parse_plan(argv: Sequence[str]) -> LaunchPlan:
     Raises:
         UsageError: for any bad input, naming the flag and value.
     """
-    args = build_parser().parse_args(list(argv))
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(list(argv))
+    if unknown:
+        flags = [o for a in parser._actions for o in a.option_strings]
+        first = unknown[0].partition("=")[0]
+        raise UsageError(
+            f"unrecognized option {first!r} (arguments: {' '.join(unknown)!r}).{did_you_mean(first, flags)} "
+            f"Options for your script go after SCRIPT."
+        )
     return build_plan(args)
 
 

@@ -1,0 +1,270 @@
+"""``distrun`` end to end: real CPU workers in gloo groups on 127.0.0.1.
+
+Each test starts ``python -m distamp.launcher`` on a small worker script
+written to a temporary directory and checks what a user sees: exit code,
+console lines, log files, and which processes are left.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.multiprocess import free_port
+
+ALLREDUCE = """
+    import os, sys, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    names = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+             "MASTER_PORT", "DISTAMP_SELECTED_GPUS", "PYTHONUNBUFFERED",
+             "OMP_NUM_THREADS", "TORCHELASTIC_RESTART_COUNT"]
+    print("ENV", {n: os.environ.get(n) for n in names})
+    print("ARGS", sys.argv[1:])
+    print(f"rank {dist.get_rank()} sum {t.item()}")
+    print(f"rank {dist.get_rank()} says hi on stderr", file=sys.stderr)
+    dist.destroy_process_group()
+"""
+
+RANK1_RAISES = """
+    import os, time
+    print(f"rank {os.environ['RANK']} started", flush=True)
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank 1 cannot go on")
+    time.sleep(120)
+"""
+
+RANK1_KILLED = """
+    import os, signal, time
+    if os.environ["RANK"] == "1":
+        print("about to die", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(120)
+"""
+
+# Each worker starts a child (as a data loader would), writes both pids to a
+# file and waits; the test then signals distrun.
+WAITS_WITH_CHILD = """
+    import os, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    with open(f"pids.{os.environ['RANK']}.tmp", "w") as f:
+        f.write(f"{os.getpid()} {child.pid}")
+    os.rename(f"pids.{os.environ['RANK']}.tmp", f"pids.{os.environ['RANK']}")
+    time.sleep(120)
+"""
+
+# Rank 1 is killed partway through the first attempt, after a collective.
+FAILS_ONCE = """
+    import os, signal, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print(f"attempt {attempt} rank {dist.get_rank()} sum {t.item()}", flush=True)
+    if attempt == 0 and dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(t)
+    print(f"attempt {attempt} rank {dist.get_rank()} finished with {t.item()}", flush=True)
+    dist.destroy_process_group()
+"""
+
+
+def write(tmp_path, name, source):
+    (tmp_path / name).write_text(textwrap.dedent(source))
+    return name
+
+
+def distrun_cmd(*args):
+    return [sys.executable, "-m", "distamp.launcher", *args]
+
+
+def worker_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "DISTAMP"))}
+    env.pop("OMP_NUM_THREADS", None)
+    env.update(extra)
+    return env
+
+
+def distrun(tmp_path, *args, timeout=60, **env):
+    return subprocess.run(
+        distrun_cmd(*args), check=False, cwd=tmp_path, capture_output=True, text=True,
+        timeout=timeout, env=worker_env(**env),
+    )
+
+
+def gone(pid):
+    """True when ``pid`` no longer runs (zombies waiting for a reaper count as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def wait_until(predicate, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+@pytest.mark.timeout(90)
+def test_two_rank_allreduce_succeeds_and_tees_rank0(tmp_path):
+    script = write(tmp_path, "job.py", ALLREDUCE)
+    proc = distrun(tmp_path, "--nproc_per_node", "2", script, "--lr", "0.1", "a$$b", "${local_rank}")
+    assert proc.returncode == 0, proc.stderr
+    console = proc.stdout.splitlines()
+    assert "[rank0]: rank 0 sum 3.0" in console
+    assert "[rank0]: rank 0 says hi on stderr" in console
+    assert not any("rank 1" in line for line in console), "only rank 0 is tee'd by default"
+    assert "OMP_NUM_THREADS=" in proc.stderr and "set OMP_NUM_THREADS to override" in proc.stderr
+    log1 = (tmp_path / "log" / "workerlog.1").read_text()
+    assert "rank 1 sum 3.0" in log1 and "rank 1 says hi on stderr" in log1
+    env = ast.literal_eval(re.search(r"^ENV (.*)$", log1, re.MULTILINE).group(1))
+    cores = len(os.sched_getaffinity(0))
+    assert env == {
+        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": env["MASTER_PORT"],
+        "DISTAMP_SELECTED_GPUS": "", "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": str(max(1, cores // 2)), "TORCHELASTIC_RESTART_COUNT": "0",
+    }
+    assert 0 < int(env["MASTER_PORT"]) < 65536
+    # The script's arguments arrive untouched (torch would expand $-macros in argv).
+    assert "ARGS ['--lr', '0.1', 'a$$b', '${local_rank}']" in log1
+
+
+@pytest.mark.timeout(90)
+def test_failing_rank_is_named_with_its_traceback(tmp_path):
+    script = write(tmp_path, "job.py", RANK1_RAISES)
+    start = time.monotonic()
+    proc = distrun(tmp_path, "--nproc_per_node", "2", "--grace_period", "5", script)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr
+    err = proc.stderr.rstrip().splitlines()
+    assert re.match(
+        r"distrun: rank 1 \(local rank 1, pid \d+\) exited with code 1; full log: "
+        r"log/workerlog\.1\. The other workers were stopped; exiting with code 1\.$",
+        err[-1],
+    ), err[-1]
+    tail = "\n".join(err[-25:])
+    assert "last 20 lines of log/workerlog.1 (rank 1)" in tail
+    assert "Traceback (most recent call last):" in tail
+    assert 'raise ValueError("rank 1 cannot go on")' in tail
+    assert "ValueError: rank 1 cannot go on" in tail
+    # Rank 0 was sleeping for 120 s: it was stopped, not waited for.
+    assert elapsed < 60
+
+
+@pytest.mark.timeout(90)
+def test_worker_killed_by_signal_is_reported_by_name(tmp_path):
+    script = write(tmp_path, "job.py", RANK1_KILLED)
+    proc = distrun(tmp_path, "--nproc_per_node", "2", "--tee", "none", script)
+    assert proc.returncode == 128 + signal.SIGKILL
+    last = proc.stderr.rstrip().splitlines()[-1]
+    assert "rank 1 (local rank 1" in last and "was killed by SIGKILL (signal 9)" in last
+    assert "exiting with code 137" in last
+    assert "about to die" in proc.stderr  # the log tail
+    assert proc.stdout == ""  # --tee none
+
+
+def start_waiting_job(tmp_path):
+    script = write(tmp_path, "job.py", WAITS_WITH_CHILD)
+    proc = subprocess.Popen(
+        distrun_cmd("--nproc_per_node", "2", "--grace_period", "5", script),
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=worker_env(),
+    )
+    pid_files = [tmp_path / "pids.0", tmp_path / "pids.1"]
+    ok = wait_until(lambda: all(p.exists() for p in pid_files), 60)
+    if not ok:
+        proc.kill()
+        pytest.fail(f"workers did not start: {proc.communicate()}")
+    pids = [int(x) for p in pid_files for x in p.read_text().split()]
+    assert len(pids) == 4 and not any(gone(p) for p in pids)
+    return proc, pids
+
+
+@pytest.mark.timeout(90)
+def test_sigint_stops_every_worker_and_their_children(tmp_path):
+    proc, pids = start_waiting_job(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "received SIGINT; stopped every worker" in err
+    assert wait_until(lambda: all(gone(p) for p in pids), 10), [p for p in pids if not gone(p)]
+
+
+@pytest.mark.timeout(90)
+def test_sigkill_of_distrun_leaves_no_orphans(tmp_path):
+    proc, pids = start_waiting_job(tmp_path)
+    proc.kill()
+    proc.wait(timeout=10)
+    # Workers die by their death signal, their children by the guardian.
+    assert wait_until(lambda: all(gone(p) for p in pids), 15), [p for p in pids if not gone(p)]
+
+
+@pytest.mark.timeout(120)
+def test_max_restarts_recovers_from_a_killed_worker(tmp_path):
+    script = write(tmp_path, "job.py", FAILS_ONCE)
+    proc = distrun(tmp_path, "--nproc_per_node", "2", "--max_restarts", "1", "--tee", "all", script, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert "[rank0]: attempt 1 rank 0 finished with 4.0" in proc.stdout.splitlines()
+    assert "[rank1]: attempt 1 rank 1 finished with 4.0" in proc.stdout.splitlines()
+    log1 = (tmp_path / "log" / "workerlog.1").read_text().splitlines()
+    separators = [i for i, line in enumerate(log1) if line.startswith("===== distrun: rank 1")]
+    assert len(separators) == 2
+    assert "TORCHELASTIC_RESTART_COUNT=0" in log1[separators[0]]
+    assert "TORCHELASTIC_RESTART_COUNT=1" in log1[separators[1]]
+    first, second = log1[separators[0]:separators[1]], log1[separators[1]:]
+    assert "attempt 0 rank 1 sum 2.0" in first
+    assert "attempt 1 rank 1 finished with 4.0" in second
+
+
+@pytest.mark.timeout(60)
+def test_module_and_log_dir(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    write(tmp_path, "pkg/job.py", "import os, sys\nprint('module rank', os.environ['RANK'], sys.argv[1:])\n")
+    proc = distrun(tmp_path, "--nproc_per_node", "2", "--log_dir", "out/logs", "--tee", "1", "-m", "pkg.job", "-x")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["[rank1]: module rank 1 ['-x']"]
+    assert "module rank 0 ['-x']" in (tmp_path / "out" / "logs" / "workerlog.0").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_two_nodes_with_the_two_hosts_recipe(tmp_path):
+    """launch/two_hosts.sh on this host twice: two 'nodes' of one worker each."""
+    script = write(tmp_path, "job.py", ALLREDUCE)
+    recipe = os.path.join(os.path.dirname(__file__), "..", "..", "launch", "two_hosts.sh")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "distrun").write_text(f"#!/bin/sh\nexec {sys.executable} -m distamp.launcher \"$@\"\n")
+    (bindir / "distrun").chmod(0o755)
+    env = worker_env(
+        HOSTS="127.0.0.1,localhost", PORT=str(free_port()), NPROC="1",
+        PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}",
+        PYTHONPATH=os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")),
+    )
+    nodes = [
+        subprocess.Popen(
+            ["bash", recipe, str(rank), script], cwd=tmp_path, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env=env,
+        )
+        for rank in (0, 1)
+    ]
+    results = [node.communicate(timeout=100) for node in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], results
+    assert "[rank0]: rank 0 sum 3.0" in results[0][0]
+    log1 = (tmp_path / "log" / "workerlog.1").read_text()
+    assert "rank 1 sum 3.0" in log1 and "'WORLD_SIZE': '2'" in log1 and "'LOCAL_RANK': '0'" in log1
