@@ -1,0 +1,149 @@
+"""fleet.init and the worker helpers, in one process and from a launcher's environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.multiprocess import free_port
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_python(code: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+REPORT = """
+    import json, torch.distributed as dist
+    from distamp import fleet
+    fleet.init()
+    fleet.init()  # idempotent
+    fleet.barrier_worker()
+    print(json.dumps({
+        "index": fleet.worker_index(), "num": fleet.worker_num(), "local": fleet.local_rank(),
+        "device": str(fleet.device()), "first": fleet.is_first_worker(),
+        "group": dist.is_initialized(),
+        "backend": dist.get_backend() if dist.is_initialized() else None,
+    }))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_one_process_world_without_launcher_variables():
+    result = run_python(REPORT, {})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {
+        "index": 0, "num": 1, "local": 0, "device": "cpu", "first": True, "group": False, "backend": None,
+    }
+
+
+@pytest.mark.timeout(90)
+def test_two_processes_from_launcher_variables_form_a_gloo_group():
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(REPORT)],
+            env={
+                **{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS},
+                "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    reports = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=80)
+        assert proc.returncode == 0, err
+        reports.append(json.loads(out))
+    for rank, report in enumerate(reports):
+        assert report == {
+            "index": rank, "num": 2, "local": rank, "device": "cpu", "first": rank == 0,
+            "group": True, "backend": "gloo",
+        }
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "zero", "WORLD_SIZE": "2"}, "RANK='zero' is not an integer"),
+        ({"RANK": "0"}, "WORLD_SIZE is not set"),
+        ({"RANK": "3", "WORLD_SIZE": "2"}, r"RANK=3 must be in \[0, WORLD_SIZE=2\)"),
+        ({"RANK": "0", "WORLD_SIZE": "1"}, "MASTER_ADDR is not set"),
+    ],
+)
+def test_a_broken_launcher_environment_is_named(env, message):
+    result = run_python("from distamp import fleet; fleet.init()", env)
+    assert result.returncode != 0
+    assert "ValueError" in result.stderr
+    assert __import__("re").search(message, result.stderr), result.stderr
+
+
+def test_paddle_arguments_are_accepted_or_refused_clearly():
+    from distamp import fleet
+
+    fleet.init(is_collective=True, strategy=fleet.DistributedStrategy())
+    with pytest.raises(ValueError, match="is_collective=False.*parameter-server"):
+        fleet.init(is_collective=False)
+    with pytest.raises(ValueError, match="role_maker"):
+        fleet.init(role_maker=object())
+    with pytest.raises(TypeError, match="DistributedStrategy"):
+        fleet.init(strategy={"amp": True})
+
+
+def test_auto_cast_follows_the_latest_strategy_and_is_a_no_op_without_amp():
+    from distamp import fleet
+
+    off = fleet.DistributedStrategy()
+    fleet.init(strategy=off)
+    x, w = torch.randn(2, 3), torch.randn(4, 3)
+    with fleet.auto_cast():
+        assert F.linear(x, w).dtype == torch.float32
+
+    on = fleet.DistributedStrategy()
+    on.amp = True
+    on.amp_configs = {"dtype": "bfloat16"}
+    fleet.distributed_optimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1), on)
+    with fleet.auto_cast():
+        assert F.linear(x, w).dtype == torch.bfloat16
+    with fleet.auto_cast(enable=False):
+        assert F.linear(x, w).dtype == torch.float32
+
+
+def test_distributed_optimizer_alone_is_enough_in_one_process():
+    from distamp import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    strategy = fleet.DistributedStrategy()
+    strategy.amp = True
+    strategy.amp_configs = {"use_pure_fp16": True, "dtype": "bfloat16"}
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    assert model.weight.dtype == torch.bfloat16
+    wrapped = fleet.distributed_model(model)
+    assert wrapped.ddp is None and wrapped.module is model
+    with fleet.auto_cast():
+        loss = F.mse_loss(wrapped(torch.randn(3, 4)), torch.randn(3, 2))
+    assert opt.minimize(loss) is True
