@@ -22,6 +22,11 @@ as ``F.multi_head_attention_forward`` is classified once, as a whole (it is
 gray, so it runs in the widest dtype of its inputs), and the ops inside it
 are not recast.
 
+``nn.RNN``/``nn.LSTM``/``nn.GRU`` compare their input's dtype with their
+weights' in Python before any op runs (torch skips that check only under
+``torch.autocast``): give them FP32 inputs, or list them in
+``custom_black_varnames``, whose hooks cast the inputs to FP32.
+
 Float64 tensors, non-floating tensors, in-place ops (``add_``,
 ``x[i] = v``) and calls with ``out=`` are never cast, as in
 ``torch.autocast``.
@@ -88,6 +93,7 @@ _NEVER_WIDEN = frozenset(
         "broadcast_tensors",
         "backward",
         "register_hook",
+        "setstate",
     }
 )
 # Keyword arguments that an op writes into; they are never replaced by a cast

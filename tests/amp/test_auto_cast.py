@@ -325,6 +325,24 @@ def test_black_batch_norm_still_updates_fp32_running_stats():
     assert torch.equal(mean, x.float().mean(0))
 
 
+def test_ops_are_classified_once_and_getters_pass_straight_through():
+    from distamp.amp.auto_cast import _PASS, _WHITE
+
+    ctx = auto_cast(dtype="bfloat16")
+    categories = ctx._policy.categories
+    x = torch.ones(2, 2)
+    with ctx:
+        x.shape  # noqa: B018
+        x.add_(1)
+        x @ x
+        x @ x
+    getter = torch.Tensor.shape.__get__
+    assert categories[getter] == _PASS
+    assert categories[torch.Tensor.add_] == _PASS
+    assert categories[torch.Tensor.matmul] == _WHITE  # what `x @ x` dispatches as
+    assert auto_cast(dtype="bfloat16")._policy is ctx._policy  # the cache is shared
+
+
 def test_custom_lists_move_ops_both_ways():
     t = _maker(torch.float32)
     x, w = t(2, 3), t(3, 3)
