@@ -229,7 +229,27 @@ def _resolve_nodes(args: argparse.Namespace) -> tuple[int, int, str | None, int 
             f"--node_rank {node_rank!r} is out of range: with {nnodes} node(s) it "
             f"must be from 0 to {nnodes - 1}."
         )
+    if host is not None:
+        given = f"--ips {args.ips!r}" if args.ips is not None else f"--master {args.master!r}"
+        _check_master_host(given, host, node_rank)
     return nnodes, node_rank, host, port
+
+
+def _check_master_host(given: str, host: str, node_rank: int) -> None:
+    """The master must resolve, and node rank 0 (which hosts the store) must be it."""
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        raise UsageError(
+            f"{given}: the master host {host!r} cannot be resolved to an address; "
+            f"check the name or give an IP address."
+        ) from None
+    if node_rank == 0 and not _is_this_host(host):
+        raise UsageError(
+            f"{given}: node rank 0 hosts the rendezvous, but the master {host!r} is "
+            f"not an address of this host ({socket.gethostname()!r}). Run node rank 0 "
+            f"on {host!r}, or pass this node's --node_rank."
+        )
 
 
 def _resolve_workers(
@@ -344,13 +364,13 @@ def build_plan(
         UsageError: on any bad input, with a message naming the flag.
     """
     environ = os.environ if environ is None else environ
-    command = _resolve_command(args)
     nnodes, node_rank, host, port = _resolve_nodes(args)
     nproc, gpus = _resolve_workers(args, environ, gpu_count)
     max_restarts = _positive_int("--max_restarts", args.max_restarts, 0)
     grace = _positive_int("--grace_period", args.grace_period, 1)
     tee = _parse_tee(args.tee, nnodes * nproc)
     log_dir = _check_log_dir(args.log_dir)
+    command = _resolve_command(args)
     return LaunchPlan(
         command=command,
         nproc_per_node=nproc,
