@@ -231,7 +231,7 @@ def test_white_op_runs_in_low_precision(name, dtype):
     assert all(o.dtype == dtype for o in outs), [o.dtype for o in outs]
 
 
-@pytest.mark.filterwarnings("ignore:at::.*is deprecated")
+@pytest.mark.filterwarnings("ignore:.*(frobenius|nuclear)_norm is deprecated")
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
 @pytest.mark.parametrize("name", sorted(BLACK_CALLS))
 def test_black_op_runs_in_fp32(name, dtype):
