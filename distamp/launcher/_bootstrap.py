@@ -30,6 +30,7 @@ COMMAND_VAR = "DISTAMP_WORKER_COMMAND"
 LOG_DIR_VAR = "DISTAMP_WORKER_LOG_DIR"
 LAUNCHER_PID_VAR = "DISTAMP_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_LAUNCHER_EXIT_GRACE = 1.0  # seconds; see _launcher_died
 
 
 def _die_with_launcher(launcher_pid: int) -> None:
@@ -60,9 +61,16 @@ def _launcher_died(launcher_pid: int, worker_pid: int) -> bool:
     except (AttributeError, OSError):  # no pidfd (Linux < 5.3): poll instead
         while _alive(launcher_pid) and _alive(worker_pid):
             time.sleep(0.5)
+        if _alive(launcher_pid):
+            time.sleep(_LAUNCHER_EXIT_GRACE)
         return not _alive(launcher_pid)
     ready, _, _ = select.select([launcher_fd, worker_fd], [], [])
-    return launcher_fd in ready
+    if launcher_fd in ready:
+        return True
+    # The kernel sends the worker its death signal before it marks the dying
+    # launcher as exited, so a worker that just died may be the first sign.
+    ready, _, _ = select.select([launcher_fd], [], [], _LAUNCHER_EXIT_GRACE)
+    return bool(ready)
 
 
 def _alive(pid: int) -> bool:
