@@ -1,0 +1,222 @@
+"""Models and training-step builders compared by ``benchmark.py``.
+
+Every mode trains the same model on the same batch with SGD + momentum:
+
+- ``fp32``: plain ``DistributedDataParallel``.
+- ``torch_bf16``: DDP + ``torch.autocast(bfloat16)`` + :func:`bf16_gloo_compress_hook`.
+- ``torch_fp16``: DDP + ``torch.autocast(float16)`` + ``GradScaler`` + torch's ``fp16_compress_hook``.
+- ``distamp_o{1,2}_{bf16,fp16}``: distamp's meta-optimizer and ``distributed_model``.
+"""
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, Self
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+__all__ = [
+    "COUNTERPART",
+    "MODELS",
+    "MODES",
+    "Runner",
+    "WireCounter",
+    "bf16_gloo_compress_hook",
+    "build_model",
+    "build_runner",
+]
+
+IN_FEATURES = 1024
+CLASSES = 10
+
+
+def _mlp(sizes: list[int]) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+        layers.append(nn.Linear(a, b))
+        if i < len(sizes) - 2:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    # DESIGN.md section 6: 6.56M parameters, about 13 MB of 16-bit gradients per step.
+    "mlp": lambda: _mlp([IN_FEATURES, 2048, 2048, 128, CLASSES]),
+    # Few, large tensors (4): per-parameter overhead is negligible.
+    "shallow": lambda: _mlp([IN_FEATURES, 4096, CLASSES]),
+    # 66 small linear layers (132 tensors): exposes per-parameter Python overhead.
+    "deep": lambda: _mlp([IN_FEATURES] + [256] * 65 + [CLASSES]),
+}
+
+MODES = ("fp32", "torch_bf16", "torch_fp16",
+         "distamp_o1_bf16", "distamp_o2_bf16", "distamp_o1_fp16", "distamp_o2_fp16")
+
+# The torch-native way of doing what each distamp mode does.
+COUNTERPART = {"distamp_o1_bf16": "torch_bf16", "distamp_o2_bf16": "torch_bf16",
+               "distamp_o1_fp16": "torch_fp16", "distamp_o2_fp16": "torch_fp16"}
+
+
+def build_model(name: str, seed: int) -> nn.Module:
+    """The model called ``name`` with weights drawn from ``seed``."""
+    if name not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)!r}, got {name!r}")
+    torch.manual_seed(seed)
+    return MODELS[name]()
+
+
+def bf16_gloo_compress_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Like torch's ``fp16_compress_hook`` but BF16, and unlike torch's BF16 hook it runs on gloo.
+
+    (DDP refuses any hook named ``bf16_compress_hook`` without NCCL, hence the name.)
+
+    The bucket is cast to BF16 and pre-divided by the world size, all-reduced
+    asynchronously, and written back into the FP32 bucket on completion.
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    compressed = buffer.to(torch.bfloat16).div_(group.size())
+    fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return fut.then(decompress)
+
+
+@dataclass
+class Runner:
+    """One mode's model and its training step; ``step`` returns the detached loss."""
+
+    mode: str
+    model: nn.Module
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _ddp(model: nn.Module, device: torch.device, bucket_mb: float) -> DDP:
+    ids = [device.index] if device.type == "cuda" else None
+    return DDP(model, device_ids=ids, bucket_cap_mb=bucket_mb)
+
+
+def _torch_runner(mode: str, model: nn.Module, device: torch.device, lr: float, bucket_mb: float) -> Runner:
+    dtype = {"fp32": None, "torch_bf16": torch.bfloat16, "torch_fp16": torch.float16}[mode]
+    ddp = _ddp(model, device, bucket_mb)
+    if dtype is torch.bfloat16:
+        ddp.register_comm_hook(None, bf16_gloo_compress_hook)
+    elif dtype is torch.float16:
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+    scaler = torch.amp.GradScaler(device.type) if dtype is torch.float16 else None
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            loss = F.cross_entropy(ddp(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        return loss.detach()
+
+    return Runner(mode, ddp, step)
+
+
+def _distamp_runner(mode: str, model: nn.Module, lr: float, bucket_mb: float) -> Runner:
+    from distamp import fleet
+
+    _, level, short = mode.split("_")
+    strategy = fleet.DistributedStrategy()
+    strategy.amp = True
+    strategy.amp_configs = {"use_pure_fp16": level == "o2",
+                            "dtype": {"bf16": "bfloat16", "fp16": "float16"}[short]}
+    strategy.fuse_grad_size_in_MB = bucket_mb
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), strategy)
+    wrapped = fleet.distributed_model(model)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with fleet.auto_cast():
+            loss = F.cross_entropy(wrapped(x), y)
+        optimizer.zero_grad()
+        optimizer.backward(loss)
+        optimizer.step()
+        return loss.detach()
+
+    return Runner(mode, wrapped, step)
+
+
+def build_runner(mode: str, model_name: str, device: torch.device, *, seed: int = 0,
+                 lr: float = 0.01, bucket_mb: float = 25.0) -> Runner:
+    """A fresh model (same seed for every mode) wrapped for data parallelism in ``mode``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)!r}, got {mode!r}")
+    model = build_model(model_name, seed).to(device)
+    if mode.startswith("distamp_"):
+        return _distamp_runner(mode, model, lr, bucket_mb)
+    return _torch_runner(mode, model, device, lr, bucket_mb)
+
+
+def _tensor_bytes(arg) -> int:
+    if isinstance(arg, torch.Tensor):
+        return arg.numel() * arg.element_size()
+    if isinstance(arg, (list, tuple)):
+        return sum(_tensor_bytes(a) for a in arg)
+    return 0
+
+
+class WireCounter:
+    """Counts the payload of every collective issued through ``ProcessGroup`` while active.
+
+    ``dist.all_reduce``, DDP comm hooks and torch's compression hooks all
+    call these methods; DDP's built-in C++ all-reduce (no hook registered)
+    does not, so a probe registers torch's ``allreduce_hook`` there, which
+    sends the same bytes. Counted is the input payload per rank (what a
+    ring all-reduce moves is 2(n-1)/n of it in each direction).
+    """
+
+    # Which positional argument holds the input tensors of each method.
+    _INPUT_ARG: ClassVar[dict[str, int]] = {"allreduce": 0, "allreduce_coalesced": 0, "broadcast": 0, "allgather": 1,
+                  "_allgather_base": 1, "reduce_scatter": 1, "_reduce_scatter_base": 1}
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = {}
+        self.calls: dict[str, int] = {}
+        self._saved: dict[str, Callable] = {}
+
+    def __enter__(self) -> Self:
+        for name, index in self._INPUT_ARG.items():
+            original = getattr(dist.ProcessGroup, name, None)
+            if original is None:
+                continue
+            self._saved[name] = original
+
+            def counted(pg, *args, _original=original, _name=name, _index=index, **kwargs):
+                self.calls[_name] = self.calls.get(_name, 0) + 1
+                if len(args) > _index:
+                    self.bytes[_name] = self.bytes.get(_name, 0) + _tensor_bytes(args[_index])
+                return _original(pg, *args, **kwargs)
+
+            setattr(dist.ProcessGroup, name, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._saved.items():
+            setattr(dist.ProcessGroup, name, original)
+        self._saved.clear()
+
+    def reset(self) -> None:
+        """Forget what was counted so far."""
+        self.bytes.clear()
+        self.calls.clear()
+
+    @property
+    def total_bytes(self) -> int:
+        """Payload bytes over all counted collectives."""
+        return sum(self.bytes.values())

@@ -1,0 +1,355 @@
+"""distamp against torch-native mixed precision, side by side, in one run.
+
+Loopback, two ranks (``torchrun --nproc_per_node 2`` works the same way)::
+
+    distrun --nproc_per_node 2 examples/benchmark.py                 # 6.6M MLP, batch 64
+    distrun --nproc_per_node 2 examples/benchmark.py --model deep    # many small layers
+
+Two "hosts" joined by a 1 Gbit/s link (root; one rank per network namespace)::
+
+    sudo python examples/benchmark.py --link_gbit 1
+
+Repetitions interleave the modes (in a rotated order), so machine drift
+lands on every mode alike. Per mode it reports the median and interquartile
+range of the step time (each step's time is the slowest rank's), the ratio
+to FP32 DDP and to the torch-native counterpart, the collective payload per
+rank per step, and the peak memory growth per rank. Bytes and memory come
+from a probe run in a fresh process per mode and rank: it counts every
+``ProcessGroup`` collective (see ``bench_modes.WireCounter``) and, on CPU,
+resets the kernel's peak-RSS mark (``/proc/self/clear_refs``) after start-up
+and reads ``VmHWM`` at the end, so one mode's allocator history cannot
+inflate another's; on CUDA it uses ``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_modes
+import netns
+
+_NETNS_ENV = "DISTAMP_BENCH_IN_NETNS"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command line; ``--help`` lists every option."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    what = p.add_argument_group("what to compare")
+    what.add_argument("--model", choices=sorted(bench_modes.MODELS), default="mlp", help="default: %(default)s")
+    what.add_argument("--batch", type=int, default=64, help="per rank (default: %(default)s)")
+    what.add_argument("--modes", default=",".join(bench_modes.MODES),
+                      help="comma-separated subset of %(default)s")
+    what.add_argument("--lr", type=float, default=0.01, help="default: %(default)s")
+    what.add_argument("--bucket_mb", type=float, default=25.0,
+                      help="DDP bucket size for every mode (default: %(default)s)")
+    how = p.add_argument_group("how long")
+    how.add_argument("--reps", type=int, default=5, help="interleaved repetitions (default: %(default)s)")
+    how.add_argument("--steps", type=int, default=10, help="timed steps per mode and repetition (default: %(default)s)")
+    how.add_argument("--warmup", type=int, default=3, help="untimed steps after each rebuild (default: %(default)s)")
+    how.add_argument("--probe_steps", type=int, default=3,
+                     help="steps in each memory/bytes probe; 0 skips the probes (default: %(default)s)")
+    how.add_argument("--probe_timeout", type=float, default=300.0,
+                     help="seconds before a probe counts as hung (default: %(default)s)")
+    where = p.add_argument_group("where")
+    where.add_argument("--link_gbit", type=float, default=None,
+                       help="run one rank in each of two network namespaces joined by a link of this rate (root)")
+    where.add_argument("--threads", type=int, default=None,
+                       help="torch threads per rank (default: CPUs divided by local ranks)")
+    where.add_argument("--json", default=os.path.join("runs", "benchmark.json"),
+                       help="where rank 0 writes the results (default: %(default)s)")
+    p.add_argument("--_probe", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.mode_list if m not in bench_modes.MODES]
+    if bad or not args.mode_list:
+        p.error(f"--modes: unknown {bad!r}; choose from {','.join(bench_modes.MODES)}")
+    for name, low in (("batch", 1), ("reps", 1), ("steps", 1), ("warmup", 1), ("probe_steps", 0)):
+        if getattr(args, name) < low:
+            p.error(f"--{name} must be >= {low}, got {getattr(args, name)!r}")
+    if args.link_gbit is not None and not args.link_gbit > 0:
+        p.error(f"--link_gbit must be > 0, got {args.link_gbit!r}")
+    return args
+
+
+# ----------------------------------------------------------------------------- process set-up
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _init(args: argparse.Namespace) -> torch.device:
+    """Join the group the launcher described (a one-process world when run bare)."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_world))
+    device = _device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if any(m.startswith("distamp_") for m in args.mode_list):
+        from distamp import fleet
+
+        fleet.init(is_collective=True)
+    else:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _batch(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + dist.get_rank())  # each rank its own shard, every mode the same
+    x = torch.randn(args.batch, bench_modes.IN_FEATURES, generator=g)
+    y = torch.randint(0, bench_modes.CLASSES, (args.batch,), generator=g)
+    return x.to(device), y.to(device)
+
+
+# ----------------------------------------------------------------------------- timing
+
+def time_modes(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Per mode, every timed step's duration (slowest rank) and the last loss seen."""
+    x, y = _batch(args, device)
+    local: dict[str, list[float]] = {m: [] for m in args.mode_list}
+    last_loss: dict[str, float] = {}
+    modes = args.mode_list
+    for rep in range(args.reps):
+        shift = rep % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
+            runner = bench_modes.build_runner(mode, args.model, device, lr=args.lr, bucket_mb=args.bucket_mb)
+            for _ in range(args.warmup):
+                runner.step(x, y)
+            _sync(device)
+            dist.barrier()
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                loss = runner.step(x, y)
+                _sync(device)
+                local[mode].append(time.perf_counter() - start)
+            last_loss[mode] = float(loss)
+            del runner
+            gc.collect()
+    gathered: list[dict[str, list[float]]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(gathered, local)
+    slowest = {m: [max(r[m][i] for r in gathered) for i in range(len(local[m]))] for m in modes}
+    return slowest, last_loss
+
+
+# ----------------------------------------------------------------------------- probes
+
+def _peak_reset() -> int:
+    """Reset the peak-RSS mark to the current RSS and return it (bytes); 0 where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _proc_status("VmRSS")
+    except OSError:
+        return 0
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"{key} not in /proc/self/status")
+
+
+def run_probe(args: argparse.Namespace) -> dict:
+    """In a fresh process: bytes on the wire per step and peak memory growth of one mode."""
+    device = _init(args)
+    x, y = _batch(args, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    else:
+        base = _peak_reset()
+    with bench_modes.WireCounter() as counter:
+        runner = bench_modes.build_runner(args._probe, args.model, device, lr=args.lr, bucket_mb=args.bucket_mb)
+        if not getattr(runner.model, "_comm_hooks", True):
+            # DDP's built-in all-reduce bypasses ProcessGroup's Python methods; torch's
+            # allreduce_hook sends the same bytes through them, so it can be counted.
+            runner.model.register_comm_hook(None, bench_modes.default_hooks.allreduce_hook)
+        runner.step(x, y)  # the first step also rebuilds DDP's buckets
+        counter.reset()
+        for _ in range(args.probe_steps):
+            runner.step(x, y)
+        _sync(device)
+        calls = {k: v / args.probe_steps for k, v in counter.calls.items()}
+        wire = counter.total_bytes / args.probe_steps
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        peak = _proc_status("VmHWM") - base if base else float("nan")
+    dist.destroy_process_group()
+    return {"wire_bytes_per_step": wire, "collective_calls_per_step": calls, "peak_bytes": peak}
+
+
+def probe_modes(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, list[dict]]:
+    """Run :func:`run_probe` for each mode in fresh processes (one per rank); results per rank."""
+    results: dict[str, list[dict]] = {}
+    for mode in args.mode_list:
+        port = [_free_port() if dist.get_rank() == 0 else 0]
+        dist.broadcast_object_list(port, src=0)
+        # A fresh store on a fresh port, hosted by the probe of rank 0 (not the launcher's agent).
+        env = {**os.environ, "MASTER_PORT": str(port[0]), "TORCHELASTIC_USE_AGENT_STORE": "False"}
+        cmd = [sys.executable, os.path.abspath(__file__), *argv, "--_probe", mode]
+        done = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=args.probe_timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"memory/bytes probe of {mode!r} failed on rank {dist.get_rank()}:\n{done.stderr}")
+        mine = json.loads(done.stdout.strip().splitlines()[-1])
+        per_rank: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(per_rank, mine)
+        results[mode] = per_rank
+    return results
+
+
+# ----------------------------------------------------------------------------- report
+
+def summarize(args: argparse.Namespace, times: dict[str, list[float]], losses: dict[str, float],
+              probes: dict[str, list[dict]]) -> dict:
+    """Everything the table shows, as plain numbers (seconds, bytes)."""
+    rows = {}
+    for mode, samples in times.items():
+        q1, _, q3 = statistics.quantiles(samples, n=4) if len(samples) > 1 else (samples[0],) * 3
+        rows[mode] = {"median_s": statistics.median(samples), "iqr_s": q3 - q1, "samples": len(samples),
+                      "last_loss": losses[mode]}
+        if mode in probes:
+            rows[mode]["wire_bytes_per_step"] = probes[mode][0]["wire_bytes_per_step"]
+            rows[mode]["collective_calls_per_step"] = probes[mode][0]["collective_calls_per_step"]
+            rows[mode]["peak_bytes_per_rank"] = [p["peak_bytes"] for p in probes[mode]]
+    for mode, row in rows.items():
+        if "fp32" in rows:
+            row["vs_fp32"] = row["median_s"] / rows["fp32"]["median_s"]
+        native = bench_modes.COUNTERPART.get(mode)
+        if native in rows:
+            row["vs_torch_native"] = row["median_s"] / rows[native]["median_s"]
+        if "fp32" in rows and "wire_bytes_per_step" in row and "wire_bytes_per_step" in rows["fp32"]:
+            row["wire_vs_fp32"] = row["wire_bytes_per_step"] / rows["fp32"]["wire_bytes_per_step"]
+        if "fp32" in rows and "peak_bytes_per_rank" in row and "peak_bytes_per_rank" in rows["fp32"]:
+            row["peak_vs_fp32"] = max(row["peak_bytes_per_rank"]) / max(rows["fp32"]["peak_bytes_per_rank"])
+    n_params = sum(p.numel() for p in bench_modes.build_model(args.model, 0).parameters())
+    return {"config": {"model": args.model, "parameters": n_params, "batch_per_rank": args.batch,
+                       "world_size": dist.get_world_size(), "reps": args.reps, "steps": args.steps,
+                       "warmup": args.warmup, "link_gbit": args.link_gbit, "bucket_mb": args.bucket_mb,
+                       "threads_per_rank": torch.get_num_threads(), "device": str(_device()),
+                       "torch": torch.__version__},
+            "modes": rows}
+
+
+def markdown(summary: dict) -> str:
+    """The summary as a Markdown table."""
+    def fmt(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    cfg = summary["config"]
+    link = f"{cfg['link_gbit']:g} Gbit/s link" if cfg["link_gbit"] else "loopback"
+    title = (f"model `{cfg['model']}` ({cfg['parameters'] / 1e6:.2f}M parameters), batch {cfg['batch_per_rank']} "
+             f"per rank, {cfg['world_size']} ranks, {link}, {cfg['reps']} x {cfg['steps']} steps per mode")
+    lines = [title,
+             "",
+             "| mode | step ms (median) | IQR ms | x FP32 | x torch-native | wire MB/step | peak MB per rank | last loss |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for mode, r in summary["modes"].items():
+        peaks = r.get("peak_bytes_per_rank")
+        peak = " / ".join(f"{p / 2**20:.0f}" for p in peaks) if peaks else "-"
+        wire = r.get("wire_bytes_per_step")
+        lines.append(f"| {mode} | {r['median_s'] * 1e3:.1f} | {r['iqr_s'] * 1e3:.1f} | {fmt(r.get('vs_fp32'), '.2f')} "
+                     f"| {fmt(r.get('vs_torch_native'), '.2f')} | {fmt(None if wire is None else wire / 1e6, '.2f')} "
+                     f"| {peak} | {r['last_loss']:.4f} |")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- entry points
+
+def run_ranks(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """What every rank does: time, probe, and on rank 0 print and save."""
+    device = _init(args)
+    times, losses = time_modes(args, device)
+    probes = probe_modes(args, argv) if args.probe_steps else {}
+    summary = summarize(args, times, losses, probes)
+    if dist.get_rank() == 0:
+        print(markdown(summary), flush=True)
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=1)
+            print(f"results: {args.json}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_linked(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """Make two namespaces, run rank ``i`` in namespace ``i``, always clean up; the exit code."""
+    reason = netns.why_unavailable()
+    if reason:
+        print(f"benchmark.py: --link_gbit needs network namespaces, but {reason}.", file=sys.stderr)
+        return 2
+    # SIGTERM takes the same clean-up path as Ctrl-C.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    procs: list[subprocess.Popen] = []
+    try:
+        with netns.LinkedNamespaces(args.link_gbit) as link:
+            try:
+                port = str(_free_port())
+                for rank in range(2):
+                    env = {**os.environ, _NETNS_ENV: "1", "RANK": str(rank), "LOCAL_RANK": "0",
+                           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": link.hostname(0),
+                           "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
+                    procs.append(link.popen(rank, [sys.executable, os.path.abspath(__file__), *argv], env))
+                codes = [p.wait() for p in procs]
+            finally:  # stop the ranks before their namespaces go away
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                        p.wait()
+    except KeyboardInterrupt:
+        print("benchmark.py: interrupted; ranks stopped and namespaces removed", file=sys.stderr)
+        return 130
+    return next((c for c in codes if c != 0), 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Dispatch: probe process, namespace orchestrator, or rank; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args._probe:
+        print(json.dumps(run_probe(args)), flush=True)
+        return 0
+    if args.link_gbit is not None and os.environ.get(_NETNS_ENV) != "1":
+        if "RANK" in os.environ:
+            print("benchmark.py: --link_gbit starts its own two ranks; run it with plain python "
+                  "(as root), not under distrun/torchrun.", file=sys.stderr)
+            return 2
+        return run_linked(args, argv)
+    run_ranks(args, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

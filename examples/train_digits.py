@@ -1,0 +1,264 @@
+"""Train a small CNN on scikit-learn's handwritten digits with distamp AMP.
+
+The README's main job::
+
+    distrun --nproc_per_node 2 examples/train_digits.py            # FP16, O1
+    distrun --nproc_per_node 2 examples/train_digits.py --pure_fp16
+    distrun --nproc_per_node 2 examples/train_digits.py --dtype bfloat16
+    distrun --nproc_per_node 2 examples/train_digits.py --no_amp   # FP32 baseline
+
+The data (1,797 8x8 images) ships inside scikit-learn, so nothing is
+downloaded. Every rank splits it with the same seed, trains on its
+``DistributedSampler`` shard and evaluates the whole test set. Rank 0 shows
+a progress bar, prints ``test_accuracy=...`` and writes ``history.json`` and
+``history.png`` (loss and loss scale per step) into ``--out_dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from distamp import fleet
+
+
+class DigitsNet(nn.Module):
+    """Two 3x3 convolutions, a max-pool and two linear layers for 8x8 digits.
+
+    Deliberately tiny: FP16 convolutions on CPU are about ten times slower
+    than FP32, and the default run must finish well inside a minute on two
+    CPU ranks.
+    """
+
+    def __init__(self, channels: int = 16, hidden: int = 64) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, channels, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.classifier = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(2 * channels * 4 * 4, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of shape ``(batch, 10)`` for images of shape ``(batch, 1, 8, 8)``."""
+        return self.classifier(self.features(x))
+
+
+@dataclass
+class History:
+    """What rank 0 records per optimizer step (rank 0's local loss)."""
+
+    loss: list[float] = field(default_factory=list)
+    loss_scale: list[float] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+
+    def record(self, loss: float, scale: float, skipped: bool) -> None:
+        """Append one step."""
+        self.loss.append(loss)
+        self.loss_scale.append(scale)
+        self.skipped.append(skipped)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command line of the example; ``--help`` lists every option."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    amp = p.add_argument_group("precision")
+    amp.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16",
+                     help="low-precision type (default: %(default)s)")
+    amp.add_argument("--pure_fp16", action="store_true",
+                     help="O2: 16-bit weights with FP32 masters (default: O1)")
+    amp.add_argument("--no_amp", action="store_true", help="FP32 baseline, AMP off")
+    amp.add_argument("--init_loss_scaling", type=float, default=32768.0,
+                     help="first loss scale for float16 (default: %(default)s)")
+    train = p.add_argument_group("training")
+    train.add_argument("--epochs", type=int, default=20, help="default: %(default)s")
+    train.add_argument("--max_steps", type=int, default=None,
+                       help="stop after this many optimizer steps (default: all epochs)")
+    train.add_argument("--batch_size", type=int, default=32, help="per rank (default: %(default)s)")
+    train.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: %(default)s)")
+    train.add_argument("--seed", type=int, default=0, help="split, init and shuffle seed (default: %(default)s)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out_dir", default=os.path.join("runs", "digits"),
+                     help="where rank 0 writes history.json and history.png (default: %(default)s)")
+    out.add_argument("--save_params", default=None, metavar="PATH",
+                     help="rank 0 saves the final model state_dict here")
+    out.add_argument("--no_progress", action="store_true", help="hide the progress bar")
+    args = p.parse_args(argv)
+    for name in ("epochs", "batch_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)!r}")
+    if args.max_steps is not None and args.max_steps < 1:
+        p.error(f"--max_steps must be >= 1, got {args.max_steps!r}")
+    if args.lr <= 0 or not math.isfinite(args.lr):
+        p.error(f"--lr must be a positive number, got {args.lr!r}")
+    if args.no_amp and args.pure_fp16:
+        p.error("--no_amp and --pure_fp16 contradict each other; use one of them")
+    return args
+
+
+def load_digits_split(seed: int) -> tuple[TensorDataset, TensorDataset]:
+    """scikit-learn's digits as (train, test) datasets, 80/20, stratified by ``seed``."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    images = digits.images.astype("float32") / 16.0  # pixel values are 0..16
+    x_tr, x_te, y_tr, y_te = train_test_split(
+        images, digits.target, test_size=0.2, random_state=seed, stratify=digits.target)
+
+    def as_dataset(x, y) -> TensorDataset:
+        return TensorDataset(torch.from_numpy(x).unsqueeze(1), torch.from_numpy(y).long())
+
+    return as_dataset(x_tr, y_tr), as_dataset(x_te, y_te)
+
+
+def build_strategy(args: argparse.Namespace) -> fleet.DistributedStrategy:
+    """The distamp strategy the command line asks for."""
+    strategy = fleet.DistributedStrategy()
+    strategy.amp = not args.no_amp
+    if strategy.amp:
+        strategy.amp_configs = {
+            "init_loss_scaling": args.init_loss_scaling,
+            "use_pure_fp16": args.pure_fp16,
+            "dtype": args.dtype,
+        }
+    return strategy
+
+
+def train(model, optimizer, loader: DataLoader, sampler: DistributedSampler,
+          args: argparse.Namespace) -> History:
+    """Run ``args.epochs`` epochs (or ``args.max_steps`` steps) and return rank 0's history."""
+    from tqdm import tqdm
+
+    total = len(loader) * args.epochs
+    if args.max_steps is not None:
+        total = min(total, args.max_steps)
+    first = fleet.is_first_worker()
+    history = History()
+    bar = tqdm(total=total, disable=not first or args.no_progress, unit="step", dynamic_ncols=True)
+    device = fleet.device()
+    model.train()
+    step = 0
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # a different shuffle per epoch, the same on every rank
+        for x, y in loader:
+            if step == total:
+                break
+            x, y = x.to(device), y.to(device)
+            with fleet.auto_cast():
+                loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            optimizer.backward(loss)
+            applied = optimizer.step()
+            step += 1
+            if first:
+                scale = float(optimizer.get_loss_scaling())
+                history.record(loss.item(), scale, not applied)
+                bar.set_postfix(epoch=epoch, loss=f"{history.loss[-1]:.4f}", scale=f"{scale:g}")
+                bar.update()
+    bar.close()
+    return history
+
+
+@torch.no_grad()
+def evaluate(model, dataset: TensorDataset) -> float:
+    """Accuracy on the whole of ``dataset``; every rank computes the same number."""
+    model.eval()
+    x, y = (t.to(fleet.device()) for t in dataset.tensors)
+    with fleet.auto_cast():
+        predictions = model(x).argmax(dim=1)
+    model.train()
+    return (predictions == y).float().mean().item()
+
+
+def write_history(out_dir: str, history: History, summary: dict) -> tuple[str, str]:
+    """Write ``history.json`` and ``history.png`` (loss and loss scale per step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on training hosts
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    json_path = os.path.join(out_dir, "history.json")
+    png_path = os.path.join(out_dir, "history.png")
+    with open(json_path, "w") as f:
+        json.dump({**summary, "step": list(range(1, len(history.loss) + 1)), **asdict(history)}, f, indent=1)
+
+    steps = range(1, len(history.loss) + 1)
+    fig, (ax_loss, ax_scale) = plt.subplots(2, 1, sharex=True, figsize=(7, 5))
+    ax_loss.plot(steps, history.loss, lw=1)
+    ax_loss.set_ylabel("training loss (rank 0)")
+    ax_loss.set_yscale("log")
+    ax_scale.step(steps, history.loss_scale, where="post")
+    ax_scale.set_ylabel("loss scale")
+    ax_scale.set_yscale("log", base=2)
+    ax_scale.set_xlabel("optimizer step")
+    skipped = [s for s, skip in zip(steps, history.skipped) if skip]
+    if skipped:
+        ax_scale.plot(skipped, [history.loss_scale[s - 1] for s in skipped], "rx", label="skipped step")
+        ax_scale.legend()
+    fig.suptitle(f"digits, {summary['precision']}: test accuracy {summary['test_accuracy']:.4f}")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return json_path, png_path
+
+
+def precision_name(args: argparse.Namespace) -> str:
+    """A short label such as ``fp32``, ``float16-O1`` or ``bfloat16-O2``."""
+    if args.no_amp:
+        return "fp32"
+    return f"{args.dtype}-{'O2' if args.pure_fp16 else 'O1'}"
+
+
+def main(argv: Sequence[str] | None = None) -> float:
+    """Train, evaluate, and on rank 0 report and save; returns the test accuracy."""
+    args = parse_args(argv)
+    strategy = build_strategy(args)
+    fleet.init(is_collective=True, strategy=strategy)
+    train_set, test_set = load_digits_split(args.seed)
+    sampler = DistributedSampler(train_set, num_replicas=fleet.worker_num(),
+                                 rank=fleet.worker_index(), shuffle=True, seed=args.seed)
+    loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
+
+    torch.manual_seed(args.seed)  # the same initial weights everywhere, before any broadcast
+    model = DigitsNet().to(fleet.device())
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = fleet.distributed_optimizer(optimizer, strategy)
+    model = fleet.distributed_model(model)
+
+    history = train(model, optimizer, loader, sampler, args)
+    accuracy = evaluate(model, test_set)
+    if fleet.is_first_worker():
+        summary = {"precision": precision_name(args), "world_size": fleet.worker_num(),
+                   "epochs": args.epochs, "max_steps": args.max_steps, "lr": args.lr,
+                   "seed": args.seed, "batch_size_per_rank": args.batch_size,
+                   "skipped_steps": sum(history.skipped), "test_accuracy": accuracy}
+        json_path, png_path = write_history(args.out_dir, history, summary)
+        if args.save_params:
+            torch.save(getattr(model, "module", model).state_dict(), args.save_params)
+        print(f"precision={summary['precision']} steps={len(history.loss)} "
+              f"skipped={summary['skipped_steps']} history={json_path} plot={png_path}", flush=True)
+        print(f"test_accuracy={accuracy:.4f}", flush=True)
+    fleet.barrier_worker()
+    return accuracy
+
+
+if __name__ == "__main__":
+    main()
