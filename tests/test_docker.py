@@ -1,0 +1,115 @@
+"""The Docker images: everything they copy exists and survives .dockerignore; headers say how to use them.
+
+No image is built here (that needs a daemon and the network); these checks
+catch what breaks a build most often: a renamed file, an over-eager ignore
+pattern, a command that no longer exists.
+"""
+
+import configparser
+import fnmatch
+import glob
+import json
+import os
+import re
+import shlex
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCKERFILES = ["docker/Dockerfile.cuda", "docker/Dockerfile.cpu"]
+
+
+def instructions(path: str) -> list[tuple[str, str]]:
+    """(KEYWORD, arguments) per instruction, with continuation lines joined and comments dropped."""
+    joined, pending = [], ""
+    with open(os.path.join(ROOT, path)) as f:
+        for line in f:
+            stripped = line.strip()
+            if not pending and (not stripped or stripped.startswith("#")):
+                continue
+            if stripped.endswith("\\"):
+                pending += stripped[:-1] + " "
+                continue
+            joined.append(pending + stripped)
+            pending = ""
+    return [(text.split(None, 1)[0].upper(), text.split(None, 1)[1]) for text in joined]
+
+
+def copy_sources(args: str) -> list[str] | None:
+    """Context paths a COPY/ADD reads; ``None`` for a copy from another stage."""
+    words = json.loads(args) if args.startswith("[") else shlex.split(args)
+    flags = [w for w in words if w.startswith("--")]
+    if any(f.startswith("--from") for f in flags):
+        return None
+    paths = [w for w in words if not w.startswith("--")]
+    return paths[:-1]
+
+
+def ignore_patterns() -> list[str]:
+    with open(os.path.join(ROOT, ".dockerignore")) as f:
+        lines = [line.strip() for line in f]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def ignored(path: str, patterns: list[str]) -> bool:
+    """Whether Docker would leave ``path`` (or a parent) out of the context (no ``!`` rules used)."""
+    parts = path.strip("/").split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    for pattern in patterns:
+        if pattern.startswith("!"):
+            pytest.fail(f".dockerignore exception rule {pattern!r} is not modelled by this test; extend it")
+        pattern = pattern.strip("/")
+        for prefix in prefixes:
+            if fnmatch.fnmatchcase(prefix, pattern):
+                return True
+            if pattern.startswith("**/") and fnmatch.fnmatchcase(prefix.split("/")[-1], pattern[3:]):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_every_copied_file_exists_and_is_not_ignored(dockerfile):
+    patterns = ignore_patterns()
+    copies = [copy_sources(args) for keyword, args in instructions(dockerfile) if keyword in ("COPY", "ADD")]
+    sources = [src for srcs in copies if srcs is not None for src in srcs]
+    assert sources, f"{dockerfile} copies nothing from the context"
+    for src in sources:
+        matches = glob.glob(os.path.join(ROOT, src))
+        assert matches, f"{dockerfile} copies {src!r}, which does not exist in the build context"
+        for match in matches:
+            rel = os.path.relpath(match, ROOT)
+            assert not ignored(rel, patterns), f"{dockerfile} copies {rel!r}, but .dockerignore excludes it"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_header_gives_build_and_run_commands(dockerfile):
+    with open(os.path.join(ROOT, dockerfile)) as f:
+        header = []
+        for line in f:
+            if not line.startswith("#"):
+                break
+            header.append(line)
+    text = "".join(header)
+    assert f"docker build -f {dockerfile} " in text
+    assert "docker run " in text
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_commands_refer_to_what_the_package_provides(dockerfile):
+    setup = configparser.ConfigParser()
+    setup.read(os.path.join(ROOT, "setup.cfg"))
+    scripts = setup["options.entry_points"]["console_scripts"]
+    assert re.search(r"^\s*distrun\s*=", scripts, re.MULTILINE), "setup.cfg no longer installs the distrun script"
+    assert "examples" in setup["options.extras_require"]
+
+    cmd = [json.loads(args) for keyword, args in instructions(dockerfile) if keyword == "CMD"]
+    assert len(cmd) == 1 and cmd[0][0] == "distrun"
+    scripts_used = [word for word in cmd[0] if word.endswith(".py")]
+    assert scripts_used and all(os.path.exists(os.path.join(ROOT, s)) for s in scripts_used)
+    assert any(keyword == "FROM" for keyword, _ in instructions(dockerfile))
+
+
+def test_ignore_rules_are_modelled():
+    assert ignored("runs/x.json", ["runs"])
+    assert ignored("distamp/__pycache__/a.pyc", ["**/__pycache__"])
+    assert not ignored("distamp/fleet.py", ["runs", "**/__pycache__", "*.egg-info"])
