@@ -411,35 +411,53 @@ class AmpOptimizer(torch.optim.Optimizer):
             torch._foreach_mul_(grads, factor)
 
     def _unscale_and_check(self) -> None:
-        """Fused unscale + inf/NaN check, then the flag all-reduce (MAX)."""
-        self._master.copy_grads_to_masters()
-        masters = self._master.masters
-        grads = [m.grad for m in masters if m.grad is not None]
-        if any(g.is_sparse for g in grads):
+        """Unscale into the masters, check for inf/NaN and agree on the flag.
+
+        O1: one fused kernel (``torch._amp_foreach_non_finite_check_and_unscale_``)
+        unscales and checks the FP32 gradients in place. O2: the same kernel
+        checks the model's 16-bit gradients where they are (multiplying them by
+        exactly 1), the flag's all-reduce starts, and the copy into the FP32
+        masters and their unscaling run while it is in flight. Either way every
+        rank waits for the all-reduced (MAX) flag before deciding.
+        """
+        model_grads = [p.grad for p in self._master.model_params if p.grad is not None]
+        if any(g.is_sparse for g in model_grads):
             raise TypeError("sparse gradients are not supported by the AMP optimizer")
         divisor = self._merge.k_steps if (self._merge.k_steps > 1 and self._merge.avg) else 1
         # Like GradScaler: the reciprocal in double, rounded once to float32.
-        inv_scale_value = 1.0 / (self.loss_scaler.scale * divisor)
-        by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for g in grads:
-            by_device.setdefault((g.device, g.dtype), []).append(g)
-        device = grads[0].device if grads else (masters[0].device if masters else torch.device("cpu"))
+        inv_scale = 1.0 / (self.loss_scaler.scale * divisor)
+        separate_masters = self._master.enabled
+        device = model_grads[0].device if model_grads else self._any_device()
         flag = torch.zeros(2, dtype=torch.float32, device=device)
-        for (dev, _), group in by_device.items():
+        for (dev, _), grads in _by_device_and_dtype(model_grads).items():
             found = torch.zeros(1, dtype=torch.float32, device=dev)
-            inv_scale = torch.full((1,), inv_scale_value, dtype=torch.float32, device=dev)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv_scale)
+            factor = torch.full((1,), 1.0 if separate_masters else inv_scale, dtype=torch.float32, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, factor)
             flag[0] += found.to(device)[0]
-        if self.loss_scaler.needs_grad_max and grads:
-            norms = torch._foreach_norm(grads, math.inf)
-            flag[1] = torch.stack([n.to(device, torch.float32) for n in norms]).max()
+        if self.loss_scaler.needs_grad_max and model_grads:
+            largest = torch.stack([torch.stack(torch.aminmax(g)).abs().max().float().to(device) for g in model_grads])
+            flag[1] = largest.max() * (inv_scale if separate_masters else 1.0)
+
         group = self._data_parallel_group()
+        work = None
         if self.sync_found_inf and group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        if separate_masters:
+            self._master.copy_grads_to_masters()
+            if inv_scale != 1.0:
+                master_grads = [m.grad for m in self._master.masters if m.grad is not None]
+                for (dev, _), grads in _by_device_and_dtype(master_grads).items():
+                    torch._foreach_mul_(grads, torch.full((), inv_scale, dtype=torch.float32, device=dev))
+        if work is not None:
+            work.wait()
         found_inf, grad_max = flag.tolist()
         self._found_inf = found_inf > 0 or math.isnan(found_inf)
         self._grad_max = grad_max if self.loss_scaler.needs_grad_max else None
         self._unscaled = True
+
+    def _any_device(self) -> torch.device:
+        params = self._master.model_params
+        return params[0].device if params else torch.device("cpu")
 
     def _record(self, found_inf: bool, grad_max: float | None) -> None:
         """Update the scale, counters and log; raise when the scale is stuck."""
@@ -477,3 +495,11 @@ class AmpOptimizer(torch.optim.Optimizer):
                 f"{self._amp_config.min_loss_scaling:g}), so training is not making progress. "
                 + hint
             )
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """Group tensors for the foreach kernels, which need one device and dtype per call."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
