@@ -1,0 +1,181 @@
+"""Exposure of a single-node ``distrun`` job: what listens on TCP, and where.
+
+A real ``distrun --nproc_per_node 2`` job forms its gloo group, all-reduces
+and then waits while the test lists the listening TCP sockets of distrun
+and every process under it (``/proc/<pid>/fd`` socket inodes joined with
+``/proc/<pid>/net/tcp`` and ``tcp6``).
+
+What we found with torch 2.13 (and what this test pins down):
+
+- gloo's own listeners (one per rank, for its full mesh) are on 127.0.0.1,
+  because distrun sets ``GLOO_SOCKET_IFNAME=lo`` for single-node jobs;
+- two ``TCPStore`` servers bind to every interface (``0.0.0.0``/``::``),
+  whatever host they are given: the elastic agent's c10d rendezvous store,
+  in the distrun process, and the process-group store that rank 0 hosts on
+  ``MASTER_PORT`` (with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` each
+  restart builds its group on a fresh store, hosted by worker rank 0).
+  torch's Python API has no bind address for them; they can be confined to
+  loopback only by handing ``TCPStore`` a socket already bound there
+  (``master_listen_fd``) or, for the rendezvous, by a file store.
+
+So the test asserts: nothing listens on a specific non-loopback address;
+every gloo listener is on loopback; wildcard listeners are at most one
+``TCPStore`` in distrun and one in rank 0 on ``MASTER_PORT``, and none in
+any other rank. Once those stores are bound to loopback, the same test
+holds with no wildcard listener at all.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+WORKER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import torch, torch.distributed as dist
+    from distamp import fleet
+
+    fleet.init()
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    assert t[0].item() == dist.get_world_size()
+    out = sys.argv[1]
+    info = {"pid": os.getpid(), "rank": dist.get_rank(),
+            "master": [os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])]}
+    with open(os.path.join(out, f"ready.{dist.get_rank()}.tmp"), "w") as f:
+        json.dump(info, f)
+    os.replace(os.path.join(out, f"ready.{dist.get_rank()}.tmp"), os.path.join(out, f"ready.{dist.get_rank()}"))
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(out, "release")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dist.barrier()
+    """
+)
+
+
+def _children() -> dict[int, list[int]]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rpartition(")")[2].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    children, out, todo = _children(), [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def _address(hex_addr: str) -> str:
+    raw = bytes.fromhex(hex_addr)
+    # /proc/net/tcp{,6} print each 32-bit word in host (little-endian) order.
+    fixed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return str(ipaddress.ip_address(fixed))
+
+
+def listening_sockets(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of the TCP sockets ``pid`` holds in LISTEN state."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        return []
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inodes:  # 0A: TCP_LISTEN
+                addr, port = local.split(":")
+                found.append((_address(addr), int(port, 16)))
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def is_wildcard(address: str) -> bool:
+    return ipaddress.ip_address(address).is_unspecified
+
+
+@pytest.mark.timeout(120)
+def test_single_node_job_listens_only_on_loopback_except_torchs_stores(tmp_path):
+    (tmp_path / "worker.py").write_text(WORKER)
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "distamp.launcher", "--nproc_per_node", "2", "--tee", "none",
+         "--log_dir", str(tmp_path / "log"), "worker.py", str(tmp_path)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while not all((tmp_path / f"ready.{r}").exists() for r in range(2)):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                _, err = proc.communicate(timeout=30) if proc.poll() is not None else ("", "")
+                logs = {p.name: p.read_text() for p in (tmp_path / "log").glob("workerlog.*")}
+                pytest.fail(f"workers never got ready (exit {proc.poll()}):\n{err}\n{logs}")
+            time.sleep(0.1)
+        ranks = {r: json.loads((tmp_path / f"ready.{r}").read_text()) for r in range(2)}
+        listeners = {pid: listening_sockets(pid) for pid in descendants(proc.pid)}
+    finally:
+        (tmp_path / "release").write_text("")
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        pytest.fail(f"distrun did not finish after the release:\n{err}")
+    assert proc.returncode == 0, err
+
+    table = "\n".join(f"pid {pid}: {socks}" for pid, socks in listeners.items() if socks)
+    worker_pids = {info["pid"]: r for r, info in ranks.items()}
+    assert set(worker_pids) <= set(listeners), (worker_pids, table)
+    for pid, socks in listeners.items():
+        specific = [s for s in socks if not is_loopback(s[0]) and not is_wildcard(s[0])]
+        assert not specific, f"pid {pid} listens on a non-loopback address: {specific}\n{table}"
+        wildcard = [s for s in socks if is_wildcard(s[0])]
+        if pid == proc.pid:
+            assert len(wildcard) <= 1, f"distrun: more than its rendezvous store\n{table}"
+        elif worker_pids.get(pid) == 0:
+            master_addr, master_port = ranks[0]["master"]
+            assert is_loopback(master_addr), ranks[0]
+            assert all(port == master_port for _, port in wildcard), f"rank 0: not only the store\n{table}"
+        else:
+            assert not wildcard, f"pid {pid} (rank {worker_pids.get(pid)}) listens on all interfaces\n{table}"
+    for pid, rank in worker_pids.items():
+        # gloo's mesh listener: proves the inspection sees the workers' sockets at all
+        assert any(is_loopback(a) for a, _ in listeners[pid]), f"rank {rank}: no loopback listener\n{table}"
