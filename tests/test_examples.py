@@ -1,0 +1,129 @@
+"""The examples run end to end on two real ranks under distrun; tiny configurations, no timings checked."""
+
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+sys.path.insert(0, EXAMPLES)
+
+import bench_modes
+import benchmark
+import netns
+from train_digits import DigitsNet
+
+
+def distrun(tmp_path, script: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """``distrun --nproc_per_node 2 examples/<script> args`` in ``tmp_path``; fails the test on error."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "distamp.launcher", "--nproc_per_node", "2",
+           os.path.join(EXAMPLES, script), *args]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    assert done.returncode == 0, f"{script} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+@pytest.mark.timeout(60)
+def test_train_digits_writes_consistent_outputs(tmp_path):
+    done = distrun(tmp_path, "train_digits.py", "--max_steps", "6", "--pure_fp16", "--no_progress",
+                   "--out_dir", "out", "--save_params", "params.pt", timeout=50)
+
+    accuracy = re.findall(r"test_accuracy=(\d\.\d{4})$", done.stdout, re.MULTILINE)
+    assert len(accuracy) == 1, done.stdout  # rank 0 only
+    history = json.loads((tmp_path / "out" / "history.json").read_text())
+    assert history["precision"] == "float16-O2" and history["world_size"] == 2
+    assert f"{history['test_accuracy']:.4f}" == accuracy[0]
+    assert history["step"] == [1, 2, 3, 4, 5, 6]
+    assert len(history["loss"]) == len(history["loss_scale"]) == len(history["skipped"]) == 6
+    assert history["skipped_steps"] == sum(history["skipped"])
+    assert all(s >= 1.0 for s in history["loss_scale"]) and history["loss_scale"][0] <= 32768.0
+    assert (tmp_path / "out" / "history.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    params = torch.load(tmp_path / "params.pt", weights_only=True)
+    assert params.keys() == DigitsNet().state_dict().keys()
+    assert params["classifier.3.weight"].dtype == torch.float16  # O2 keeps 16-bit model weights
+
+
+@pytest.mark.timeout(80)
+def test_benchmark_smoke_counts_half_the_bytes(tmp_path):
+    modes = "fp32,torch_bf16,distamp_o2_bf16"
+    done = distrun(tmp_path, "benchmark.py", "--model", "shallow", "--batch", "4", "--modes", modes,
+                   "--reps", "2", "--steps", "1", "--warmup", "1", "--probe_steps", "1",
+                   "--json", "bench.json", timeout=70)
+
+    assert "| mode | step ms (median) |" in done.stdout
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert list(result["modes"]) == modes.split(",")
+    n = sum(p.numel() for p in bench_modes.build_model("shallow", 0).parameters())
+    rows = result["modes"]
+    assert rows["fp32"]["wire_bytes_per_step"] == 4 * n
+    assert rows["torch_bf16"]["wire_bytes_per_step"] == 2 * n
+    # distamp: 16-bit gradients plus its small found-inf flag all-reduce.
+    assert 2 * n <= rows["distamp_o2_bf16"]["wire_bytes_per_step"] <= 2 * n + 64
+    for row in rows.values():
+        assert row["samples"] == 2 and row["median_s"] > 0 and row["iqr_s"] >= 0
+        assert len(row["peak_bytes_per_rank"]) == 2
+    assert rows["fp32"]["vs_fp32"] == 1.0
+    assert rows["distamp_o2_bf16"]["vs_torch_native"] == pytest.approx(
+        rows["distamp_o2_bf16"]["median_s"] / rows["torch_bf16"]["median_s"])
+
+
+def test_link_mode_without_root_exits_2(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.delenv("RANK", raising=False)
+    assert benchmark.main(["--link_gbit", "1"]) == 2
+    assert "needs root" in capsys.readouterr().err
+
+
+def test_link_mode_under_a_launcher_exits_2(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv(benchmark._NETNS_ENV, raising=False)
+    assert benchmark.main(["--link_gbit", "1"]) == 2
+    assert "not under distrun" in capsys.readouterr().err
+
+
+def _leftover_namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith("damp")]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(netns.why_unavailable() is not None, reason=str(netns.why_unavailable()))
+def test_link_mode_runs_one_rank_per_namespace_and_cleans_up(tmp_path):
+    before = (_leftover_namespaces(), sorted(glob.glob("/etc/netns/damp*")))
+    cmd = [sys.executable, os.path.join(EXAMPLES, "benchmark.py"), "--link_gbit", "1", "--model", "shallow",
+           "--batch", "4", "--modes", "fp32,torch_bf16", "--reps", "1", "--steps", "1", "--warmup", "1",
+           "--probe_steps", "1", "--json", str(tmp_path / "link.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=50, check=False,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads((tmp_path / "link.json").read_text())
+    assert result["config"]["link_gbit"] == 1.0 and result["config"]["world_size"] == 2
+    assert "1 Gbit/s link" in done.stdout
+    assert (_leftover_namespaces(), sorted(glob.glob("/etc/netns/damp*"))) == before
+
+
+def test_namespaces_are_removed_when_setup_fails(monkeypatch):
+    if netns.why_unavailable() is not None or shutil.which("ip") is None:
+        pytest.skip(str(netns.why_unavailable()))
+    link = netns.LinkedNamespaces(1.0)
+    real_run = netns._run
+
+    def fail_on_tc(*cmd):
+        if cmd[0] == "tc":
+            raise RuntimeError("injected tc failure")
+        real_run(*cmd)
+
+    monkeypatch.setattr(netns, "_run", fail_on_tc)
+    with pytest.raises(RuntimeError, match="injected"), link:
+        pass
+    assert not [n for n in _leftover_namespaces() if n in link.names]
+    assert not any(os.path.exists(f"/etc/netns/{n}") for n in link.names)
