@@ -101,6 +101,8 @@ class RankLogs(LogsSpecs):
         self._tee_ranks = tee_ranks
         self._out = out if out is not None else sys.stdout
         self._tee: _Tee | None = None
+        self._started: set[str] = set()
+        self._round = 0
         # Torch's error-reply files (written by @record-decorated workers);
         # not logs, so they live outside log_dir and go away with the launch.
         self._error_dir = tempfile.mkdtemp(prefix="distrun-errors-")
@@ -113,23 +115,28 @@ class RankLogs(LogsSpecs):
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         """Called by the agent before each attempt: write separators, start the tee."""
         self._stop_tee()
+        self._round += 1
         tee_files = {}
         error_files = {}
         for local_rank, env in envs.items():
             rank = int(env["RANK"])
-            attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            restarts = env.get("TORCHELASTIC_RESTART_COUNT", "0")
             path = log_path(self._log_dir, rank)
-            # A new job starts a fresh file; a restart appends to it.
-            with open(path, "w" if attempt == 0 else "a", encoding="utf-8") as f:
+            # A new job starts a fresh file; later rounds append to it. Not
+            # keyed on the restart count: on several nodes a node restarted
+            # because another node failed keeps its count.
+            mode = "a" if path in self._started else "w"
+            self._started.add(path)
+            with open(path, mode, encoding="utf-8") as f:
                 f.write(
-                    f"===== distrun: rank {rank} (local rank {local_rank}), attempt "
-                    f"{attempt + 1}, TORCHELASTIC_RESTART_COUNT={attempt}, "
+                    f"===== distrun: rank {rank} (local rank {local_rank}), start "
+                    f"{self._round}, TORCHELASTIC_RESTART_COUNT={restarts}, "
                     f"{time.strftime('%Y-%m-%d %H:%M:%S')} =====\n"
                 )
                 offset = f.tell()
             if rank in self._tee_ranks:
                 tee_files[path] = (f"[rank{rank}]: ", offset)
-            error_file = os.path.join(self._error_dir, f"attempt{attempt}.rank{rank}.json")
+            error_file = os.path.join(self._error_dir, f"start{self._round}.rank{rank}.json")
             error_files[local_rank] = error_file
             env["TORCHELASTIC_ERROR_FILE"] = error_file
         if tee_files:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import uuid
 from typing import TextIO
@@ -35,11 +36,15 @@ _RENDEZVOUS_TIMEOUT = 900  # seconds the nodes wait for each other (torch's defa
 def launch_config(plan: LaunchPlan, logs: RankLogs) -> LaunchConfig:
     """The torch ``LaunchConfig`` for ``plan``.
 
-    One node without ``--master``: c10d rendezvous on 127.0.0.1 port 0, so the
-    OS picks a free port for the rendezvous store with no bind-then-close race
-    and MASTER_ADDR is loopback. With ``--master``/``--ips``: static
-    rendezvous at that address, where node rank ``--node_rank`` hosts the
-    store, so node ranks are the ones the user gave.
+    - One node without ``--master``: c10d rendezvous on 127.0.0.1 port 0, so
+      the OS picks a free port for the rendezvous store with no
+      bind-then-close race, and MASTER_ADDR is loopback.
+    - Several nodes, no restarts: static rendezvous at ``--master``; node
+      rank ``--node_rank`` hosts the store, so node ranks are the user's.
+    - Several nodes with ``--max_restarts``: c10d rendezvous at ``--master``
+      (hosted by node rank 0). Torch's static rendezvous cannot restart a
+      multi-node group (its restarted workers hang in process-group set-up);
+      c10d makes every node restart together, but orders nodes itself.
     """
     common = {
         "min_nodes": plan.nnodes,
@@ -60,13 +65,44 @@ def launch_config(plan: LaunchPlan, logs: RankLogs) -> LaunchConfig:
             local_addr="127.0.0.1",
             **common,
         )
+    endpoint = f"[{plan.master_addr}]:{plan.master_port}" if ":" in plan.master_addr else (
+        f"{plan.master_addr}:{plan.master_port}"
+    )
+    if plan.max_restarts == 0:
+        return LaunchConfig(
+            run_id="distrun",
+            rdzv_backend="static",
+            rdzv_endpoint=endpoint,
+            rdzv_configs={"rank": plan.node_rank, "timeout": _RENDEZVOUS_TIMEOUT},
+            **common,
+        )
     return LaunchConfig(
         run_id="distrun",
-        rdzv_backend="static",
-        rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
-        rdzv_configs={"rank": plan.node_rank, "timeout": _RENDEZVOUS_TIMEOUT},
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"is_host": plan.node_rank == 0, "timeout": _RENDEZVOUS_TIMEOUT},
+        local_addr=_address_towards(plan.master_addr, plan.node_rank),
         **common,
     )
+
+
+def _address_towards(master: str, node_rank: int) -> str:
+    """This node's address as the other nodes should use it for MASTER_ADDR.
+
+    Node rank 0 is the master, which every node can reach by that name. Any
+    other node uses the local address of its route to the master (a UDP
+    ``connect`` picks the route without sending anything), which avoids
+    relying on this host's name resolving on the other nodes.
+    """
+    if node_rank == 0:
+        return master
+    family = socket.AF_INET6 if ":" in master else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((master, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.getfqdn()
 
 
 def exit_code_of(failure: ProcessFailure) -> int:
@@ -155,6 +191,11 @@ def _summary(plan: LaunchPlan) -> str:
         else f"{plan.master_addr}:{plan.master_port}, node rank {plan.node_rank} of {plan.nnodes}"
     )
     gpus = f", GPUs {','.join(plan.gpus)}" if plan.gpus is not None else ""
+    if not plan.local_rendezvous and plan.max_restarts:
+        where += (
+            " (c10d, so all nodes restart together; the rendezvous orders the nodes, "
+            "so global ranks may not follow --node_rank)"
+        )
     tee = ",".join(map(str, sorted(plan.tee))) or "none"
     return (
         f"distrun: {plan.nproc_per_node} worker(s) on this node, world size "
@@ -201,6 +242,11 @@ def launch(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = Non
             file=err,
         )
         return 128 + int(error.sigval)
+    except KeyboardInterrupt:
+        # Ctrl-C before the workers started (e.g. while waiting for other
+        # nodes): torch's own handler is not installed yet.
+        print("distrun: interrupted before the workers started.", file=err)
+        return 128 + int(signal.SIGINT)
     except RendezvousError as error:
         print(f"distrun: rendezvous failed: {error}", file=err)
         return 1

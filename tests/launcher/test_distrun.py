@@ -224,8 +224,8 @@ def test_max_restarts_recovers_from_a_killed_worker(tmp_path):
     log1 = (tmp_path / "log" / "workerlog.1").read_text().splitlines()
     separators = [i for i, line in enumerate(log1) if line.startswith("===== distrun: rank 1")]
     assert len(separators) == 2
-    assert "TORCHELASTIC_RESTART_COUNT=0" in log1[separators[0]]
-    assert "TORCHELASTIC_RESTART_COUNT=1" in log1[separators[1]]
+    assert "start 1, TORCHELASTIC_RESTART_COUNT=0" in log1[separators[0]]
+    assert "start 2, TORCHELASTIC_RESTART_COUNT=1" in log1[separators[1]]
     first, second = log1[separators[0]:separators[1]], log1[separators[1]:]
     assert "attempt 0 rank 1 sum 2.0" in first
     assert "attempt 1 rank 1 finished with 4.0" in second
@@ -268,3 +268,27 @@ def test_two_nodes_with_the_two_hosts_recipe(tmp_path):
     assert "[rank0]: rank 0 sum 3.0" in results[0][0]
     log1 = (tmp_path / "log" / "workerlog.1").read_text()
     assert "rank 1 sum 3.0" in log1 and "'WORLD_SIZE': '2'" in log1 and "'LOCAL_RANK': '0'" in log1
+
+
+@pytest.mark.timeout(120)
+def test_two_nodes_restart_together(tmp_path):
+    """--max_restarts on two 'nodes' (two distrun on this host): both nodes restart."""
+    script = write(tmp_path, "job.py", FAILS_ONCE)
+    master = f"127.0.0.1:{free_port()}"
+    nodes = [
+        subprocess.Popen(
+            distrun_cmd("--nnodes", "2", "--node_rank", str(r), "--master", master,
+                        "--max_restarts", "1", "--log_dir", f"node{r}", script),
+            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=worker_env(),
+        )
+        for r in (0, 1)
+    ]
+    results = [node.communicate(timeout=100) for node in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], results
+    logs = "".join((tmp_path / f"node{r}").joinpath(name).read_text()
+                   for r in (0, 1) for name in os.listdir(tmp_path / f"node{r}"))
+    assert "attempt 0 rank 1 sum 2.0" in logs
+    for rank in (0, 1):
+        assert re.search(rf"attempt \d rank {rank} finished with 4.0", logs), logs
+    assert "all nodes restart together" in results[0][1]
