@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     logs.add_argument(
         "--grace_period", type=int, default=30, metavar="SECONDS",
-        help="when stopping workers, seconds between SIGTERM and SIGKILL (default: 30)",
+        help="when distrun is interrupted (SIGINT/SIGTERM), seconds the workers get to "
+        "exit before SIGKILL (default: 30; after a worker failure torch always waits 30)",
     )
     what = parser.add_argument_group("what to run")
     what.add_argument(

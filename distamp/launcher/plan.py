@@ -59,7 +59,8 @@ class LaunchPlan:
     max_restarts: int = 0
     """Times a failed worker group is restarted."""
     grace_period: int = 30
-    """Seconds between SIGTERM and SIGKILL when stopping workers."""
+    """Seconds workers get to exit after distrun forwards SIGINT/SIGTERM,
+    before SIGKILL (torch's agent uses a fixed 30 s after a worker failure)."""
 
     @property
     def world_size(self) -> int:

@@ -213,16 +213,16 @@ def launch(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = Non
     """
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
-    worker_env = build_worker_env(plan, os.environ, launcher_pid=os.getpid())
-    print(_summary(plan), file=err)
-    for note in worker_env.notes:
-        print(f"distrun: {note}", file=err)
-    err.flush()
     try:
         os.makedirs(plan.log_dir, exist_ok=True)
     except OSError as exc:
         print(f"distrun: error: --log_dir {plan.log_dir!r} cannot be created: {exc}", file=err)
         return 2
+    worker_env = build_worker_env(plan, os.environ, launcher_pid=os.getpid())
+    print(_summary(plan), file=err)
+    for note in worker_env.notes:
+        print(f"distrun: {note}", file=err)
+    err.flush()
     logs = RankLogs(plan.log_dir, plan.tee, out=out)
     bootstrap = os.path.abspath(_bootstrap.__file__)
     try:
