@@ -13,12 +13,13 @@ Repetitions interleave the modes (in a rotated order), so machine drift
 lands on every mode alike. Per mode it reports the median and interquartile
 range of the step time (each step's time is the slowest rank's), the ratio
 to FP32 DDP and to the torch-native counterpart, the collective payload per
-rank per step, and the peak memory growth per rank. Bytes and memory come
-from a probe run in a fresh process per mode and rank: it counts every
-``ProcessGroup`` collective (see ``bench_modes.WireCounter``) and, on CPU,
-resets the kernel's peak-RSS mark (``/proc/self/clear_refs``) after start-up
-and reads ``VmHWM`` at the end, so one mode's allocator history cannot
-inflate another's; on CUDA it uses ``torch.cuda.max_memory_allocated``.
+rank per step, and the peak tensor memory per rank. Bytes and memory come
+from a probe run in a fresh process per mode and rank, so one mode's
+allocations cannot inflate another's: it counts every ``ProcessGroup``
+collective (see ``bench_modes.WireCounter``) and takes the peak of live
+tensor bytes from model construction to the last step
+(``torch.cuda.max_memory_allocated`` on CUDA; on CPU, the allocation and
+free events recorded by ``torch.profiler`` with ``profile_memory``).
 """
 
 from __future__ import annotations
@@ -162,34 +163,35 @@ def time_modes(args: argparse.Namespace, device: torch.device) -> tuple[dict[str
 
 # ----------------------------------------------------------------------------- probes
 
-def _peak_reset() -> int:
-    """Reset the peak-RSS mark to the current RSS and return it (bytes); 0 where unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return _proc_status("VmRSS")
-    except OSError:
-        return 0
-
-
-def _proc_status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"{key} not in /proc/self/status")
+def _tensor_peak(prof: torch.profiler.profile) -> float:
+    """Peak bytes of live CPU tensors over a profile (allocations minus frees, in time order)."""
+    events = prof.profiler.kineto_results.events() if prof.profiler is not None else []
+    deltas = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in deltas:
+        live += nbytes
+        peak = max(peak, live)
+    return float(peak) if deltas else float("nan")
 
 
 def run_probe(args: argparse.Namespace) -> dict:
-    """In a fresh process: bytes on the wire per step and peak memory growth of one mode."""
+    """In a fresh process: bytes on the wire per step and peak tensor memory of one mode.
+
+    Memory is the peak of live tensor bytes from building the model to the
+    end of the steps, the same quantity on both device kinds: CUDA's
+    allocator statistics, or on CPU the allocation and free events of
+    torch's profiler. Resident set size would also count what the C
+    allocator keeps cached from freed activations, which differs by mode
+    for reasons that have nothing to do with the mode.
+    """
     device = _init(args)
     x, y = _batch(args, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    else:
-        base = _peak_reset()
-    with bench_modes.WireCounter() as counter:
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=device.type == "cpu") as prof, \
+            bench_modes.WireCounter() as counter:
         runner = bench_modes.build_runner(args._probe, args.model, device, lr=args.lr, bucket_mb=args.bucket_mb)
         if not getattr(runner.model, "_comm_hooks", True):
             # DDP's built-in all-reduce bypasses ProcessGroup's Python methods; torch's
@@ -200,12 +202,9 @@ def run_probe(args: argparse.Namespace) -> dict:
         for _ in range(args.probe_steps):
             runner.step(x, y)
         _sync(device)
-        calls = {k: v / args.probe_steps for k, v in counter.calls.items()}
-        wire = counter.total_bytes / args.probe_steps
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) - base
-    else:
-        peak = _proc_status("VmHWM") - base if base else float("nan")
+    calls = {k: v / args.probe_steps for k, v in counter.calls.items()}
+    wire = counter.total_bytes / args.probe_steps
+    peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else _tensor_peak(prof)
     dist.destroy_process_group()
     return {"wire_bytes_per_step": wire, "collective_calls_per_step": calls, "peak_bytes": peak}
 
@@ -273,15 +272,16 @@ def markdown(summary: dict) -> str:
              f"per rank, {cfg['world_size']} ranks, {link}, {cfg['reps']} x {cfg['steps']} steps per mode")
     lines = [title,
              "",
-             "| mode | step ms (median) | IQR ms | x FP32 | x torch-native | wire MB/step | peak MB per rank | last loss |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             ("| mode | step ms (median) | IQR ms | x FP32 | x torch-native | wire MB/step "
+              "| peak tensor MB per rank | peak x FP32 | last loss |"),
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for mode, r in summary["modes"].items():
         peaks = r.get("peak_bytes_per_rank")
         peak = " / ".join(f"{p / 2**20:.0f}" for p in peaks) if peaks else "-"
         wire = r.get("wire_bytes_per_step")
         lines.append(f"| {mode} | {r['median_s'] * 1e3:.1f} | {r['iqr_s'] * 1e3:.1f} | {fmt(r.get('vs_fp32'), '.2f')} "
                      f"| {fmt(r.get('vs_torch_native'), '.2f')} | {fmt(None if wire is None else wire / 1e6, '.2f')} "
-                     f"| {peak} | {r['last_loss']:.4f} |")
+                     f"| {peak} | {fmt(r.get('peak_vs_fp32'), '.2f')} | {r['last_loss']:.4f} |")
     return "\n".join(lines)
 
 
