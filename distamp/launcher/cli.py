@@ -98,6 +98,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _split_argv(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """Split ``argv`` into distrun's options and ``[SCRIPT, *ARGS]``.
+
+    The script is the first word that is neither an option nor an option's
+    value (``--`` may mark it). Everything after it is returned verbatim:
+    ``argparse.REMAINDER`` would drop a ``--`` right after the script.
+    """
+    takes_value = {
+        opt: action.nargs != 0 for action in parser._actions for opt in action.option_strings
+    }
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--":
+            return argv[:i], argv[i + 1:]
+        if not word.startswith("-") or word == "-":
+            return argv[:i], argv[i:]
+        if takes_value.get(word, False):
+            i += 1  # its value, whatever it looks like
+        i += 1
+    return argv, []
+
+
 def parse_plan(argv: Sequence[str]) -> LaunchPlan:
     """Parse and validate ``argv`` (without the program name); start nothing.
 
@@ -105,14 +128,16 @@ def parse_plan(argv: Sequence[str]) -> LaunchPlan:
         UsageError: for any bad input, naming the flag and value.
     """
     parser = build_parser()
-    args, unknown = parser.parse_known_args(list(argv))
+    own, command = _split_argv(parser, list(argv))
+    args, unknown = parser.parse_known_args(own)
     if unknown:
         flags = [o for a in parser._actions for o in a.option_strings]
         first = unknown[0].partition("=")[0]
         raise UsageError(
-            f"unrecognized option {first!r} (arguments: {' '.join(unknown)!r}).{did_you_mean(first, flags)} "
-            f"Options for your script go after SCRIPT."
+            f"unrecognized option {first!r} (arguments: {' '.join(unknown)!r})."
+            f"{did_you_mean(first, flags)} Options for your script go after SCRIPT."
         )
+    args.script, args.script_args = (command[0], command[1:]) if command else (None, [])
     return build_plan(args)
 
 

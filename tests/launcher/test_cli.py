@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from distamp.launcher.cli import build_parser, main, parse_plan
+from distamp.launcher.cli import _split_argv, build_parser, main, parse_plan
 from distamp.launcher.plan import UsageError, build_plan
 
 
@@ -102,7 +102,11 @@ def fake_gpus(count):
 
 
 def parse(argv, environ=None, gpus=0):
-    return build_plan(build_parser().parse_args(argv), environ or {}, fake_gpus(gpus))
+    parser = build_parser()
+    own, command = _split_argv(parser, argv)
+    args = parser.parse_args(own)
+    args.script, args.script_args = (command[0], command[1:]) if command else (None, [])
+    return build_plan(args, environ or {}, fake_gpus(gpus))
 
 
 def test_gpus_not_visible_names_the_id(script):
@@ -132,6 +136,17 @@ def test_valid_plans(script):
     assert plan.tee == frozenset()
     plan = parse(["-m", "json.tool", "x"])
     assert plan.command == ("-m", "json.tool", "x")
+
+
+@pytest.mark.parametrize("argv, command", [
+    (["train.py", "--", "--lr", "1"], ("train.py", "--", "--lr", "1")),
+    (["--", "train.py", "--"], ("train.py", "--")),
+    (["--nproc_per_node=2", "train.py", "--nproc_per_node", "5", "-m", "x"],
+     ("train.py", "--nproc_per_node", "5", "-m", "x")),
+    (["--tee", "all", "-m", "json.tool", "--", "-x"], ("-m", "json.tool", "--", "-x")),
+])
+def test_script_arguments_are_untouched(argv, command, script):
+    assert parse(argv).command == command
 
 
 def test_help_exits_0(capsys):
