@@ -48,6 +48,7 @@ import os
 import random
 import re
 import warnings
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,30 +215,43 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
 def _check_plain(value: Any, where: str) -> None:
-    """Refuse values ``torch.load(weights_only=True)`` could not read back."""
-    if value is None or isinstance(value, (bool, str, bytes, numbers.Integral, float)):
-        if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
-            raise TypeError(f"{where} is a {type(value).__name__}; convert it with int(...)")
+    """Refuse values ``torch.load(weights_only=True)`` could not read back.
+
+    Exact types only: a NumPy scalar, a ``defaultdict`` or a namedtuple
+    pickles fine but is refused by the weights-only loader, which would
+    make the checkpoint unloadable long after it was saved.
+    """
+    kind = type(value)
+    if kind in _PLAIN or isinstance(value, torch.Tensor):
         return
-    if isinstance(value, torch.Tensor):
-        return
-    if isinstance(value, (list, tuple)):
+    if kind in (list, tuple, set, frozenset):
         for i, item in enumerate(value):
             _check_plain(item, f"{where}[{i}]")
         return
-    if isinstance(value, dict):
+    if kind in (dict, OrderedDict):
         for key, item in value.items():
-            if not isinstance(key, (str, int)) or isinstance(key, bool):
-                raise TypeError(f"{where} has key {key!r} of type {type(key).__name__}; use str or int keys")
+            _check_plain(key, f"key {key!r} of {where}")
             _check_plain(item, f"{where}[{key!r}]")
         return
+    hint = "int(...)" if isinstance(value, numbers.Integral) else "float(...)" if isinstance(value, numbers.Real) else (
+        ".tolist(), torch.as_tensor(...) or a plain dict/list/tuple")
     raise TypeError(
-        f"{where} is a {type(value).__name__} ({value!r:.80}); checkpoints hold only None, bool, "
-        "int, float, str, bytes, tensors and lists/tuples/dicts of them (so that "
-        "torch.load(..., weights_only=True) can read them back). Convert it, e.g. with "
-        "int(...), float(...), .tolist() or torch.as_tensor(...)"
+        f"{where} is a {kind.__name__} ({_short_repr(value)}), which torch.load(..., weights_only=True) "
+        f"cannot read back; checkpoints hold only None, bool, int, float, str, bytes, tensors and "
+        f"lists/tuples/dicts of them. Convert it with {hint}"
     )
+
+
+def _short_repr(value: Any) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - only for the message
+        text = object.__repr__(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_objects(model: Any, optimizer: Any, scheduler: Any) -> None:
@@ -427,6 +441,12 @@ def save_checkpoint(
     _check_plain(extra, "extra")
     step = int(step)
 
+    # Checked on every rank (the states are replicated), so all raise alike.
+    optimizer_state = optimizer.state_dict()
+    scheduler_state = scheduler.state_dict() if scheduler is not None else None
+    _check_plain(optimizer_state, "optimizer.state_dict()")
+    _check_plain(scheduler_state, "scheduler.state_dict()")
+
     rank, world_size = _rank_and_world()
     rng_states = _all_gather(_rng_state())
     error, failure = None, None
@@ -438,8 +458,8 @@ def save_checkpoint(
                 "world_size": world_size,
                 "model": _unwrap(model).state_dict(),
                 "optimizer_type": type(optimizer).__name__,
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "optimizer": optimizer_state,
+                "scheduler": scheduler_state,
                 "rng": rng_states,
                 "extra": extra,
             }

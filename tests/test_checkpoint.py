@@ -10,6 +10,7 @@ NumPy, so every RNG restored matters.
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import warnings
@@ -327,6 +328,16 @@ def test_a_plain_torch_optimizer_and_no_scheduler_work(tmp_path):
 # --------------------------------------------------------------------------- bad input
 
 
+class _Halve:
+    """A callable LR lambda: LambdaLR puts its __dict__ in state_dict()."""
+
+    def __init__(self) -> None:
+        self.factor = np.float64(0.5)
+
+    def __call__(self, epoch: int) -> float:
+        return self.factor**epoch
+
+
 def test_bad_arguments_are_refused_clearly(tmp_path):
     model, opt, _ = build(0)
     kw = {"model": model, "optimizer": opt}
@@ -338,10 +349,22 @@ def test_bad_arguments_are_refused_clearly(tmp_path):
         save_checkpoint(tmp_path, -1, **kw)
     with pytest.raises(TypeError, match=r"step must be an int, got float \(1.5\)"):
         save_checkpoint(tmp_path, 1.5, **kw)
-    with pytest.raises(TypeError, match=r"extra\['pos'\]\[1\] is a ndarray .*weights_only=True"):
+    with pytest.raises(TypeError, match=r"extra\['pos'\]\[1\] is a ndarray .*weights_only=True.*tolist"):
         save_checkpoint(tmp_path, 1, extra={"pos": [1, np.zeros(2)]}, **kw)
-    with pytest.raises(TypeError, match=r"extra\['n'\] is a int64; convert it with int"):
+    with pytest.raises(TypeError, match=r"extra\['n'\] is a int64 \(.*Convert it with int\(\.\.\.\)"):
         save_checkpoint(tmp_path, 1, extra={"n": np.int64(3)}, **kw)
+    with pytest.raises(TypeError, match=r"extra\['loss'\] is a float64 .*Convert it with float\(\.\.\.\)"):
+        save_checkpoint(tmp_path, 1, extra={"loss": np.float64(0.5)}, **kw)
+    with pytest.raises(TypeError, match=r"extra\['seen'\] is a defaultdict"):
+        save_checkpoint(tmp_path, 1, extra={"seen": collections.defaultdict(int)}, **kw)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _Halve())
+    # The NumPy factor reaches the optimizer's lr before the scheduler's own state.
+    with pytest.raises(TypeError, match=r"optimizer.state_dict\(\)\['inner'\]\['param_groups'\]\[0\]\['lr'\] is a float64"):
+        save_checkpoint(tmp_path, 1, scheduler=sched, **kw)
+    for group in opt.param_groups:
+        group["lr"] = float(group["lr"])
+    with pytest.raises(TypeError, match=r"scheduler.state_dict\(\)\['[a-z_]+'\]\[0\].* is a float64"):
+        save_checkpoint(tmp_path, 1, scheduler=sched, **kw)
     with pytest.raises(TypeError, match=r"optimizer must be a torch.optim.Optimizer .* got dict"):
         save_checkpoint(tmp_path, 1, model=model, optimizer={})
     with pytest.raises(TypeError, match=r"model must be a torch.nn.Module, got dict"):
