@@ -21,8 +21,11 @@ What we found with torch 2.13 (and what this test pins down):
 So the test asserts: nothing listens on a specific non-loopback address;
 every gloo listener is on loopback; wildcard listeners are at most one
 ``TCPStore`` in distrun and one in rank 0 on ``MASTER_PORT``, and none in
-any other rank. Once those stores are bound to loopback, the same test
-holds with no wildcard listener at all.
+any other rank. With both stores moved to loopback (a file store for the
+rendezvous in distamp/launcher/run.py, a ``master_listen_fd`` bound to
+127.0.0.1 in distamp/process_group.py; tried, and then nothing listens
+beyond loopback), the two wildcard branches below should become
+``assert not wildcard``.
 """
 
 from __future__ import annotations
