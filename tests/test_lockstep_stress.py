@@ -110,7 +110,8 @@ def _stress(rank, world_size, seed):
     return skipped_at, optimizer.steps_skipped, optimizer.steps_applied, hashes, sorted(scales)
 
 
-@pytest.mark.slow  # about 40 s: 4 spawned ranks on 2 cores, half of it start-up and exit
+# About 15 s on an idle 2-core machine (up to ~50 s when other jobs share the
+# cores), half of it spawning and tearing down the 4 ranks: not marked slow.
 @pytest.mark.timeout(150)
 def test_four_ranks_stay_in_lockstep_through_500_steps_of_injected_inf_and_nan():
     seed = 20261122
