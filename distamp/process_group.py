@@ -8,8 +8,11 @@ world with no process group at all.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -127,11 +130,47 @@ def init_process_group(world: WorldInfo) -> bool:
     device = default_device(world.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    store = _loopback_store(world)
     dist.init_process_group(
         default_backend(),
-        init_method="env://",
+        **({"store": store} if store is not None else {"init_method": "env://"}),
         rank=world.rank,
         world_size=world.world_size,
         **({"device_id": device} if device.type == "cuda" else {}),
     )
     return True
+
+
+def _loopback_store(world: WorldInfo) -> dist.TCPStore | None:
+    """The process-group store, listening on loopback only when MASTER_ADDR is loopback.
+
+    torch's env:// store binds its server to every interface whatever
+    MASTER_ADDR says; handing it a socket already bound to MASTER_ADDR keeps
+    a single-node job off the network. ``None`` means: use env:// as usual.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None  # the agent hosts the store; workers are only clients
+    try:
+        if not ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        if host != "localhost":
+            return None
+        host = "127.0.0.1"
+    timeout = timedelta(minutes=30)
+    if world.rank != 0:
+        return dist.TCPStore(host, port, world.world_size, False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(
+            f"rank 0 cannot listen on MASTER_ADDR:MASTER_PORT={host}:{port} for the process-group "
+            f"store: {exc}. Choose a free MASTER_PORT (distrun picks one by default)"
+        ) from exc
+    return dist.TCPStore(host, port, world.world_size, True, timeout=timeout,
+                         multi_tenant=True, master_listen_fd=sock.detach())

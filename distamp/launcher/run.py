@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import uuid
 from typing import TextIO
 
@@ -33,12 +34,13 @@ TAIL_LINES = 20
 _RENDEZVOUS_TIMEOUT = 900  # seconds the nodes wait for each other (torch's default)
 
 
-def launch_config(plan: LaunchPlan, logs: RankLogs) -> LaunchConfig:
+def launch_config(plan: LaunchPlan, logs: RankLogs, store_dir: str) -> LaunchConfig:
     """The torch ``LaunchConfig`` for ``plan``.
 
-    - One node without ``--master``: c10d rendezvous on 127.0.0.1 port 0, so
-      the OS picks a free port for the rendezvous store with no
-      bind-then-close race, and MASTER_ADDR is loopback.
+    - One node without ``--master``: c10d rendezvous on a file store in
+      ``store_dir``, and MASTER_ADDR is loopback. A TCPStore would listen on
+      every interface whatever address it is given (tests/test_exposure.py);
+      a file store opens no port at all, so it has no port race either.
     - Several nodes, no restarts: static rendezvous at ``--master``; node
       rank ``--node_rank`` hosts the store, so node ranks are the user's.
     - Several nodes with ``--max_restarts``: c10d rendezvous at ``--master``
@@ -60,8 +62,8 @@ def launch_config(plan: LaunchPlan, logs: RankLogs) -> LaunchConfig:
         return LaunchConfig(
             run_id=f"distrun-{uuid.uuid4().hex}",
             rdzv_backend="c10d",
-            rdzv_endpoint="127.0.0.1:0",
-            rdzv_configs={"timeout": _RENDEZVOUS_TIMEOUT},
+            rdzv_endpoint=os.path.join(store_dir, "rendezvous"),
+            rdzv_configs={"timeout": _RENDEZVOUS_TIMEOUT, "store_type": "file"},
             local_addr="127.0.0.1",
             **common,
         )
@@ -226,8 +228,8 @@ def launch(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = Non
     logs = RankLogs(plan.log_dir, plan.tee, out=out)
     bootstrap = os.path.abspath(_bootstrap.__file__)
     try:
-        with patched_environ(worker_env.variables):
-            elastic_launch(launch_config(plan, logs), sys.executable)(bootstrap)
+        with patched_environ(worker_env.variables), tempfile.TemporaryDirectory(prefix="distrun-") as store_dir:
+            elastic_launch(launch_config(plan, logs, store_dir), sys.executable)(bootstrap)
         return 0
     except ChildFailedError as error:
         logs.close()  # flush the tee before the report
