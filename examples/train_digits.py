@@ -12,11 +12,24 @@ downloaded. Every rank splits it with the same seed, trains on its
 ``DistributedSampler`` shard and evaluates the whole test set. Rank 0 shows
 a progress bar, prints ``test_accuracy=...`` and writes ``history.json`` and
 ``history.png`` (loss and loss scale per step) into ``--out_dir``.
+
+With ``--checkpoint_dir DIR`` the job saves every ``--checkpoint_every``
+steps (model, AMP optimizer with its FP32 masters and loss scale, every
+rank's RNG state and the data position; the last two are kept) and resumes
+from the newest intact checkpoint when it starts, so
+``distrun --max_restarts 1 ... --checkpoint_dir DIR`` survives a killed
+worker and finishes bitwise as if nothing had happened. The shuffle depends
+only on (seed, epoch), and the position is saved as samples seen in the
+epoch: resumed with another number of workers, the epoch continues after
+the same prefix of that epoch's order (rounded down to a whole global
+batch, so at most one global batch is seen twice) and each rank draws its
+new shard of the rest; the per-rank RNG streams start afresh.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -29,6 +42,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from distamp import fleet
+from distamp.checkpoint import load_latest_checkpoint, save_checkpoint
 
 
 class DigitsNet(nn.Module):
@@ -99,8 +113,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     out.add_argument("--save_params", default=None, metavar="PATH",
                      help="rank 0 saves the final model state_dict here")
     out.add_argument("--no_progress", action="store_true", help="hide the progress bar")
+    ckpt = p.add_argument_group("checkpoints")
+    ckpt.add_argument("--checkpoint_dir", default=None, metavar="DIR",
+                      help="save every --checkpoint_every steps (last two kept) and resume "
+                      "from the newest intact checkpoint in DIR at start-up")
+    ckpt.add_argument("--checkpoint_every", type=int, default=50, metavar="N",
+                      help="optimizer steps between checkpoints (default: %(default)s)")
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size"):
+    for name in ("epochs", "batch_size", "checkpoint_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)!r}")
     if args.max_steps is not None and args.max_steps < 1:
@@ -142,7 +162,7 @@ def build_strategy(args: argparse.Namespace) -> fleet.DistributedStrategy:
 
 
 def train(model, optimizer, loader: DataLoader, sampler: DistributedSampler,
-          args: argparse.Namespace) -> History:
+          args: argparse.Namespace, resume: dict | None = None) -> History:
     """Run ``args.epochs`` epochs (or ``args.max_steps`` steps) and return rank 0's history."""
     from tqdm import tqdm
 
@@ -150,14 +170,18 @@ def train(model, optimizer, loader: DataLoader, sampler: DistributedSampler,
     if args.max_steps is not None:
         total = min(total, args.max_steps)
     first = fleet.is_first_worker()
-    history = History()
-    bar = tqdm(total=total, disable=not first or args.no_progress, unit="step", dynamic_ncols=True)
+    resume = resume or {"step": 0, "epoch": 0, "samples_in_epoch": 0, "history": {}}
+    history = History(**resume["history"])
+    step = resume["step"]
+    global_batch = args.batch_size * fleet.worker_num()
+    bar = tqdm(total=total, initial=step, disable=not first or args.no_progress, unit="step", dynamic_ncols=True)
     device = fleet.device()
     model.train()
-    step = 0
-    for epoch in range(args.epochs):
+    for epoch in range(resume["epoch"], args.epochs):
         sampler.set_epoch(epoch)  # a different shuffle per epoch, the same on every rank
-        for x, y in loader:
+        # The order depends only on (seed, epoch): skipping what the checkpoint saw resumes it exactly.
+        done = resume["samples_in_epoch"] // global_batch if epoch == resume["epoch"] else 0
+        for batch, (x, y) in enumerate(itertools.islice(loader, done, None), start=done + 1):
             if step == total:
                 break
             x, y = x.to(device), y.to(device)
@@ -172,6 +196,10 @@ def train(model, optimizer, loader: DataLoader, sampler: DistributedSampler,
                 history.record(loss.item(), scale, not applied)
                 bar.set_postfix(epoch=epoch, loss=f"{history.loss[-1]:.4f}", scale=f"{scale:g}")
                 bar.update()
+            if args.checkpoint_dir and step % args.checkpoint_every == 0:
+                save_checkpoint(args.checkpoint_dir, step, model=model, optimizer=optimizer, extra={
+                    "step": step, "epoch": epoch, "samples_in_epoch": batch * global_batch,
+                    "history": asdict(history)})
     bar.close()
     return history
 
@@ -243,7 +271,11 @@ def main(argv: Sequence[str] | None = None) -> float:
     optimizer = fleet.distributed_optimizer(optimizer, strategy)
     model = fleet.distributed_model(model)
 
-    history = train(model, optimizer, loader, sampler, args)
+    resume = None
+    if args.checkpoint_dir:
+        info = load_latest_checkpoint(args.checkpoint_dir, model=model, optimizer=optimizer)
+        resume = info.extra if info is not None else None
+    history = train(model, optimizer, loader, sampler, args, resume)
     accuracy = evaluate(model, test_set)
     if fleet.is_first_worker():
         summary = {"precision": precision_name(args), "world_size": fleet.worker_num(),

@@ -1,0 +1,98 @@
+"""A worker killed with SIGKILL mid-run: distrun restarts, the job resumes and ends bitwise equal.
+
+The digits example runs twice on 2 CPU ranks in O2 FP16 with checkpoints:
+once uninterrupted, once with rank 1 killed after the step-60 checkpoint
+under ``--max_restarts 1``. The final parameters must be identical.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "train_digits.py"
+STEPS, EVERY, KILL_AFTER = 120, 20, 60
+
+
+def command(run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "distamp.launcher", "--nproc_per_node", "2",
+        "--log_dir", str(run_dir / "log"), *extra,
+        str(EXAMPLE), "--pure_fp16", "--dtype", "float16", "--max_steps", str(STEPS),
+        "--checkpoint_dir", str(run_dir / "ckpt"), "--checkpoint_every", str(EVERY),
+        "--save_params", str(run_dir / "final.pt"), "--out_dir", str(run_dir / "out"), "--no_progress",
+    ]
+
+
+def descendants(pid: int) -> list[int]:
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    found = []
+    try:
+        kids = [int(c) for c in children.read_text().split()]
+    except OSError:
+        return found
+    for kid in kids:
+        found.append(kid)
+        found.extend(descendants(kid))
+    return found
+
+
+def training_worker(launcher_pid: int, rank: int) -> int | None:
+    """The pid running train_digits.py as ``rank`` (not the launcher's guardian)."""
+    for pid in descendants(launcher_pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(arg.endswith(b"train_digits.py") for arg in cmdline) and f"RANK={rank}".encode() in environ:
+            return pid
+    return None
+
+
+def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "final.pt", weights_only=True)
+
+
+@pytest.mark.timeout(300)
+def test_sigkilled_worker_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    clean = tmp_path / "clean"
+    done = subprocess.run(command(clean), env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        command(killed, "--max_restarts", "1"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        marker = killed / "ckpt" / f"step-{KILL_AFTER:08d}.json"
+        deadline = time.monotonic() + 100
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the step-60 checkpoint never appeared"
+            time.sleep(0.05)
+        victim = training_worker(proc.pid, rank=1)
+        assert victim is not None, "rank 1's training process not found"
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+
+    log = (killed / "log" / "workerlog.1").read_text()
+    assert log.count("===== distrun:") == 2, "rank 1 was not restarted exactly once"
+    reference, resumed = final_params(clean), final_params(killed)
+    assert reference.keys() == resumed.keys()
+    for name in reference:
+        assert torch.equal(reference[name], resumed[name]), name
