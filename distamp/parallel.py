@@ -27,9 +27,6 @@ from distamp.strategy import DistributedStrategy
 
 __all__ = ["DataParallel", "black_parameters"]
 
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
 def black_parameters(module: nn.Module, strategy: DistributedStrategy) -> list[nn.Parameter]:
     """Parameters of the submodules matched by ``custom_black_varnames``.
 
@@ -102,6 +99,7 @@ class DataParallel(nn.Module):
         object.__setattr__(self, "_ddp", None)
         object.__setattr__(self, "_optimizers", [])
         object.__setattr__(self, "_fp32_hooks", None)
+        object.__setattr__(self, "_ddp_signature", None)
         self._comm_hook: LowPrecisionAllReduce | None = None
         self._black_params = black_parameters(module, strategy)
         self._build()
@@ -181,7 +179,7 @@ class DataParallel(nn.Module):
                 opt.master_weights.broadcast(src=0, group=self._process_group)
         # 3. DDP on the final parameter dtypes (its buckets are per dtype).
         signature = tuple(p.dtype for p in self.module.parameters())
-        if self._ddp is not None and getattr(self, "_ddp_signature", None) == signature:
+        if self._ddp is not None and self._ddp_signature == signature:
             return
         self._drop_ddp()
         device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
@@ -196,8 +194,9 @@ class DataParallel(nn.Module):
         )
         if self.strategy.amp:
             cfg = self.strategy.amp_config
-            wire = _DTYPES[cfg.comm_dtype or cfg.dtype]
-            self._comm_hook = LowPrecisionAllReduce(wire, cfg.gradient_predivide_factor, self._process_group)
+            self._comm_hook = LowPrecisionAllReduce(
+                cfg.comm_torch_dtype, cfg.gradient_predivide_factor, self._process_group
+            )
             self._comm_hook.register(ddp)
         object.__setattr__(self, "_ddp", ddp)
         object.__setattr__(self, "_ddp_signature", signature)
