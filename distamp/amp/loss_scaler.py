@@ -283,7 +283,7 @@ class StaticLossScaler(LossScaler):
         return f"StaticLossScaler(scale={self._scale!r})"
 
 
-class UnitLossScaler(LossScaler):
+class UnitLossScaler(StaticLossScaler):
     """The fixed scale 1.0 of BF16 training, which has FP32's exponent range.
 
     Non-finite steps are still skipped by the optimizer; the scale never
@@ -296,16 +296,8 @@ class UnitLossScaler(LossScaler):
         assert scaler.scale == 1.0 and scaler.state_dict() == {}
     """
 
-    @property
-    def scale(self) -> float:
-        return 1.0
-
-    @property
-    def can_decrease(self) -> bool:
-        return False
-
-    def _update(self, found_inf: bool, grad_max: float | None) -> None:
-        pass  # constant by definition
+    def __init__(self) -> None:
+        super().__init__(1.0)
 
     def state_dict(self) -> dict[str, float | int]:
         return {}
