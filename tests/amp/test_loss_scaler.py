@@ -17,6 +17,7 @@ from distamp.amp.loss_scaler import (
     UnitLossScaler,
     build_loss_scaler,
 )
+from distamp.strategy import AmpConfig
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -525,18 +526,8 @@ def test_constructors_validate_arguments(make, match):
 
 # --------------------------------------------------------- build_loss_scaler
 def amp_config(**overrides):
-    cfg = {
-        "init_loss_scaling": 32768.0,
-        "use_dynamic_loss_scaling": True,
-        "incr_every_n_steps": 1000,
-        "decr_every_n_nan_or_inf": 2,
-        "incr_ratio": 2.0,
-        "decr_ratio": 0.5,
-        "loss_scaling_algorithm": "backoff",
-        "min_loss_scaling": 1.0,
-        "max_loss_scaling": 2.0**24,
-        "dtype": "float16",
-    }
+    """AmpConfig's attributes as a plain namespace, so build_loss_scaler's own checks can be fed bad values."""
+    cfg = AmpConfig().to_dict()
     cfg.update(overrides)
     return types.SimpleNamespace(**cfg)
 
@@ -587,8 +578,7 @@ def test_build_rejects_objects_without_amp_config_attributes():
 
 
 def test_build_from_the_real_amp_config_defaults():
-    strategy = pytest.importorskip("distamp.strategy")
-    scaler = build_loss_scaler(strategy.AmpConfig())
+    scaler = build_loss_scaler(AmpConfig())
     assert type(scaler) is BackoffLossScaler
     assert (scaler.scale, scaler.incr_every_n_steps, scaler.decr_every_n_nan_or_inf) == (
         32768.0, 1000, 2)
