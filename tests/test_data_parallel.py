@@ -7,6 +7,7 @@ parameters, and results that match a one-process run on the whole batch.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -401,3 +402,33 @@ def test_black_varnames_modules_stay_fp32_in_o2_whichever_call_comes_first(model
         assert exact  # restored from the exact FP32 master, not from FP16
         assert out_dtype == torch.float32
         assert torch.equal(params, out[0][3])
+
+
+def _no_sync_accumulation(rank, world_size):
+    from distamp import fleet
+
+    _, wrapped, opt = build(make_strategy(dtype="bfloat16"))
+    micro = global_batches(3, world_size, per_rank=2)
+    opt.zero_grad()
+    calls = []
+    for i, batch in enumerate(micro):
+        x, y = shard(batch, rank, world_size)
+        context = wrapped.no_sync() if i < len(micro) - 1 else contextlib.nullcontext()
+        with context:
+            with fleet.auto_cast():
+                loss = F.mse_loss(wrapped(x), y)
+            opt.backward(loss)
+        calls.append(wrapped.comm_stats.calls)
+    scale_updates_before = opt.steps_applied + opt.steps_skipped
+    assert opt.step()
+    return calls, opt.steps_applied + opt.steps_skipped - scale_updates_before, flat_params_masters(opt)
+
+
+@pytest.mark.timeout(120)
+def test_no_sync_accumulation_communicates_once_and_steps_once():
+    out = run_workers(_no_sync_accumulation, 2, timeout=100)
+    for calls, updates, masters in out:
+        n_buckets = calls[-1]
+        assert n_buckets >= 1 and calls == [0, 0, n_buckets]
+        assert updates == 1  # one inf/NaN check and one scale update for the whole window
+        assert torch.equal(masters, out[0][2])
