@@ -144,6 +144,11 @@ def distributed_optimizer(
     masters. ``strategy`` (or, when None, the one given to ``init``)
     becomes the latest strategy, which ``auto_cast`` follows.
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
+            "build it on the model's parameters first, e.g. torch.optim.SGD(model.parameters(), lr=0.1)"
+        )
     _world()
     strategy = _strategy(strategy)
     params = [p for group in optimizer.param_groups for p in group["params"]]

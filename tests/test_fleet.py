@@ -147,3 +147,20 @@ def test_distributed_optimizer_alone_is_enough_in_one_process():
     with fleet.auto_cast():
         loss = F.mse_loss(wrapped(torch.randn(3, 4)), torch.randn(3, 2))
     assert opt.minimize(loss) is True
+
+
+def test_bad_models_and_optimizers_are_refused_with_the_fix():
+    from distamp import fleet
+
+    fleet.init()
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="torch.nn.Module, got str"):
+        fleet.distributed_model("model")
+    with pytest.raises(ValueError, match=r"device_ids=\[0\] is set by distamp.*remove it"):
+        fleet.distributed_model(model, device_ids=[0])
+    with pytest.raises(TypeError, match="already wrapped in DataParallel; pass the bare model"):
+        fleet.distributed_model(fleet.distributed_model(model))
+    with pytest.raises(TypeError, match="torch.optim.Optimizer, got list"):
+        fleet.distributed_optimizer([p for p in model.parameters()])
+    with pytest.raises(TypeError, match="DistributedStrategy, got dict"):
+        fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), {"amp": True})
