@@ -8,7 +8,7 @@ and benchmarks can check "one all-reduce per bucket" and "half the bytes of
 FP32".
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,13 +27,11 @@ class CommStats:
 
     calls: int = 0
     bytes: int = 0
-    history: list[int] = field(default_factory=list, repr=False)
 
     def reset(self) -> None:
         """Set the counters back to zero."""
         self.calls = 0
         self.bytes = 0
-        self.history.clear()
 
 
 class LowPrecisionAllReduce:
@@ -102,7 +100,6 @@ def low_precision_allreduce_hook(
     nbytes = wire.numel() * wire.element_size()
     state.stats.calls += 1
     state.stats.bytes += nbytes
-    state.stats.history.append(nbytes)
     work = dist.all_reduce(wire, group=state.process_group, async_op=True)
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:

@@ -19,9 +19,6 @@ import torch.distributed as dist
 
 __all__ = ["WorldInfo", "default_backend", "default_device", "init_process_group", "world_info_from_env"]
 
-_RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-
-
 @dataclass(frozen=True)
 class WorldInfo:
     """Where this process sits in the job.
