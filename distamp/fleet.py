@@ -171,9 +171,8 @@ def distributed_model(model: nn.Module, **kwargs: Any) -> DataParallel:
     _world()
     strategy = _strategy(None)
     wrapped = DataParallel(model, strategy, **kwargs)
-    params = list(model.parameters())
     for opt in list(_state.optimizers):
-        if any(id(p) in {id(q) for q in params} for p in opt.master_weights.model_params):
+        if wrapped.owns_any(opt.master_weights.model_params):
             wrapped.attach_optimizer(opt)
     _state.models.add(wrapped)
     return wrapped
