@@ -102,7 +102,7 @@ class DataParallel(nn.Module):
         object.__setattr__(self, "_ddp_signature", None)
         self._comm_hook: LowPrecisionAllReduce | None = None
         self._black_params = black_parameters(module, strategy)
-        self._build()
+        self._build(new_optimizers=[])
 
     # ------------------------------------------------------------------
     @property
@@ -135,7 +135,7 @@ class DataParallel(nn.Module):
         if optimizer in self._optimizers:
             return
         self._optimizers.append(optimizer)
-        self._build()
+        self._build(new_optimizers=[optimizer])
 
     def owns_any(self, params: list[nn.Parameter]) -> bool:
         """Whether any of ``params`` belongs to the wrapped module."""
@@ -162,10 +162,13 @@ class DataParallel(nn.Module):
         return self._ddp(*args, **kwargs)
 
     # ------------------------------------------------------------------
-    def _build(self) -> None:
-        """(Re)build the FP32 handling, masters and DDP; the order matters."""
+    def _build(self, new_optimizers: list[AmpOptimizer]) -> None:
+        """Bring ``new_optimizers`` in line and (re)build DDP; the order matters.
+
+        Optimizers attached earlier were already restored and broadcast.
+        """
         # 1. Black-listed modules back to FP32 before DDP groups buckets by dtype.
-        for opt in self._optimizers:
+        for opt in new_optimizers:
             opt.master_weights.restore_fp32(self._black_params)
         if self._fp32_hooks is None and self.strategy.amp and self.strategy.amp_config.custom_black_varnames:
             object.__setattr__(
@@ -174,7 +177,7 @@ class DataParallel(nn.Module):
         if not self.distributed:
             return
         # 2. Every rank takes rank 0's FP32 masters (and hence its 16-bit params).
-        for opt in self._optimizers:
+        for opt in new_optimizers:
             if opt.master_weights.enabled:
                 opt.master_weights.broadcast(src=0, group=self._process_group)
         # 3. DDP on the final parameter dtypes (its buckets are per dtype).
