@@ -338,7 +338,7 @@ class AmpOptimizer(torch.optim.Optimizer):
             "format": _STATE_FORMAT,
             "inner": self.inner_opt.state_dict(),
             "master_weights": self._master.state_dict() if self._master.enabled else [],
-            "loss_scaler_type": type(self.loss_scaler).__name__ if self.loss_scaler else "",
+            "loss_scaler_type": self._scaler_type,
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler else {},
             "counters": {
                 "steps_applied": self.steps_applied,
@@ -357,7 +357,7 @@ class AmpOptimizer(torch.optim.Optimizer):
                 "optimizer's state use optimizer.inner_opt.load_state_dict(...)"
             )
         saved_type = state_dict["loss_scaler_type"]
-        own_type = type(self.loss_scaler).__name__ if self.loss_scaler else ""
+        own_type = self._scaler_type
         if saved_type != own_type:
             raise ValueError(
                 f"checkpoint was saved with loss scaler {saved_type or 'none'!r} but this "
@@ -384,6 +384,11 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------
     # internals
+    @property
+    def _scaler_type(self) -> str:
+        """The loss scaler's class name as saved in checkpoints ("" without AMP)."""
+        return type(self.loss_scaler).__name__ if self.loss_scaler else ""
+
     def _swap_params_for_masters(self) -> None:
         """Put the masters in the inner optimizer where the model params were."""
         old_state = dict(self.inner_opt.state)
