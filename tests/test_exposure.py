@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import descendants
+
 WORKER = textwrap.dedent(
     """
     import json, os, sys, time
@@ -53,30 +55,6 @@ WORKER = textwrap.dedent(
     dist.barrier()
     """
 )
-
-
-def _children() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rpartition(")")[2].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    return children
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it."""
-    children, out, todo = _children(), [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
 
 
 def _address(hex_addr: str) -> str:

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.processes import descendants
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_digits.py"
 STEPS, EVERY, KILL_AFTER = 120, 20, 60
@@ -30,19 +32,6 @@ def command(run_dir: Path, *extra: str) -> list[str]:
         "--checkpoint_dir", str(run_dir / "ckpt"), "--checkpoint_every", str(EVERY),
         "--save_params", str(run_dir / "final.pt"), "--out_dir", str(run_dir / "out"), "--no_progress",
     ]
-
-
-def descendants(pid: int) -> list[int]:
-    children = Path(f"/proc/{pid}/task/{pid}/children")
-    found = []
-    try:
-        kids = [int(c) for c in children.read_text().split()]
-    except OSError:
-        return found
-    for kid in kids:
-        found.append(kid)
-        found.extend(descendants(kid))
-    return found
 
 
 def training_worker(launcher_pid: int, rank: int) -> int | None:
