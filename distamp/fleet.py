@@ -30,14 +30,14 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.amp.auto_cast import auto_cast as _auto_cast
-from distamp.optimizer import AmpOptimizer
-from distamp.parallel import DataParallel
-from distamp.process_group import (
+from distamp.distributed.data_parallel import DataParallel
+from distamp.distributed.process_group import (
     WorldInfo,
     default_device,
     init_process_group,
     world_info_from_env,
 )
+from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
 
 __all__ = [
@@ -164,7 +164,7 @@ def distributed_optimizer(
 def distributed_model(model: nn.Module, **kwargs: Any) -> DataParallel:
     """Make ``model`` data parallel over the group created by ``init``.
 
-    Returns a :class:`~distamp.parallel.DataParallel` (DDP underneath);
+    Returns a :class:`~distamp.distributed.data_parallel.DataParallel` (DDP underneath);
     ``model.module`` is the original model. Keyword arguments go to it
     (``find_unused_parameters``, ``static_graph``, ...).
     """

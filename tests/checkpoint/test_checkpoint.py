@@ -27,7 +27,7 @@ from distamp.checkpoint import (
     load_latest_checkpoint,
     save_checkpoint,
 )
-from distamp.optimizer import AmpOptimizer
+from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
 from tests.multiprocess import run_workers
 

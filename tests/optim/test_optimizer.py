@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distamp.amp.auto_cast import auto_cast
-from distamp.optimizer import AmpOptimizer
+from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
 
 

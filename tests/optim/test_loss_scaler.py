@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from distamp.amp.loss_scaler import (
+from distamp.optim.loss_scaler import (
     BackoffLossScaler,
     LogNormalLossScaler,
     LossScaler,

@@ -176,7 +176,7 @@ def _train_distributed(rank, world_size, pure, dtype, inner, model_first):
 
 def _single_process_reference(pure, dtype, inner, world_size):
     from distamp.amp.auto_cast import auto_cast
-    from distamp.optimizer import AmpOptimizer
+    from distamp.optim.optimizer import AmpOptimizer
 
     model = tiny_mlp(0)
     make_inner = {

@@ -1,0 +1,34 @@
+"""How work is spread over ranks: process group, data parallel, comm hooks.
+
+``fleet.init`` and ``fleet.distributed_model`` use these; they are usable
+alone::
+
+    from distamp.distributed import DataParallel, LowPrecisionAllReduce
+"""
+
+from distamp.distributed.comm_hooks import (
+    CommStats,
+    LowPrecisionAllReduce,
+    low_precision_allreduce_hook,
+)
+from distamp.distributed.data_parallel import DataParallel, black_parameters
+from distamp.distributed.process_group import (
+    WorldInfo,
+    default_backend,
+    default_device,
+    init_process_group,
+    world_info_from_env,
+)
+
+__all__ = [
+    "CommStats",
+    "DataParallel",
+    "LowPrecisionAllReduce",
+    "WorldInfo",
+    "black_parameters",
+    "default_backend",
+    "default_device",
+    "init_process_group",
+    "low_precision_allreduce_hook",
+    "world_info_from_env",
+]

@@ -1,0 +1,173 @@
+"""Reading the launcher's environment and setting up the process group.
+
+``distrun`` and ``torchrun`` describe the job with the variables RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. A
+script started without them (plain ``python train.py``) is a one-process
+world with no process group at all.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["WorldInfo", "default_backend", "default_device", "init_process_group", "world_info_from_env"]
+
+@dataclass(frozen=True)
+class WorldInfo:
+    """Where this process sits in the job.
+
+    Args:
+        rank: global index of this worker, 0 <= rank < world_size.
+        world_size: number of workers in the job.
+        local_rank: index of this worker on its host (selects its GPU).
+        local_world_size: number of workers on this host.
+        from_env: True when the values came from a launcher's environment.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    from_env: bool = False
+
+
+def _env_int(name: str, default: int | None) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is None:
+            raise ValueError(
+                f"environment variable {name} is not set, but RANK is; a launcher "
+                "must set RANK, WORLD_SIZE and LOCAL_RANK together (use distrun or torchrun)"
+            )
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(
+            f"environment variable {name}={raw!r} is not an integer; "
+            "it must be set by distrun or torchrun"
+        ) from None
+
+
+def world_info_from_env() -> WorldInfo:
+    """Read this worker's place in the job from the launcher's environment.
+
+    Returns a one-process :class:`WorldInfo` when RANK is not set.
+    Raises ``ValueError`` for a partial or inconsistent environment.
+    """
+    if "RANK" not in os.environ:
+        return WorldInfo()
+    rank = _env_int("RANK", None)
+    world_size = _env_int("WORLD_SIZE", None)
+    local_rank = _env_int("LOCAL_RANK", rank)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    if world_size < 1:
+        raise ValueError(f"WORLD_SIZE={world_size!r} must be >= 1")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank!r} must be in [0, WORLD_SIZE={world_size})")
+    if not 0 <= local_rank < local_world_size:
+        raise ValueError(
+            f"LOCAL_RANK={local_rank!r} must be in [0, LOCAL_WORLD_SIZE={local_world_size})"
+        )
+    return WorldInfo(rank, world_size, local_rank, local_world_size, from_env=True)
+
+
+def default_backend() -> str:
+    """``"nccl"`` when CUDA is available, else ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def default_device(local_rank: int = 0) -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise ValueError(
+                f"LOCAL_RANK={local_rank} but only {count} CUDA device(s) are visible; "
+                "start at most that many workers per host (distrun --gpus ...) "
+                "or check CUDA_VISIBLE_DEVICES"
+            )
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_process_group(world: WorldInfo) -> bool:
+    """Initialise torch.distributed for ``world`` if the launcher asked for it.
+
+    Sets the CUDA device from LOCAL_RANK before creating an NCCL group (so
+    NCCL does not put every rank's context on GPU 0). Idempotent: an
+    existing group is kept when it agrees with ``world``.
+
+    Returns True when a process group exists afterwards.
+    """
+    if dist.is_available() and dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (world.rank, world.world_size) and world.from_env:
+            raise RuntimeError(
+                f"a process group already exists with rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but the environment says rank {world.rank} "
+                f"of {world.world_size}"
+            )
+        return True
+    if not world.from_env:
+        return False
+    if not dist.is_available():
+        raise RuntimeError("this build of PyTorch has no torch.distributed support")
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise ValueError(
+                f"environment variable {name} is not set; start the job with distrun or torchrun"
+            )
+    device = default_device(world.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = _loopback_store(world)
+    dist.init_process_group(
+        default_backend(),
+        **({"store": store} if store is not None else {"init_method": "env://"}),
+        rank=world.rank,
+        world_size=world.world_size,
+        **({"device_id": device} if device.type == "cuda" else {}),
+    )
+    return True
+
+
+def _loopback_store(world: WorldInfo) -> dist.TCPStore | None:
+    """The process-group store, listening on loopback only when MASTER_ADDR is loopback.
+
+    torch's env:// store binds its server to every interface whatever
+    MASTER_ADDR says; handing it a socket already bound to MASTER_ADDR keeps
+    a single-node job off the network. ``None`` means: use env:// as usual.
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None  # the agent hosts the store; workers are only clients
+    try:
+        if not ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        if host != "localhost":
+            return None
+        host = "127.0.0.1"
+    timeout = timedelta(minutes=30)
+    if world.rank != 0:
+        return dist.TCPStore(host, port, world.world_size, False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(
+            f"rank 0 cannot listen on MASTER_ADDR:MASTER_PORT={host}:{port} for the process-group "
+            f"store: {exc}. Choose a free MASTER_PORT (distrun picks one by default)"
+        ) from exc
+    return dist.TCPStore(host, port, world.world_size, True, timeout=timeout,
+                         multi_tenant=True, master_listen_fd=sock.detach())

@@ -1,0 +1,222 @@
+"""FP32 master copies of low-precision model parameters (AMP "O2").
+
+In O2 the model computes with FP16/BF16 parameters while the optimizer
+updates FP32 copies, so that updates smaller than the 16-bit spacing are
+not lost. This module owns that pairing: it makes the masters from the
+original FP32 values, converts the model parameters in place (the
+``Parameter`` objects stay the same, so modules, hooks and DDP still see
+them), moves gradients to the masters and copies updated masters back.
+
+Masters live in one flat FP32 buffer per device, their gradients in
+another, so broadcasting, checkpointing and copying are a few large
+operations instead of one per parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["MasterWeights"]
+
+
+@dataclass
+class _FlatBuffers:
+    """Flat FP32 storage of the masters (and their gradients) on one device."""
+
+    values: torch.Tensor
+    grads: torch.Tensor
+
+
+class MasterWeights:
+    """Pairs each model parameter with the tensor the inner optimizer updates.
+
+    With ``low_dtype=None`` (O1, or AMP off) every parameter is its own
+    master and nothing is copied. With ``low_dtype`` set (O2), every FP32
+    parameter (and every parameter already in ``low_dtype``) gets an FP32
+    master and is converted in place to ``low_dtype``, except those for
+    which ``keep_fp32(param)`` is true; other dtypes are left alone.
+
+    Example::
+
+        masters = MasterWeights(model.parameters(), torch.float16)
+        inner = torch.optim.SGD(masters.masters, lr=0.1)
+        ...backward...
+        grads = masters.copy_grads_to_masters()
+        inner.step()
+        masters.copy_masters_to_model()
+
+    Args:
+        params: the model parameters, in the order the optimizer lists them.
+        low_dtype: the 16-bit dtype for O2, or ``None``.
+        keep_fp32: predicate naming parameters that stay FP32 (black-listed
+            modules); they still get a master.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        low_dtype: torch.dtype | None,
+        keep_fp32=lambda p: False,
+    ) -> None:
+        self.low_dtype = low_dtype
+        self.model_params: list[nn.Parameter] = []
+        seen: set[int] = set()
+        for p in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                self.model_params.append(p)
+        self._flat: list[_FlatBuffers] = []
+        # (model param, master param, master grad view) for separate masters
+        self._pairs: list[tuple[nn.Parameter, nn.Parameter, torch.Tensor]] = []
+        self._master_of: dict[int, nn.Parameter] = {}
+        if low_dtype is None:
+            for p in self.model_params:
+                self._master_of[id(p)] = p
+            return
+        paired = [p for p in self.model_params if p.dtype in (torch.float32, low_dtype)]
+        self._build_flat(paired)
+        with torch.no_grad():
+            for model_p, _, _ in self._pairs:
+                if model_p.dtype == torch.float32 and not keep_fp32(model_p):
+                    model_p.data = model_p.data.to(low_dtype)
+        for p in self.model_params:
+            self._master_of.setdefault(id(p), p)
+
+    def _build_flat(self, params: Sequence[nn.Parameter]) -> None:
+        by_device: dict[torch.device, list[nn.Parameter]] = {}
+        for p in params:
+            by_device.setdefault(p.device, []).append(p)
+        for device, group in by_device.items():
+            total = sum(p.numel() for p in group)
+            flat = _FlatBuffers(
+                values=torch.empty(total, dtype=torch.float32, device=device),
+                grads=torch.zeros(total, dtype=torch.float32, device=device),
+            )
+            self._flat.append(flat)
+            offset = 0
+            for p in group:
+                n = p.numel()
+                with torch.no_grad():
+                    view = flat.values[offset : offset + n].view_as(p)
+                    view.copy_(p.detach())
+                master = nn.Parameter(view, requires_grad=p.requires_grad)
+                grad_view = flat.grads[offset : offset + n].view_as(p)
+                self._pairs.append((p, master, grad_view))
+                self._master_of[id(p)] = master
+                offset += n
+
+    @property
+    def enabled(self) -> bool:
+        """True when there are separate masters (O2)."""
+        return bool(self._pairs)
+
+    @property
+    def masters(self) -> list[nn.Parameter]:
+        """The tensors the inner optimizer updates, in model-parameter order."""
+        return [self._master_of[id(p)] for p in self.model_params]
+
+    def master_for(self, param: nn.Parameter) -> nn.Parameter:
+        """The master of ``param`` (``param`` itself when it has none)."""
+        try:
+            return self._master_of[id(param)]
+        except KeyError:
+            raise ValueError(
+                f"parameter of shape {tuple(param.shape)} is not managed by this optimizer"
+            ) from None
+
+    def add(self, params: Iterable[nn.Parameter], keep_fp32=lambda p: False) -> list[nn.Parameter]:
+        """Manage more parameters (``add_param_group``); returns their masters."""
+        new = [p for p in params if id(p) not in self._master_of]
+        self.model_params.extend(new)
+        if self.low_dtype is None:
+            for p in new:
+                self._master_of[id(p)] = p
+        else:
+            extra = MasterWeights(new, self.low_dtype, keep_fp32)
+            self._flat.extend(extra._flat)
+            self._pairs.extend(extra._pairs)
+            self._master_of.update(extra._master_of)
+        return [self._master_of[id(p)] for p in new]
+
+    def restore_fp32(self, params: Iterable[nn.Parameter]) -> int:
+        """Give converted ``params`` back their exact FP32 values from the masters.
+
+        Used for modules named in ``custom_black_varnames`` when the
+        optimizer converted them before the model was wrapped. Returns how
+        many parameters changed dtype.
+        """
+        wanted = {id(p) for p in params}
+        changed = 0
+        with torch.no_grad():
+            for model_p, master, _ in self._pairs:
+                if id(model_p) in wanted and model_p.dtype != torch.float32:
+                    model_p.data = master.detach().clone()
+                    changed += 1
+        return changed
+
+    def copy_grads_to_masters(self) -> None:
+        """Point master gradients at the FP32 buffer and fill them from the model.
+
+        Masters of parameters without a gradient get ``grad = None`` so the
+        inner optimizer skips them, exactly as it would skip the parameter.
+        """
+        if not self._pairs:
+            return
+        dst, src = [], []
+        for model_p, master, grad_view in self._pairs:
+            if model_p.grad is None:
+                master.grad = None
+            else:
+                master.grad = grad_view
+                dst.append(grad_view)
+                src.append(model_p.grad)
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    def copy_masters_to_model(self) -> None:
+        """Copy (and round) the updated masters into the model parameters."""
+        if not self._pairs:
+            return
+        with torch.no_grad():
+            torch._foreach_copy_(
+                [model_p.data for model_p, _, _ in self._pairs],
+                [master.detach() for _, master, _ in self._pairs],
+            )
+
+    def zero_master_grads(self) -> None:
+        """Drop the masters' gradients (the model's are the source of truth)."""
+        for _, master, _ in self._pairs:
+            master.grad = None
+
+    def broadcast(self, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+        """Make every rank's masters (and model copies) equal to rank ``src``'s."""
+        for flat in self._flat:
+            dist.broadcast(flat.values, src=src, group=group)
+        self.copy_masters_to_model()
+
+    def state_dict(self) -> list[torch.Tensor]:
+        """The FP32 masters, one tensor per managed parameter, in order."""
+        return [self._master_of[id(p)].detach() for p in self.model_params]
+
+    def load_state_dict(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Load masters saved by :meth:`state_dict` and refresh the model copies."""
+        if len(tensors) != len(self.model_params):
+            raise ValueError(
+                f"checkpoint has {len(tensors)} master weights but this optimizer manages "
+                f"{len(self.model_params)} parameters; was it saved from the same model?"
+            )
+        with torch.no_grad():
+            for i, (p, t) in enumerate(zip(self.model_params, tensors)):
+                master = self._master_of[id(p)]
+                if tuple(t.shape) != tuple(master.shape):
+                    raise ValueError(
+                        f"master weight {i} has shape {tuple(t.shape)} in the checkpoint "
+                        f"but {tuple(master.shape)} in the model"
+                    )
+                master.copy_(t)
+        self.copy_masters_to_model()
