@@ -30,7 +30,7 @@ import torch
 
 from distamp.suggest import did_you_mean
 
-__all__ = ["AmpConfig", "DistributedStrategy", "GradientMergeConfig"]
+__all__ = ["AmpConfig", "DistributedStrategy", "GradientMergeConfig", "validate_dtype", "validate_op_lists"]
 
 _INT64_MAX = 2**63 - 1  # counters and patience may live in int64 tensors
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the scale is a float32 tensor
@@ -58,8 +58,12 @@ def _show(value: Any) -> str:
 
 
 def _where(owner: str, key: str) -> str:
-    """How messages name a setting: ``strategy.amp`` or ``amp_configs['dtype']``."""
-    return f"strategy.{key}" if owner == "strategy" else f"{owner}[{key!r}]"
+    """How messages name a setting: ``strategy.amp``, ``amp_configs['dtype']`` or ``auto_cast(dtype=...)``."""
+    if owner == "strategy":
+        return f"strategy.{key}"
+    if owner.endswith("()"):
+        return f"{owner[:-1]}{key}=...)"
+    return f"{owner}[{key!r}]"
 
 
 def _fail(owner: str, key: str, value: Any, allowed: str, hint: str = "") -> None:
@@ -128,11 +132,15 @@ def _as_names(owner: str, key: str, value: Any, what: str) -> tuple[str, ...]:
 
 
 def _canonical_ops(owner: str, key: str, names: tuple[str, ...]) -> tuple[str, ...]:
-    """Canonical op names (``"torch.matmul"`` -> ``"matmul"``); unknown ones raise."""
+    """Canonical op names (``"torch.matmul"`` -> ``"matmul"``); unknown and in-place ones raise."""
     if not names:
         return names
-    # Imported here, not at module level: distamp.amp may import this module.
-    from distamp.amp.op_lists import canonical_op_name, known_op_names
+    # Imported here, not at module level: distamp.amp imports this module.
+    from distamp.amp.op_names import (
+        canonical_op_name,
+        is_inplace_op_name,
+        known_op_names,
+    )
 
     known = known_op_names()
     canonical = tuple(canonical_op_name(name) for name in names)
@@ -141,9 +149,44 @@ def _canonical_ops(owner: str, key: str, names: tuple[str, ...]) -> tuple[str, .
             hint = did_you_mean(op, known) or " Ops are torch function names such as 'matmul' or 'softmax'."
             raise ValueError(
                 f"{_where(owner, key)} contains {name!r}, which is not an op distamp knows.{hint} "
-                f"The full list is distamp.amp.op_lists.known_op_names()."
+                f"The full list is distamp.amp.op_names.known_op_names()."
+            )
+        if is_inplace_op_name(op):
+            raise ValueError(
+                f"{_where(owner, key)} contains {name!r}, an in-place op: in-place ops write into their "
+                f"input and keep its dtype, as under torch.autocast. List the out-of-place op "
+                f"{op.rstrip('_')!r} instead."
             )
     return canonical
+
+
+def validate_op_lists(owner: str, white: Any, black: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Check a custom white and black list; returns them as tuples of canonical op names.
+
+    ``owner`` names the caller in messages (``"amp_configs"``, ``"auto_cast()"``).
+
+    Raises:
+        ValueError: not a list of strings, an unknown or in-place op (with the
+            closest valid name), or an op on both lists (after expanding aliases
+            such as ``"conv"``).
+    """
+    from distamp.amp.op_names import expand_op_names
+
+    lists = []
+    for key, value in (("custom_white_list", white), ("custom_black_list", black)):
+        lists.append(_canonical_ops(owner, key, _as_names(owner, key, value, "op names")))
+    both = sorted(expand_op_names(lists[0]) & expand_op_names(lists[1]))
+    if both:
+        raise ValueError(
+            f"{_where(owner, 'custom_white_list')} and {_where(owner, 'custom_black_list')} both contain "
+            f"{both!r}; an op can be forced to only one precision. Remove it from one of the lists."
+        )
+    return lists[0], lists[1]
+
+
+def validate_dtype(owner: str, key: str, value: Any) -> str:
+    """``"float16"`` or ``"bfloat16"`` from a name or a torch dtype; anything else raises ValueError."""
+    return _as_choice(owner, key, value, ("float16", "bfloat16"), dtypes=True)
 
 
 def _user_stacklevel() -> int:
@@ -265,6 +308,9 @@ class AmpConfig(_Config):
     world/factor after; None means the world size (everything pre-divided, no FP16 overflow)."""
     stuck_scale_patience: int = 20
     """Consecutive skipped steps at the minimum scale before raising an error (>= 1)."""
+    keep_norm_fp32: bool = True
+    """O2: keep the parameters of normalization layers (BatchNorm, SyncBatchNorm, InstanceNorm, LayerNorm,
+    GroupNorm, RMSNorm) in FP32, as Paddle's and Apex's O2 do; their inputs and outputs stay 16-bit."""
 
     def __post_init__(self) -> None:
         own, put = self._OWNER, self._put
@@ -276,12 +322,10 @@ class AmpConfig(_Config):
         put("decr_every_n_nan_or_inf", _as_int(own, "decr_every_n_nan_or_inf", self.decr_every_n_nan_or_inf, 1))
         put("incr_ratio", _as_float(own, "incr_ratio", self.incr_ratio, "a finite float > 1", lambda x: x > 1))
         put("decr_ratio", _as_float(own, "decr_ratio", self.decr_ratio, "a float in (0, 1)", lambda x: 0 < x < 1))
-        put("custom_white_list", _as_names(own, "custom_white_list", self.custom_white_list, "op names"))
-        put("custom_black_list", _as_names(own, "custom_black_list", self.custom_black_list, "op names"))
         put("custom_black_varnames", _as_names(own, "custom_black_varnames", self.custom_black_varnames,
                                                "module-name patterns"))
         put("use_pure_fp16", _as_bool(own, "use_pure_fp16", self.use_pure_fp16))
-        put("dtype", _as_choice(own, "dtype", self.dtype, ("float16", "bfloat16"), dtypes=True))
+        put("dtype", validate_dtype(own, "dtype", self.dtype))
         put("loss_scaling_algorithm",
             _as_choice(own, "loss_scaling_algorithm", self.loss_scaling_algorithm, ("backoff", "lognormal")))
         if self.comm_dtype is not None:
@@ -293,6 +337,7 @@ class AmpConfig(_Config):
                                                        "None or a finite float >= 1 (and at most the world size)",
                                                        lambda x: x >= 1))
         put("stuck_scale_patience", _as_int(own, "stuck_scale_patience", self.stuck_scale_patience, 1))
+        put("keep_norm_fp32", _as_bool(own, "keep_norm_fp32", self.keep_norm_fp32))
         self._check_op_lists()
         self._check_scale_bounds()
         self._warn_unused_scaling_keys()
@@ -301,18 +346,9 @@ class AmpConfig(_Config):
         object.__setattr__(self, key, value)  # frozen: normalise once, here
 
     def _check_op_lists(self) -> None:
-        from distamp.amp.op_lists import expand_op_names
-
-        own = self._OWNER
-        for key in ("custom_white_list", "custom_black_list"):
-            self._put(key, _canonical_ops(own, key, getattr(self, key)))
-        # Compare after alias expansion: "conv" white and "conv2d" black contradict each other.
-        both = sorted(expand_op_names(self.custom_white_list) & expand_op_names(self.custom_black_list))
-        if both:
-            raise ValueError(
-                f"{own}['custom_white_list'] and {own}['custom_black_list'] both contain {both!r}; "
-                f"an op can be forced to only one precision. Remove it from one of the lists."
-            )
+        white, black = validate_op_lists(self._OWNER, self.custom_white_list, self.custom_black_list)
+        self._put("custom_white_list", white)
+        self._put("custom_black_list", black)
 
     def _check_scale_bounds(self) -> None:
         own, low, high = self._OWNER, self.min_loss_scaling, self.max_loss_scaling

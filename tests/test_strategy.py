@@ -23,7 +23,7 @@ from distamp.amp.op_lists import known_op_names
 from distamp.strategy import AmpConfig, DistributedStrategy, GradientMergeConfig
 from distamp.suggest import did_you_mean
 
-# DESIGN.md section 2, copied by hand so a changed default fails here.
+# The contract's defaults (README's amp_configs table), copied by hand so a changed default fails here.
 DESIGN_DEFAULTS = {
     "init_loss_scaling": 32768.0,
     "use_dynamic_loss_scaling": True,
@@ -43,8 +43,9 @@ DESIGN_DEFAULTS = {
     "comm_dtype": None,
     "gradient_predivide_factor": None,
     "stuck_scale_patience": 20,
+    "keep_norm_fp32": True,
 }
-WHITE_OP, BLACK_OP = "matmul", "softmax"  # DESIGN.md section 4
+WHITE_OP, BLACK_OP = "matmul", "softmax"
 
 
 def names(key: str, value) -> str:

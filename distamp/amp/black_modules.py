@@ -9,27 +9,32 @@ Example::
 
 A pattern names a module by its qualified name (as in ``model.named_modules()``),
 either exactly or as an :mod:`fnmatch` pattern; a matched module's whole
-subtree is black. O2 code uses :func:`find_black_modules` to leave these
-subtrees' parameters in FP32.
+subtree is black: its floating-point inputs are cast to FP32 and autocast is
+switched off while it runs, so every op inside computes in FP32 and its
+outputs are FP32. O2 leaves these subtrees' parameters in FP32 (see
+:func:`distamp.amp.fp32_parameters.fp32_parameters`).
+
+The module's ``forward`` is wrapped (an instance attribute, as
+``accelerate`` does), not hooked: ``torch.compile`` traces the wrapper, and
+``copy.deepcopy`` of the model gives the copy a wrapper bound to the copy.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
-from distamp.amp.auto_cast import enter_fp32_region, exit_fp32_region
 from distamp.suggest import did_you_mean
 
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["BlackModulesHandle", "find_black_modules", "keep_in_fp32"]
+__all__ = ["BlackModulesHandle", "FP32Forward", "autocast_device_types", "find_black_modules", "keep_in_fp32"]
 
 _SHOWN_NAMES = 8
 
@@ -102,64 +107,67 @@ def find_black_modules(model: nn.Module, patterns: Iterable[str]) -> list[tuple[
     return chosen
 
 
-def _to_fp32(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        if obj.dtype.is_floating_point and obj.dtype.itemsize < 4:
-            return obj.to(torch.float32)
-        return obj
-    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-        return type(obj)(_to_fp32(item) for item in obj)
-    if type(obj) is dict:
-        return {key: _to_fp32(value) for key, value in obj.items()}
-    return obj
+def _to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.is_floating_point() and t.dtype.itemsize < 4 else t
+
+
+def autocast_device_types() -> tuple[str, ...]:
+    """Device types whose autocast a black module switches off: the CPU, and CUDA when present."""
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+class FP32Forward:
+    """A module's ``forward`` run in FP32: inputs cast up, autocast off.
+
+    Stored as the module's ``forward`` instance attribute by
+    :func:`keep_in_fp32`. It keeps a reference to the module (not to a bound
+    method), so a deep copy of the model calls the copy's forward.
+
+    Args:
+        module: the module to run in FP32.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        # An instance-level forward set before ours (another wrapper) is kept and called.
+        self.inner = module.__dict__.get("forward")
+        self.device_types = autocast_device_types()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = tree_map_only(torch.Tensor, _to_fp32, (args, kwargs))
+        forward = self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+        with torch.autocast("cpu", enabled=False):
+            if "cuda" not in self.device_types:
+                return forward(*args, **kwargs)
+            with torch.autocast("cuda", enabled=False):
+                return forward(*args, **kwargs)
 
 
 class BlackModulesHandle:
-    """Hooks that keep some submodules in FP32; :meth:`remove` takes them off."""
+    """Keeps some submodules in FP32; :meth:`remove` puts their forwards back."""
 
     def __init__(self, modules: list[tuple[str, nn.Module]]):
         self.modules = modules
-        # Per-thread stack of (module, saved auto_cast state): one entry per
-        # black module currently running, so nesting and recursion unwind
-        # in order.
-        self._local = threading.local()
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._wrapped: list[tuple[nn.Module, FP32Forward]] = []
         for _, module in modules:
-            self._handles.append(
-                module.register_forward_pre_hook(self._enter, with_kwargs=True, prepend=True)
-            )
-            self._handles.append(
-                module.register_forward_hook(self._exit, always_call=True, prepend=True)
-            )
+            wrapper = FP32Forward(module)
+            module.forward = wrapper
+            self._wrapped.append((module, wrapper))
 
     @property
     def names(self) -> list[str]:
         """Qualified names of the black modules."""
         return [name for name, _ in self.modules]
 
-    def _stack(self) -> list[tuple[nn.Module, object]]:
-        stack = getattr(self._local, "stack", None)
-        if stack is None:
-            stack = self._local.stack = []
-        return stack
-
-    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        args, kwargs = _to_fp32(args), _to_fp32(kwargs)
-        self._stack().append((module, enter_fp32_region()))
-        return args, kwargs
-
-    def _exit(self, module: nn.Module, args: tuple, output: Any) -> None:
-        stack = self._stack()
-        # With always_call=True this also runs when forward raised, and even
-        # when an earlier pre-hook raised before ours pushed anything.
-        if stack and stack[-1][0] is module:
-            exit_fp32_region(stack.pop()[1])
-
     def remove(self) -> None:
-        """Remove the hooks; the modules behave as before :func:`keep_in_fp32`."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        """Restore each module's previous ``forward``; they behave as before :func:`keep_in_fp32`."""
+        for module, wrapper in self._wrapped:
+            if module.__dict__.get("forward") is wrapper:
+                if wrapper.inner is None:
+                    del module.forward
+                else:
+                    module.forward = wrapper.inner
+        self._wrapped.clear()
 
     def __enter__(self) -> Self:
         return self
@@ -168,18 +176,16 @@ class BlackModulesHandle:
         self.remove()
 
     def __repr__(self) -> str:
-        return f"BlackModulesHandle(names={self.names!r}, active={bool(self._handles)})"
+        return f"BlackModulesHandle(names={self.names!r}, active={bool(self._wrapped)})"
 
 
 def keep_in_fp32(model: nn.Module, patterns: Iterable[str]) -> BlackModulesHandle:
     """Run the submodules matched by ``patterns`` in FP32.
 
     Each topmost matched module (see :func:`find_black_modules`) gets a
-    forward pre-hook that casts its floating-point inputs (positional and
-    keyword, inside lists, tuples and dicts) to float32 and suspends
-    low-precision casting of :class:`~distamp.amp.auto_cast.auto_cast` while
-    it runs (white ops run in FP32 there), and a forward hook, called even
-    when the forward raises, that restores casting. Outputs stay FP32.
+    :class:`FP32Forward`: its floating-point inputs (positional and keyword,
+    inside lists, tuples and dicts) are cast to float32 and autocast is off
+    while it runs, so every op inside computes in FP32. Outputs stay FP32.
 
     This does not convert parameters: under O1 they are FP32 already, and O2
     leaves these subtrees' parameters in FP32.
@@ -190,7 +196,7 @@ def keep_in_fp32(model: nn.Module, patterns: Iterable[str]) -> BlackModulesHandl
 
     Returns:
         A :class:`BlackModulesHandle`; its ``remove()`` undoes everything. It is
-        also a context manager that removes the hooks on exit.
+        also a context manager that removes the wrappers on exit.
 
     Raises:
         ValueError: a pattern matches no module.

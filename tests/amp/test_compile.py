@@ -1,0 +1,74 @@
+"""torch.compile under auto_cast: 16-bit where torch.autocast is, and no graph break from distamp."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+
+from distamp.amp import auto_cast, keep_in_fp32
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.norm, self.head = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = F.gelu(self.fc1(x))
+        return {"hidden": hidden, "out": self.head(self.norm(hidden))}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _dtypes(outputs: dict[str, torch.Tensor]) -> dict[str, torch.dtype]:
+    return {k: v.dtype for k, v in outputs.items()}
+
+
+def test_compiled_model_is_16_bit_where_torch_autocast_is_even_when_called_first():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(4, 8)
+    compiled = torch.compile(model)
+    with auto_cast(dtype="bfloat16"):          # the compiled model is the first thing called
+        got = compiled(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    assert _dtypes(got) == _dtypes(expected) == {"hidden": torch.bfloat16, "out": torch.bfloat16}
+    got["out"].float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+    assert not counters["graph_break"]
+
+
+def test_custom_lists_and_black_modules_are_compiled_without_graph_breaks():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(4, 8)
+    keep_in_fp32(model, ["head"])
+    compiled = torch.compile(model)
+    with auto_cast(dtype="bfloat16", custom_black_list=["gelu"]):
+        got = compiled(x)
+    assert _dtypes(got) == {"hidden": torch.float32, "out": torch.float32}
+    with auto_cast(dtype="bfloat16"):          # other lists: dynamo guards on the mode and recompiles
+        assert compiled(x)["hidden"].dtype == torch.bfloat16
+    assert not counters["graph_break"]
+
+
+def test_auto_cast_inside_a_compiled_function():
+    torch.manual_seed(0)
+    model = Net()
+
+    @torch.compile
+    def forward(x):
+        with auto_cast(dtype="bfloat16"):
+            return model(x)["out"]
+
+    assert forward(torch.randn(4, 8)).dtype == torch.bfloat16
+    assert not counters["graph_break"]
