@@ -23,7 +23,7 @@ import contextlib
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from distamp.distributed.process_group import (
 )
 from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
+
+if TYPE_CHECKING:
+    from typing import Self
 
 __all__ = [
     "DistributedStrategy",
@@ -141,8 +144,12 @@ def distributed_optimizer(
 
     In O2 (``use_pure_fp16``) the parameters given to ``optimizer`` are
     converted to the low-precision dtype and the optimizer is given FP32
-    masters. ``strategy`` (or, when None, the one given to ``init``)
-    becomes the latest strategy, which ``auto_cast`` follows.
+    masters. Parameters that O2 keeps in FP32 (normalization layers,
+    ``custom_black_varnames`` modules) get their exact FP32 values back as
+    soon as the model is known: at ``distributed_model`` (either order of the
+    two calls works) or, without it, at the model's first forward.
+    ``strategy`` (or, when None, the one given to ``init``) becomes the latest
+    strategy, which ``auto_cast`` follows.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -153,23 +160,27 @@ def distributed_optimizer(
     strategy = _strategy(strategy)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     models = [m for m in _state.models if m.owns_any(params)]
-    keep_fp32 = [p for m in models for p in m.black_parameters]
-    opt = AmpOptimizer(optimizer, strategy, keep_fp32=keep_fp32)
+    pure = strategy.amp and strategy.amp_config.use_pure_fp16
+    for model in models:
+        model.check_attachable(changes_dtypes=pure)
+    opt = AmpOptimizer(optimizer, strategy)
     _state.optimizers.add(opt)
     for model in models:
         model.attach_optimizer(opt)
     return opt
 
 
-def distributed_model(model: nn.Module, **kwargs: Any) -> DataParallel:
+def distributed_model(model: nn.Module, strategy: DistributedStrategy | None = None, **kwargs: Any) -> DataParallel:
     """Make ``model`` data parallel over the group created by ``init``.
 
-    Returns a :class:`~distamp.distributed.data_parallel.DataParallel` (DDP underneath);
-    ``model.module`` is the original model. Keyword arguments go to it
+    Returns a :class:`~distamp.distributed.data_parallel.DataParallel` (DDP
+    underneath, built at the first forward); ``model.module`` is the
+    original model. ``strategy`` (default: the latest one) decides the wire
+    dtype and the FP32 modules; other keyword arguments go to DDP
     (``find_unused_parameters``, ``static_graph``, ...).
     """
     _world()
-    strategy = _strategy(None)
+    strategy = _strategy(strategy)
     wrapped = DataParallel(model, strategy, **kwargs)
     for opt in list(_state.optimizers):
         if wrapped.owns_any(opt.master_weights.model_params):
@@ -179,20 +190,38 @@ def distributed_model(model: nn.Module, **kwargs: Any) -> DataParallel:
 
 
 def auto_cast(enable: bool = True) -> contextlib.AbstractContextManager:
-    """Op-level mixed precision from the latest strategy's dtype and op lists.
+    """Op-level mixed precision from the latest strategy: ``torch.autocast`` on ``device()``.
 
-    A no-op when the strategy's ``amp`` is off (or ``enable`` is False).
+    The dtype and the custom op lists come from the strategy given to
+    ``init`` or ``distributed_optimizer`` (the latest); the device type is
+    that of :func:`device`. With default lists it is exactly
+    ``torch.autocast(device().type, dtype)``. A no-op when the strategy's
+    ``amp`` is off (or no strategy was given yet); ``enable=False`` switches
+    autocast off inside an enabled region.
     """
+    if not isinstance(enable, bool):
+        raise TypeError(f"auto_cast(enable=...) must be True or False, got {enable!r}")
     strategy = _state.strategy
-    if not enable or strategy is None or not strategy.amp:
-        return _auto_cast(enable=False)
+    if strategy is None or not strategy.amp:
+        return _NoOp()
     cfg = strategy.amp_config
     return _auto_cast(
-        enable=True,
+        enable=enable,
         dtype=cfg.dtype,
         custom_white_list=cfg.custom_white_list,
         custom_black_list=cfg.custom_black_list,
+        device_type=device().type,
     )
+
+
+class _NoOp(contextlib.ContextDecorator):
+    """``auto_cast()`` with AMP off: nothing happens (also as a decorator)."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
 
 
 def worker_index() -> int:

@@ -1,5 +1,5 @@
 """Moved to :mod:`distamp.distributed.data_parallel`; this name keeps old imports working."""
 
-from distamp.distributed.data_parallel import DataParallel, black_parameters
+from distamp.distributed.data_parallel import DataParallel, strategy_fp32_parameters
 
-__all__ = ["DataParallel", "black_parameters"]
+__all__ = ["DataParallel", "strategy_fp32_parameters"]

@@ -11,7 +11,7 @@ from distamp.distributed.comm_hooks import (
     LowPrecisionAllReduce,
     low_precision_allreduce_hook,
 )
-from distamp.distributed.data_parallel import DataParallel, black_parameters
+from distamp.distributed.data_parallel import DataParallel, strategy_fp32_parameters
 from distamp.distributed.process_group import (
     WorldInfo,
     default_backend,
@@ -25,10 +25,10 @@ __all__ = [
     "DataParallel",
     "LowPrecisionAllReduce",
     "WorldInfo",
-    "black_parameters",
     "default_backend",
     "default_device",
     "init_process_group",
     "low_precision_allreduce_hook",
+    "strategy_fp32_parameters",
     "world_info_from_env",
 ]

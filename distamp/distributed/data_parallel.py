@@ -3,39 +3,64 @@
 :class:`DataParallel` is what ``fleet.distributed_model`` returns. It wraps
 ``torch.nn.parallel.DistributedDataParallel`` (bucketed, overlapped
 all-reduce) and adds what AMP needs around it: modules named in
-``custom_black_varnames`` kept in FP32, FP32 master weights broadcast from
-rank 0, a comm hook that puts gradients on the wire in 16 bits, and
-communication only on the last micro-batch of a gradient-merge window.
+``custom_black_varnames`` run in FP32, O2 parameters that stay FP32 get
+their exact values back, FP32 masters are broadcast from rank 0, a comm hook
+puts gradients on the wire in 16 bits, and only the last micro-batch of a
+gradient-merge window communicates.
+
+The model is prepared once, in :meth:`DataParallel.prepare`, at its first
+forward: by then every optimizer built on it is attached, and parameter
+dtypes are final, so DDP (whose buckets are per dtype) is built exactly once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distamp.amp.black_modules import find_black_modules, keep_in_fp32
+from distamp.amp.black_modules import keep_in_fp32
+from distamp.amp.fp32_parameters import fp32_parameters
 from distamp.distributed.comm_hooks import CommStats, LowPrecisionAllReduce
-from distamp.optim.optimizer import AmpOptimizer
+from distamp.distributed.groups import group_size
+from distamp.optim.master_weights import fp32_model_state_dict
 from distamp.strategy import DistributedStrategy
 
-__all__ = ["DataParallel", "black_parameters"]
+if TYPE_CHECKING:
+    from distamp.optim.optimizer import AmpOptimizer
 
-def black_parameters(module: nn.Module, strategy: DistributedStrategy) -> list[nn.Parameter]:
-    """Parameters of the submodules matched by ``custom_black_varnames``.
+__all__ = ["DataParallel", "strategy_fp32_parameters"]
 
-    Raises ``ValueError`` naming a pattern that matches no submodule.
+_SET_BY_DISTAMP = ("device_ids", "output_device", "gradient_as_bucket_view", "bucket_cap_mb")
+
+
+def strategy_fp32_parameters(module: nn.Module, strategy: DistributedStrategy) -> list[nn.Parameter]:
+    """Parameters of ``module`` that O2 keeps in FP32 under ``strategy``.
+
+    Raises ``ValueError`` naming a ``custom_black_varnames`` pattern that
+    matches no submodule.
     """
-    if not strategy.amp or not strategy.amp_config.custom_black_varnames:
+    if not strategy.amp:
         return []
-    matched = find_black_modules(module, strategy.amp_config.custom_black_varnames)
-    return [p for _, sub in matched for p in sub.parameters()]
+    cfg = strategy.amp_config
+    return fp32_parameters(module, cfg.custom_black_varnames, cfg.keep_norm_fp32)
+
+
+class _Runtime:
+    """DataParallel's plain (non-Module) state, so DDP is not registered as a submodule."""
+
+    def __init__(self) -> None:
+        self.ddp: DistributedDataParallel | None = None
+        self.comm_hook: LowPrecisionAllReduce | None = None
+        self.optimizers: list[AmpOptimizer] = []
+        self.optimizer_sync: dict[int, bool] = {}
+        self.sync_enabled = True
+        self.prepared = False
 
 
 class DataParallel(nn.Module):
@@ -49,16 +74,16 @@ class DataParallel(nn.Module):
         with fleet.auto_cast():
             loss = F.cross_entropy(model(x), y)
 
-    Parameters and buffers are broadcast from rank 0 when the wrapper is
-    built, and the FP32 masters of attached optimizers too, so every rank
-    starts identical. Without a process group (a one-process run) the
-    module is called directly and only the FP32 handling of black-listed
-    modules applies.
+    At the first forward, every rank takes rank 0's parameters, buffers and
+    FP32 masters, so every rank starts identical. In a one-process world the
+    module is called directly (no DDP) and only the FP32 handling applies.
+    ``model.module`` is the original model; ``state_dict()`` keys are
+    ``module.<name>``, as with DDP.
 
     Args:
         module: the model, already on its device.
         strategy: the strategy whose ``amp_configs`` decide the wire dtype,
-            the pre-division factor and the black-listed modules.
+            the pre-division factor and the FP32 modules.
         find_unused_parameters: passed to DDP; ``None`` takes the
             strategy's ``find_unused_parameters``.
         process_group: the data-parallel group; ``None`` is the world.
@@ -78,10 +103,8 @@ class DataParallel(nn.Module):
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
         if isinstance(module, (DataParallel, DistributedDataParallel)):
-            raise TypeError(
-                f"model is already wrapped in {type(module).__name__}; pass the bare model"
-            )
-        for name in ("device_ids", "output_device", "gradient_as_bucket_view", "bucket_cap_mb"):
+            raise TypeError(f"model is already wrapped in {type(module).__name__}; pass the bare model")
+        for name in _SET_BY_DISTAMP:
             if name in ddp_kwargs:
                 raise ValueError(
                     f"{name}={ddp_kwargs[name]!r} is set by distamp (device from LOCAL_RANK, "
@@ -94,97 +117,100 @@ class DataParallel(nn.Module):
         )
         self._process_group = process_group
         self._ddp_kwargs = ddp_kwargs
-        self._sync_enabled = True
-        # Kept out of _modules so state_dict keys stay "module.<name>", as with DDP.
-        object.__setattr__(self, "_ddp", None)
-        object.__setattr__(self, "_optimizers", [])
-        object.__setattr__(self, "_fp32_hooks", None)
-        object.__setattr__(self, "_ddp_signature", None)
-        self._comm_hook: LowPrecisionAllReduce | None = None
-        self._black_params = black_parameters(module, strategy)
-        self._build(new_optimizers=[])
+        self._fp32_params = strategy_fp32_parameters(module, strategy)
+        self._runtime = _Runtime()
+        cfg = strategy.amp_config
+        self._black_modules = (
+            keep_in_fp32(module, cfg.custom_black_varnames) if strategy.amp and cfg.custom_black_varnames else None
+        )
 
     # ------------------------------------------------------------------
     @property
     def distributed(self) -> bool:
-        """True when a process group exists and DDP is in use."""
-        return dist.is_available() and dist.is_initialized()
+        """True when the data-parallel group has more than one rank (DDP is used)."""
+        return group_size(self._process_group) > 1
 
     @property
     def ddp(self) -> DistributedDataParallel | None:
-        """The underlying DDP module (``None`` in a one-process run)."""
-        return self._ddp
+        """The underlying DDP module (``None`` before the first forward and in a one-process run)."""
+        return self._runtime.ddp
 
     @property
     def comm_stats(self) -> CommStats | None:
         """Calls and bytes of the 16-bit all-reduce hook (``None`` without AMP/DDP)."""
-        return self._comm_hook.stats if self._comm_hook is not None else None
+        hook = self._runtime.comm_hook
+        return hook.stats if hook is not None else None
 
     @property
     def black_parameters(self) -> list[nn.Parameter]:
-        """Parameters kept in FP32 because of ``custom_black_varnames``."""
-        return list(self._black_params)
-
-    def attach_optimizer(self, optimizer: AmpOptimizer) -> None:
-        """Tie ``optimizer`` to this model (called by ``fleet.distributed_optimizer``).
-
-        Black-listed parameters it converted go back to FP32 (from their
-        exact masters), its masters are broadcast from rank 0, and DDP is
-        rebuilt when parameter dtypes changed since it was built.
-        """
-        if optimizer in self._optimizers:
-            return
-        self._optimizers.append(optimizer)
-        self._build(new_optimizers=[optimizer])
+        """Parameters O2 keeps in FP32 (``custom_black_varnames`` modules and normalization layers)."""
+        return list(self._fp32_params)
 
     def owns_any(self, params: list[nn.Parameter]) -> bool:
         """Whether any of ``params`` belongs to the wrapped module."""
         own = {id(p) for p in self.module.parameters()}
         return any(id(p) in own for p in params)
 
+    def check_attachable(self, changes_dtypes: bool) -> None:
+        """Raise before an optimizer that would change parameter dtypes is built too late.
+
+        Raises:
+            RuntimeError: the model was already prepared (its first forward
+                ran, DDP is built on the parameters' dtypes) and the
+                optimizer is O2.
+        """
+        if self._runtime.prepared and changes_dtypes and self.distributed:
+            raise RuntimeError(
+                "fleet.distributed_optimizer(...) with use_pure_fp16 was called after the model's first "
+                "forward, when its data-parallel wrapper was already built on the parameters' dtypes. "
+                "Build the optimizer before the first forward."
+            )
+
+    def attach_optimizer(self, optimizer: AmpOptimizer) -> None:
+        """Tie ``optimizer`` to this model (``fleet`` calls it for either order of the two calls).
+
+        Its FP32-kept parameters get their exact values back now; its masters
+        are broadcast from rank 0 when the model is prepared.
+
+        Raises:
+            RuntimeError: see :meth:`check_attachable`.
+        """
+        runtime = self._runtime
+        if optimizer in runtime.optimizers:
+            return
+        self.check_attachable(changes_dtypes=optimizer.master_weights.enabled)
+        optimizer.adopt_model(self.module, self._fp32_params)
+        runtime.optimizers.append(optimizer)
+        optimizer.add_sync_listener(self)
+
+    def set_grad_sync(self, optimizer: AmpOptimizer, flag: bool) -> None:
+        """Called by an attached optimizer: whether its next backward closes a merge window."""
+        self._runtime.optimizer_sync[id(optimizer)] = flag
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally: backward passes run inside skip the all-reduce."""
-        previous = self._sync_enabled
-        self._sync_enabled = False
+        runtime = self._runtime
+        previous = runtime.sync_enabled
+        runtime.sync_enabled = False
         try:
             yield
         finally:
-            self._sync_enabled = previous
+            runtime.sync_enabled = previous
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module (through DDP when distributed)."""
-        if self._ddp is None:
-            return self.module(*args, **kwargs)
-        sync = self._sync_enabled and all(opt.will_sync_next_backward() for opt in self._optimizers)
-        self._ddp.require_backward_grad_sync = sync
-        self._ddp.training = self.training
-        return self._ddp(*args, **kwargs)
-
-    # ------------------------------------------------------------------
-    def _build(self, new_optimizers: list[AmpOptimizer]) -> None:
-        """Bring ``new_optimizers`` in line and (re)build DDP; the order matters.
-
-        Optimizers attached earlier were already restored and broadcast.
-        """
-        # 1. Black-listed modules back to FP32 before DDP groups buckets by dtype.
-        for opt in new_optimizers:
-            opt.master_weights.restore_fp32(self._black_params)
-        if self._fp32_hooks is None and self.strategy.amp and self.strategy.amp_config.custom_black_varnames:
-            object.__setattr__(
-                self, "_fp32_hooks", keep_in_fp32(self.module, self.strategy.amp_config.custom_black_varnames)
-            )
+    def prepare(self) -> None:
+        """Make ranks identical and build DDP; runs once, at the first forward (collective)."""
+        runtime = self._runtime
+        if runtime.prepared:
+            return
+        runtime.prepared = True
         if not self.distributed:
             return
-        # 2. Every rank takes rank 0's FP32 masters (and hence its 16-bit params).
-        for opt in new_optimizers:
+        # 1. Every rank takes rank 0's FP32 masters; the 16-bit parameters follow from them.
+        for opt in runtime.optimizers:
             if opt.master_weights.enabled:
                 opt.master_weights.broadcast(src=0, group=self._process_group)
-        # 3. DDP on the final parameter dtypes (its buckets are per dtype).
-        signature = tuple(p.dtype for p in self.module.parameters())
-        if self._ddp is not None and self._ddp_signature == signature:
-            return
-        self._drop_ddp()
+        # 2. DDP on the final dtypes (its buckets are per dtype); it broadcasts the rest.
         device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         ddp = DistributedDataParallel(
             self.module,
@@ -197,17 +223,29 @@ class DataParallel(nn.Module):
         )
         if self.strategy.amp:
             cfg = self.strategy.amp_config
-            self._comm_hook = LowPrecisionAllReduce(
+            runtime.comm_hook = LowPrecisionAllReduce(
                 cfg.comm_torch_dtype, cfg.gradient_predivide_factor, self._process_group
             )
-            self._comm_hook.register(ddp)
-        object.__setattr__(self, "_ddp", ddp)
-        object.__setattr__(self, "_ddp_signature", signature)
+            runtime.comm_hook.register(ddp)
+        runtime.ddp = ddp
 
-    def _drop_ddp(self) -> None:
-        if self._ddp is None:
-            return
-        object.__setattr__(self, "_ddp", None)
-        # The old reducer removes its autograd hooks when it is destroyed;
-        # collect now so it cannot also fire on the next backward.
-        gc.collect()
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module (through DDP when distributed)."""
+        runtime = self._runtime
+        if not runtime.prepared:
+            self.prepare()
+        ddp = runtime.ddp
+        if ddp is None:
+            return self.module(*args, **kwargs)
+        ddp.require_backward_grad_sync = runtime.sync_enabled and all(runtime.optimizer_sync.values())
+        ddp.training = self.training
+        return ddp(*args, **kwargs)
+
+    def fp32_state_dict(self) -> dict[str, Any]:
+        """The wrapped model's ``state_dict()`` with every parameter in exact FP32 (from the masters).
+
+        In O2 the model holds 16-bit weights; this is what to export for
+        inference or fine-tuning in FP32. Keys are the module's own (no
+        ``module.`` prefix).
+        """
+        return fp32_model_state_dict(self.module, [opt.master_weights for opt in self._runtime.optimizers])

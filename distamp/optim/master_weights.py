@@ -3,9 +3,10 @@
 In O2 the model computes with FP16/BF16 parameters while the optimizer
 updates FP32 copies, so that updates smaller than the 16-bit spacing are
 not lost. This module owns that pairing: it makes the masters from the
-original FP32 values, converts the model parameters in place (the
-``Parameter`` objects stay the same, so modules, hooks and DDP still see
-them), moves gradients to the masters and copies updated masters back.
+original FP32 values, stores the model parameters in the low dtype
+(:meth:`MasterWeights.convert_model`; the ``Parameter`` objects stay the
+same, so modules, hooks and DDP still see them), moves gradients to the
+masters and copies updated masters back.
 
 Masters live in one flat FP32 buffer per device, their gradients in
 another, so broadcasting, checkpointing and copying are a few large
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["MasterWeights"]
+__all__ = ["MasterWeights", "fp32_model_state_dict"]
 
 
 @dataclass
@@ -38,31 +39,26 @@ class MasterWeights:
     With ``low_dtype=None`` (O1, or AMP off) every parameter is its own
     master and nothing is copied. With ``low_dtype`` set (O2), every FP32
     parameter (and every parameter already in ``low_dtype``) gets an FP32
-    master and is converted in place to ``low_dtype``, except those for
-    which ``keep_fp32(param)`` is true; other dtypes are left alone.
+    master; :meth:`convert_model` then stores the model parameters in
+    ``low_dtype``, except the ones it is told to keep in FP32. Other dtypes
+    (float64, integers) are left alone.
 
     Example::
 
         masters = MasterWeights(model.parameters(), torch.float16)
+        masters.convert_model(keep_fp32=fp32_parameters(model))
         inner = torch.optim.SGD(masters.masters, lr=0.1)
         ...backward...
-        grads = masters.copy_grads_to_masters()
+        masters.copy_grads_to_masters()
         inner.step()
         masters.copy_masters_to_model()
 
     Args:
         params: the model parameters, in the order the optimizer lists them.
         low_dtype: the 16-bit dtype for O2, or ``None``.
-        keep_fp32: predicate naming parameters that stay FP32 (black-listed
-            modules); they still get a master.
     """
 
-    def __init__(
-        self,
-        params: Iterable[nn.Parameter],
-        low_dtype: torch.dtype | None,
-        keep_fp32=lambda p: False,
-    ) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], low_dtype: torch.dtype | None) -> None:
         self.low_dtype = low_dtype
         self.model_params: list[nn.Parameter] = []
         seen: set[int] = set()
@@ -78,12 +74,9 @@ class MasterWeights:
             for p in self.model_params:
                 self._master_of[id(p)] = p
             return
+        self._keep_fp32: set[int] = set()
         paired = [p for p in self.model_params if p.dtype in (torch.float32, low_dtype)]
         self._build_flat(paired)
-        with torch.no_grad():
-            for model_p, _, _ in self._pairs:
-                if model_p.dtype == torch.float32 and not keep_fp32(model_p):
-                    model_p.data = model_p.data.to(low_dtype)
         for p in self.model_params:
             self._master_of.setdefault(id(p), p)
 
@@ -129,33 +122,41 @@ class MasterWeights:
                 f"parameter of shape {tuple(param.shape)} is not managed by this optimizer"
             ) from None
 
-    def add(self, params: Iterable[nn.Parameter], keep_fp32=lambda p: False) -> list[nn.Parameter]:
-        """Manage more parameters (``add_param_group``); returns their masters."""
+    def add(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+        """Manage more parameters (``add_param_group``); returns their masters.
+
+        New O2 parameters are stored in the low dtype right away, unless
+        :meth:`convert_model` was told to keep them in FP32.
+        """
         new = [p for p in params if id(p) not in self._master_of]
         self.model_params.extend(new)
         if self.low_dtype is None:
             for p in new:
                 self._master_of[id(p)] = p
         else:
-            extra = MasterWeights(new, self.low_dtype, keep_fp32)
+            extra = MasterWeights(new, self.low_dtype)
+            extra.convert_model(keep_fp32=[p for p in new if id(p) in self._keep_fp32])
             self._flat.extend(extra._flat)
             self._pairs.extend(extra._pairs)
             self._master_of.update(extra._master_of)
         return [self._master_of[id(p)] for p in new]
 
-    def restore_fp32(self, params: Iterable[nn.Parameter]) -> int:
-        """Give converted ``params`` back their exact FP32 values from the masters.
+    def convert_model(self, keep_fp32: Iterable[nn.Parameter] = ()) -> int:
+        """Store each paired model parameter in the low dtype, or in FP32 if it is in ``keep_fp32``.
 
-        Used for modules named in ``custom_black_varnames`` when the
-        optimizer converted them before the model was wrapped. Returns how
-        many parameters changed dtype.
+        Values always come from the exact FP32 masters, so calling it again
+        with more parameters to keep (once the model's normalization layers
+        and ``custom_black_varnames`` modules are known) gives those back
+        their exact FP32 values. A no-op without separate masters. Returns
+        how many parameters changed dtype.
         """
-        wanted = {id(p) for p in params}
+        self._keep_fp32 |= {id(p) for p in keep_fp32}
         changed = 0
         with torch.no_grad():
             for model_p, master, _ in self._pairs:
-                if id(model_p) in wanted and model_p.dtype != torch.float32:
-                    model_p.data = master.detach().clone()
+                dtype = torch.float32 if id(model_p) in self._keep_fp32 else self.low_dtype
+                if model_p.dtype != dtype:
+                    model_p.data = master.detach().to(dtype, copy=True)
                     changed += 1
         return changed
 
@@ -177,6 +178,14 @@ class MasterWeights:
                 src.append(model_p.grad)
         if dst:
             torch._foreach_copy_(dst, src)
+
+    def grad_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(model grad, master grad)`` for each separate master whose parameter has a gradient."""
+        return [
+            (model_p.grad, master.grad)
+            for model_p, master, _ in self._pairs
+            if model_p.grad is not None and master.grad is not None
+        ]
 
     def copy_masters_to_model(self) -> None:
         """Copy (and round) the updated masters into the model parameters."""
@@ -220,3 +229,21 @@ class MasterWeights:
                     )
                 master.copy_(t)
         self.copy_masters_to_model()
+
+
+def fp32_model_state_dict(module: nn.Module, master_weights: Sequence[MasterWeights]) -> dict:
+    """``module.state_dict()`` with each parameter replaced by an FP32 copy of its master.
+
+    Parameters without a master (O1, AMP off, other dtypes) are copied as
+    they are, in FP32 when floating point. Buffers are left unchanged.
+    """
+    masters: dict[int, torch.Tensor] = {}
+    for weights in master_weights:
+        for p in weights.model_params:
+            masters[id(p)] = weights.master_for(p)
+    state = module.state_dict()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if name in state:
+            source = masters.get(id(p), p).detach()
+            state[name] = source.float().clone() if source.is_floating_point() else source.clone()
+    return state

@@ -83,7 +83,7 @@ def test_o2_masters_come_from_the_original_fp32_values():
         assert torch.equal(p.detach(), o.half())
 
 
-def test_o2_keeps_buffers_fp32_and_all_optimizer_state_fp32():
+def test_o2_keeps_norm_layers_and_buffers_fp32_and_all_optimizer_state_fp32():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     opt = AmpOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), make_strategy(use_pure_fp16=True, dtype="bfloat16"))
@@ -94,7 +94,9 @@ def test_o2_keeps_buffers_fp32_and_all_optimizer_state_fp32():
     assert opt.step()
     bn = model[1]
     assert bn.running_mean.dtype == torch.float32 and bn.running_var.dtype == torch.float32
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    # keep_norm_fp32 (default): the BatchNorm's affine parameters stay FP32, learned at the first forward.
+    assert bn.weight.dtype == torch.float32 and bn.bias.dtype == torch.float32
+    assert all(p.dtype == torch.bfloat16 for m in (model[0], model[2]) for p in m.parameters())
     for state in opt.state.values():
         for key, value in state.items():
             if torch.is_tensor(value) and key != "step":

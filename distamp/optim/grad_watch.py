@@ -1,0 +1,122 @@
+"""Noticing gradients that changed behind the meta-optimizer's back.
+
+Three habits from plain PyTorch silently break a scaled-loss loop:
+
+* ``loss.backward()`` instead of ``optimizer.backward(loss)``: the loss was
+  never scaled, yet ``step()`` divides by the scale, so every update is
+  ~32768 times too small. :meth:`GradWatch.before_step` raises.
+* ``torch.nn.utils.clip_grad_norm_`` before ``optimizer.unscale_()``: it
+  clips *scaled* gradients (norm ~1e4 or inf), so updates are clipped to
+  nothing. :meth:`GradWatch.before_unscale` logs a warning once (a log line,
+  not a Python warning: tests that put an inf into a gradient on purpose
+  change it too).
+* ``step()`` with nothing new since the last one: it would count (and, for
+  some optimizers, apply again) a step. :meth:`GradWatch.before_step` warns
+  once and the step is not taken.
+
+Gradients are compared by identity (a weak reference, so nothing is kept
+alive) and version counter; a check is one pass over the parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from collections.abc import Iterable
+
+from torch import nn
+
+__all__ = ["GradWatch"]
+
+logger = logging.getLogger("distamp")
+
+_Snapshot = list[tuple[weakref.ref, int] | None]
+
+
+class GradWatch:
+    """Snapshots of the model gradients at backward and at step.
+
+    Args:
+        params: the model parameters whose ``.grad`` the optimizer applies.
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+        self.params = list(params)
+        self._backward_since_step = False
+        self._after_backward: _Snapshot | None = None
+        self._after_step = self._snapshot()
+        self._warned: set[str] = set()
+
+    def track(self, params: Iterable[nn.Parameter]) -> None:
+        """Watch more parameters (``add_param_group``)."""
+        self.params.extend(params)
+        self._after_step = self._snapshot()
+
+    def _snapshot(self) -> _Snapshot:
+        return [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in self.params]
+
+    def _unchanged_since(self, snapshot: _Snapshot) -> bool:
+        for p, seen in zip(self.params, snapshot):
+            grad = p.grad
+            if grad is None:
+                if seen is not None:
+                    return False
+            elif seen is None or seen[0]() is not grad or seen[1] != grad._version:
+                return False
+        return True
+
+    def _once(self, key: str) -> bool:
+        first = key not in self._warned
+        self._warned.add(key)
+        return first
+
+    def after_backward(self, loss_scale: float) -> None:
+        """``optimizer.backward`` finished (gradients communicated)."""
+        self._backward_since_step = True
+        self._after_backward = self._snapshot() if loss_scale != 1.0 else None
+
+    def before_unscale(self) -> None:
+        """Warn once if scaled gradients were changed between backward and unscaling."""
+        if self._after_backward is None or self._unchanged_since(self._after_backward):
+            return
+        if self._once("scaled"):
+            logger.warning(
+                "the gradients changed after optimizer.backward() while still multiplied by the loss scale. If "
+                "that was gradient clipping (torch.nn.utils.clip_grad_norm_), it clipped scaled values: call "
+                "optimizer.unscale_() before clipping, or use optimizer.clip_grad_norm_(max_norm)."
+            )
+
+    def before_step(self, loss_scale: float) -> bool:
+        """Whether ``step()`` has something to apply; raises on an unscaled backward under scaling.
+
+        Raises:
+            RuntimeError: the gradients changed since the last step without
+                ``optimizer.backward`` while the loss scale is not 1.
+        """
+        if self._backward_since_step:
+            return True
+        if self._unchanged_since(self._after_step):
+            if self._once("nothing"):
+                warnings.warn(
+                    "optimizer.step() found no new gradients since the last step, so it did nothing and "
+                    "returned False. Call optimizer.backward(loss) (or optimizer.minimize(loss)) before each "
+                    "step().",
+                    UserWarning,
+                    stacklevel=3,
+                )
+            return False
+        if loss_scale != 1.0:
+            raise RuntimeError(
+                f"optimizer.step() found gradients that did not come from optimizer.backward(loss): with the "
+                f"loss scale at {loss_scale:g}, a plain loss.backward() leaves them unscaled and step() would "
+                f"divide them by the scale. Replace loss.backward() with optimizer.backward(loss) (or call "
+                f"optimizer.minimize(loss))."
+            )
+        return True
+
+    def after_step(self) -> None:
+        """A step was taken (or skipped for inf/NaN): start watching for the next backward."""
+        self._backward_since_step = False
+        self._after_backward = None
+        self._after_step = self._snapshot()
