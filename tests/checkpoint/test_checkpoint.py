@@ -13,6 +13,8 @@ from __future__ import annotations
 import collections
 import os
 import random
+import re
+import shutil
 import warnings
 
 import numpy as np
@@ -150,16 +152,17 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
     assert ref_applied[SKIP_AT] is False and ref_applied.count(False) == 1
     assert applied == ref_applied
     assert info == CheckpointInfo(
-        step=6, path=str(tmp_path / "step-00000006.pt"), extra={"next_step": 6}, world_size=1, rng_restored=True
+        step=6, path=str(payload(tmp_path, 6)), extra={"next_step": 6}, world_size=1, rng_restored=True,
+        manifest=str(tmp_path / "step-00000006.json"),
     )
     assert_bitwise_equal(reference, resumed)
 
 
 def test_without_the_rng_states_the_resumed_run_differs(tmp_path, monkeypatch):
     """Shows the comparison above is sharp: dropout and data depend on the RNGs."""
-    import distamp.checkpoint as ckpt
+    from distamp.checkpoint import rng
 
-    monkeypatch.setattr(ckpt, "_set_rng_state", lambda state: None)
+    monkeypatch.setattr(rng, "set_rng_state", lambda state: [])
     _, _, reference, resumed, _ = uninterrupted_and_resumed(str(tmp_path), 10, 6)
     assert not torch.equal(reference["masters"][0], resumed["masters"][0])
 
@@ -182,38 +185,62 @@ def files(directory) -> list[str]:
     return sorted(os.listdir(directory))
 
 
+def layout(directory) -> list[str]:
+    """The file names with each payload's hash replaced by ``<hash>``."""
+    return sorted(re.sub(r"\.[0-9a-f]{16}\.pt$", ".<hash>.pt", name) for name in files(directory))
+
+
+def payload(directory, step: int):
+    """The common payload file of checkpoint ``step``."""
+    (found,) = [p for p in directory.iterdir() if p.name.startswith(f"step-{step:08d}.common.")]
+    return found
+
+
 def test_keeps_the_last_two_and_creates_the_directory(tmp_path):
     directory = tmp_path / "a" / "b"
     save_steps(directory, [10, 20, 30, 40])
-    assert files(directory) == ["step-00000030.json", "step-00000030.pt", "step-00000040.json", "step-00000040.pt"]
+    assert layout(directory) == [
+        "step-00000030.common.<hash>.pt", "step-00000030.json", "step-00000040.common.<hash>.pt", "step-00000040.json"
+    ]
     save_steps(directory, [50, 60, 70], keep=3)
     assert list_checkpoints(directory) == [70, 60, 50]
 
 
 def test_a_save_removes_newer_checkpoints_of_an_abandoned_run_and_stale_temporaries(tmp_path):
     save_steps(tmp_path, [10, 20])
-    (tmp_path / ".tmp-12345-step-00000030.pt").write_bytes(b"half a checkpo")
+    (tmp_path / ".tmp-12345-0badf00d-step-00000030.common.pt").write_bytes(b"half a checkpo")
     save_steps(tmp_path, [15])  # resumed from 10 after 20 went bad, now saving 15
-    assert files(tmp_path) == ["step-00000010.json", "step-00000010.pt", "step-00000015.json", "step-00000015.pt"]
+    assert layout(tmp_path) == [
+        "step-00000010.common.<hash>.pt", "step-00000010.json", "step-00000015.common.<hash>.pt", "step-00000015.json"
+    ]
 
 
 def corrupt_truncate(path):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
+    return path
 
 
 def corrupt_flip_byte(path):
     data = bytearray(path.read_bytes())
     data[len(data) // 3] ^= 0x01
     path.write_bytes(bytes(data))
+    return path
+
+
+def manifest_of(path):
+    """The manifest next to the payload ``path``."""
+    return path.with_name(path.name.split(".")[0] + ".json")
 
 
 def corrupt_drop_manifest(path):
-    path.with_suffix(".json").unlink()
+    manifest_of(path).unlink()
+    return manifest_of(path)
 
 
 def corrupt_garble_manifest(path):
-    path.with_suffix(".json").write_text("{not json")
+    manifest_of(path).write_text("{not json")
+    return manifest_of(path)
 
 
 @pytest.mark.parametrize(
@@ -227,11 +254,9 @@ def corrupt_garble_manifest(path):
 )
 def test_a_bad_newest_checkpoint_falls_back_to_the_previous_with_a_warning(tmp_path, corrupt, reason):
     save_steps(tmp_path, [10, 20])
-    newest = tmp_path / "step-00000020.pt"
-    corrupt(newest)
+    bad_file = corrupt(payload(tmp_path, 20))
     model, opt, sched = build(3)
-    bad_file = newest if corrupt in (corrupt_truncate, corrupt_flip_byte, corrupt_drop_manifest) else newest.with_suffix(".json")
-    with pytest.warns(UserWarning, match=f"skipping bad checkpoint {bad_file}.*{reason}"):
+    with pytest.warns(UserWarning, match=f"skipping bad checkpoint {re.escape(str(bad_file))}.*{reason}"):
         info = load_latest_checkpoint(tmp_path, model=model, optimizer=opt, scheduler=sched)
     assert info.step == 10 and info.extra == {"step": 10}
     assert info.skipped and str(bad_file) in info.skipped[0]
@@ -239,14 +264,14 @@ def test_a_bad_newest_checkpoint_falls_back_to_the_previous_with_a_warning(tmp_p
 
 def test_every_checkpoint_bad_starts_from_scratch_with_warnings(tmp_path):
     save_steps(tmp_path, [10, 20])
-    corrupt_flip_byte(tmp_path / "step-00000010.pt")
-    corrupt_truncate(tmp_path / "step-00000020.pt")
+    corrupt_flip_byte(payload(tmp_path, 10))
+    corrupt_truncate(payload(tmp_path, 20))
     model, opt, sched = build(3)
     with pytest.warns(UserWarning) as record:
         assert load_latest_checkpoint(tmp_path, model=model, optimizer=opt, scheduler=sched) is None
     messages = [str(w.message) for w in record]
-    assert any("step-00000020.pt" in m for m in messages)
-    assert any("step-00000010.pt" in m for m in messages)
+    assert any("step-00000020.common." in m and "truncated" in m for m in messages)
+    assert any("step-00000010.common." in m and "corrupted" in m for m in messages)
     assert any("no intact checkpoint" in m for m in messages)
 
 
@@ -255,11 +280,11 @@ class _DiskFull(OSError):
 
 
 def test_a_failed_write_leaves_no_partial_file_under_a_final_name(tmp_path, monkeypatch):
-    import distamp.checkpoint as ckpt
+    from distamp.checkpoint import atomic
 
     model, opt, sched = save_steps(tmp_path, [10])
     before = {name: (tmp_path / name).read_bytes() for name in files(tmp_path)}
-    real_write = ckpt._HashingWriter._write_raw
+    real_write = atomic._HashingWriter._write_raw
     written = []
 
     def fail_midway(self, view):
@@ -273,7 +298,7 @@ def test_a_failed_write_leaves_no_partial_file_under_a_final_name(tmp_path, monk
         real_write(self, view)
         written.append(view.nbytes)
 
-    monkeypatch.setattr(ckpt._HashingWriter, "_write_raw", fail_midway)
+    monkeypatch.setattr(atomic._HashingWriter, "_write_raw", fail_midway)
     with pytest.raises(RuntimeError, match=r"rank 0 could not save checkpoint 20 .*No space left on device") as info:
         save_checkpoint(tmp_path, 20, model=model, optimizer=opt, scheduler=sched)
     assert isinstance(info.value.__cause__, _DiskFull)
@@ -285,31 +310,36 @@ def test_a_failed_write_leaves_no_partial_file_under_a_final_name(tmp_path, monk
 
 
 def test_a_crash_between_payload_and_manifest_is_an_incomplete_checkpoint(tmp_path, monkeypatch):
-    import distamp.checkpoint as ckpt
-
+    """A killed writer runs no clean-up: the directory as it stood at the manifest's rename."""
     model, opt, sched = save_steps(tmp_path, [10])
+    crashed = tmp_path / "crashed"
     real_replace = os.replace
 
-    def no_manifest(src, dst):
+    def kill_at_manifest(src, dst):
         if str(dst).endswith(".json"):
+            shutil.copytree(tmp_path / "ckpt", crashed)
             raise _DiskFull(28, "No space left on device")
         real_replace(src, dst)
 
-    monkeypatch.setattr(ckpt.os, "replace", no_manifest)
+    for name in files(tmp_path):
+        os.renames(tmp_path / name, tmp_path / "ckpt" / name)
+    monkeypatch.setattr(os, "replace", kill_at_manifest)
     with pytest.raises(RuntimeError, match="could not save checkpoint 20"):
-        save_checkpoint(tmp_path, 20, model=model, optimizer=opt, scheduler=sched)
+        save_checkpoint(tmp_path / "ckpt", 20, model=model, optimizer=opt, scheduler=sched)
     monkeypatch.undo()
-    assert files(tmp_path) == ["step-00000010.json", "step-00000010.pt", "step-00000020.pt"]
-    with pytest.warns(UserWarning, match=r"step-00000020.pt: no manifest"):
-        info = load_latest_checkpoint(tmp_path, model=model, optimizer=opt, scheduler=sched)
+    assert [n for n in layout(crashed) if not n.startswith(".tmp-")] == [
+        "step-00000010.common.<hash>.pt", "step-00000010.json", "step-00000020.common.<hash>.pt"
+    ]
+    with pytest.warns(UserWarning, match=r"step-00000020.json: no manifest \(the save did not finish; step-00000020.common"):
+        info = load_latest_checkpoint(crashed, model=model, optimizer=opt, scheduler=sched)
     assert info.step == 10
 
 
 def test_the_payload_loads_with_weights_only(tmp_path):
     save_steps(tmp_path, [5])
-    payload = torch.load(tmp_path / "step-00000005.pt", weights_only=True)
-    assert payload["optimizer"]["format"] == "distamp.AmpOptimizer/1"
-    assert set(payload["rng"][0]) >= {"python", "torch", "numpy"}
+    saved = torch.load(payload(tmp_path, 5), weights_only=True)
+    assert saved["optimizer"]["format"] == "distamp.AmpOptimizer/1"
+    assert set(saved["rng"][0]) >= {"python", "torch", "numpy"}
 
 
 def test_a_plain_torch_optimizer_and_no_scheduler_work(tmp_path):
@@ -456,14 +486,14 @@ def test_one_rank_saves_two_resume_from_the_same_intact_checkpoint(tmp_path):
     saved = snapshot(model, opt, sched)
     train(model, opt, sched, 4, 5)
     save_checkpoint(tmp_path, 5, model=model, optimizer=opt, scheduler=sched, extra={"next_step": 5})
-    corrupt_flip_byte(tmp_path / "step-00000005.pt")
+    corrupt_flip_byte(payload(tmp_path, 5))
 
     out = run_workers(_load_and_continue, 2, str(tmp_path), timeout=100)
     for rank, (info, loaded, after, messages) in enumerate(out):
         assert info.step == 4 and info.world_size == 1 and not info.rng_restored
         assert_bitwise_equal(loaded, saved)
         assert_bitwise_equal(after, out[0][2])  # still in lockstep after two more steps
-        assert any("step-00000005.pt" in m and "corrupted" in m for m in messages)
+        assert any("step-00000005.common." in m and "corrupted" in m for m in messages)
         assert any("resumed by 2" in m for m in messages) == (rank == 0)  # warned once
 
 

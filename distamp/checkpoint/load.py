@@ -1,0 +1,234 @@
+"""``load_latest_checkpoint``: the ranks agree on the newest usable checkpoint and restore it."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import rng, storage
+from .collective import Coordinator, check_timeout
+from .manifest import COMMON, CheckpointCorrupt, Manifest, manifest_name
+from .state import UnusablePayload, check_objects, check_payload, restore
+
+__all__ = ["CheckpointInfo", "load_latest_checkpoint"]
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What :func:`load_latest_checkpoint` loaded.
+
+    Attributes:
+        step: the step number the checkpoint was saved with.
+        path: the payload file (``.../step-<N>.common.<hash>.pt``).
+        extra: the caller's ``extra`` dict (data position, seeds, ...).
+        world_size: the number of ranks of the job that saved it.
+        rng_restored: True when every RNG state this rank draws from was
+            restored: the world size is unchanged and, where CUDA is used,
+            the checkpoint has this rank's CUDA state and a CUDA device is
+            here to take it. False otherwise (a warning says which).
+        skipped: why each newer checkpoint was passed over (file and reason).
+        manifest: the manifest file (``.../step-<N>.json``).
+    """
+
+    step: int
+    path: str
+    extra: dict = field(default_factory=dict)
+    world_size: int = 1
+    rng_restored: bool = False
+    skipped: tuple[str, ...] = ()
+    manifest: str = ""
+
+
+def load_latest_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any = None,
+    timeout: float | timedelta | None = None,
+) -> CheckpointInfo | None:
+    """Restore the newest usable checkpoint in ``directory`` on every rank.
+
+    Collective: call it on every rank after building the model, the
+    optimizer (``fleet.distributed_optimizer``) and the scheduler, before
+    training. Each rank reads the newest checkpoint rank 0 lists: the
+    manifest (with its own checksum), the payload's size and SHA-256, then
+    ``torch.load(..., weights_only=True)`` to the CPU. The ranks then decide
+    together, so all resume from the same one:
+
+    - a checkpoint that cannot be read (no or damaged manifest, truncated
+      or corrupted payload, one that ``weights_only`` refuses to unpickle)
+      is skipped on every rank with a warning naming the file and the
+      reason, in favour of the next older one;
+    - one that reads but does not fit the model, optimizer or scheduler
+      (shapes, optimizer type, O1 vs O2) raises the same ``RuntimeError``
+      on every rank: falling back would silently train something else;
+    - one that rank 0 reads intact but another rank cannot raises too (on
+      several nodes, the directory must be shared).
+
+    Different world size: model, optimizer, scheduler and ``extra`` are
+    restored exactly (data parallelism keeps them identical on every rank),
+    but the RNG states are not, since the saved per-rank streams do not map
+    onto a different number of ranks; rank 0 warns once. Each rank keeps the
+    RNG state it had, so seed before calling this. How the data order
+    continues is the caller's business (e.g. a ``DistributedSampler``
+    re-partitions each epoch over the new number of ranks).
+
+    Example::
+
+        info = load_latest_checkpoint("ckpt", model=model, optimizer=optimizer)
+        start = info.step if info is not None else 0
+
+    Args:
+        directory: where :func:`save_checkpoint` saved.
+        model: the model (wrapped or not).
+        optimizer: the optimizer, built as in the saving run.
+        scheduler: an LR scheduler, or None (as in the saving run).
+        timeout: how long a rank waits for the others, in seconds or as a
+            ``datetime.timedelta``; None means 30 minutes.
+
+    Returns:
+        A :class:`CheckpointInfo`, or None when there is no usable
+        checkpoint (nothing to resume: start from scratch).
+
+    Raises:
+        RuntimeError: on every rank, when the checkpoint does not fit the
+            model/optimizer, or some rank cannot read the checkpoint that
+            rank 0 read intact (e.g. a directory not shared between nodes).
+    """
+    path = storage.check_directory(directory)
+    check_objects(model, optimizer, scheduler)
+    coordinator = Coordinator("load", check_timeout(timeout))
+    candidates, failure = coordinator.broadcast(_list(path) if coordinator.rank == 0 else None)
+    if failure is not None:
+        raise RuntimeError(f"rank 0 could not list checkpoints in {path!r}: {failure}")
+    manifest, payload, skipped = _choose(coordinator, path, candidates)
+    if manifest is None:
+        if skipped:
+            warnings.warn(f"no intact checkpoint in {path!r}; starting from scratch", stacklevel=2)
+        return None
+
+    payload_path = os.path.join(path, manifest.file(COMMON).name)
+    error = None
+    try:
+        restore(payload, model, optimizer, scheduler)
+    except Exception as exc:  # noqa: BLE001 - made collective below
+        error = f"rank {coordinator.rank}: {type(exc).__name__}: {exc}"
+    errors = coordinator.decide(error, lambda found: [e for e in found if e is not None])
+    if errors:
+        raise RuntimeError(f"could not resume from {payload_path}: " + "; ".join(errors))
+    return CheckpointInfo(
+        step=manifest.step,
+        path=payload_path,
+        extra=dict(payload["extra"]),
+        world_size=int(payload["world_size"]),
+        rng_restored=_restore_rng(payload, payload_path, coordinator),
+        skipped=tuple(skipped),
+        manifest=os.path.join(path, manifest_name(manifest.step)),
+    )
+
+
+def _list(path: str) -> tuple[list[int], str | None]:
+    """Rank 0's candidates, newest first, and why they could not be listed (sent to every rank)."""
+    try:
+        return storage.list_checkpoints(path), None
+    except OSError as exc:
+        return [], f"{type(exc).__name__}: {exc}"
+
+
+def _choose(coordinator: Coordinator, path: str, candidates: list[int]) -> tuple[Manifest | None, Any, list[str]]:
+    """The newest checkpoint every rank read intact: ``(manifest, payload, skipped reasons)``."""
+    skipped: list[str] = []
+    for step in candidates:
+        manifest, payload, outcome = None, None, ("ok", None)
+        try:
+            manifest, payload = _read(path, step)
+        except CheckpointCorrupt as exc:
+            outcome = ("bad", str(exc))
+        except Exception as exc:  # noqa: BLE001 - made collective below
+            outcome = ("error", f"{type(exc).__name__}: {exc}")
+        verdict, message = coordinator.decide(outcome, _verdict)
+        if verdict == "use":
+            return manifest, payload, skipped
+        if verdict == "skip":
+            warnings.warn(f"skipping bad checkpoint {message}; falling back to an older one", stacklevel=3)
+            skipped.append(message)
+            continue
+        raise RuntimeError(f"could not resume from {os.path.join(path, manifest_name(step))}: {message}")
+    return None, None, skipped
+
+
+def _verdict(outcomes: list[tuple[str, str | None]]) -> tuple[str, str | None]:
+    """Rank 0's decision on one checkpoint from every rank's ``(kind, message)``."""
+    errors = [f"rank {r}: {message}" for r, (kind, message) in enumerate(outcomes) if kind == "error"]
+    if errors:
+        # Not a property of the file (out of memory, ...): falling back could discard good checkpoints.
+        return "raise", "; ".join(errors)
+    kind, message = outcomes[0]
+    if kind == "bad":
+        return "skip", message
+    for r, (kind, message) in enumerate(outcomes):
+        if kind == "bad":
+            return "raise", (
+                f"rank {r} sees a different file than rank 0, which read it intact: {message}. "
+                "On several nodes the checkpoint directory must be on a file system shared by every node"
+            )
+    return "use", None
+
+
+def _read(path: str, step: int) -> tuple[Manifest, dict]:
+    """Manifest and common payload of checkpoint ``step``; ``CheckpointCorrupt`` if unusable."""
+    manifest = storage.read_manifest(path, step)
+    storage.verify(path, manifest, [COMMON])
+    file = os.path.join(path, manifest.file(COMMON).name)
+    try:
+        payload = torch.load(file, map_location="cpu", weights_only=True)
+    except MemoryError:
+        raise
+    except Exception as exc:  # any refusal makes the file unusable
+        raise CheckpointCorrupt(file, f"torch.load(..., weights_only=True) refused it ({_gist(exc)})") from exc
+    try:
+        check_payload(payload, step)
+    except UnusablePayload as exc:
+        raise CheckpointCorrupt(file, str(exc)) from exc
+    return manifest, payload
+
+
+def _gist(exc: Exception) -> str:
+    """The informative line of torch.load's long messages."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        if "WeightsUnpickler error:" in line:
+            return line.split(". ")[0]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _restore_rng(payload: dict, payload_path: str, coordinator: Coordinator) -> bool:
+    """Restore this rank's RNG states when the world size allows; True when all were."""
+    saved_world, world_size = int(payload["world_size"]), coordinator.world_size
+    if saved_world != world_size:
+        if coordinator.rank == 0:
+            warnings.warn(
+                f"checkpoint {payload_path} was saved by {saved_world} rank(s) and is resumed by "
+                f"{world_size}: model, optimizer, scheduler and extra are restored exactly, but the "
+                "per-rank RNG states are not (each rank keeps its current ones), and the data order "
+                "from here on differs from a run with the original world size",
+                stacklevel=3,
+            )
+        return False
+    missing = rng.set_rng_state(payload["rng"][coordinator.rank])
+    if missing:
+        warnings.warn(
+            f"rank {coordinator.rank}: the {' and '.join(missing)} RNG state was not restored from "
+            f"{payload_path}: for CUDA, either the checkpoint has a CUDA state and no CUDA device is "
+            "available here, or this process uses CUDA and the checkpoint was saved without it. "
+            "Random draws from it differ from the uninterrupted run",
+            stacklevel=3,
+        )
+    return not missing

@@ -1,0 +1,151 @@
+"""load_latest_checkpoint: one fallback rule, applied by all ranks together.
+
+A checkpoint that cannot be read (damaged or edited manifest, a payload
+that fails its hash or that ``weights_only`` refuses) is skipped with a
+warning; one that reads but does not fit the model raises, on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from distamp.checkpoint import load_latest_checkpoint, save, save_checkpoint
+from distamp.checkpoint.rng import get_rng_state
+from distamp.checkpoint.state import build_payload
+from tests.checkpoint.test_checkpoint import build, payload, save_steps
+from tests.checkpoint.test_rng import FakeCuda
+from tests.multiprocess import run_workers
+
+
+class Opaque:
+    """A class ``torch.load(..., weights_only=True)`` refuses to rebuild."""
+
+
+def load(directory):
+    model, opt, sched = build(3)
+    return load_latest_checkpoint(directory, model=model, optimizer=opt, scheduler=sched)
+
+
+def save_refused_payload(directory, step, monkeypatch):
+    """A checkpoint with a valid manifest and hash whose payload weights_only cannot unpickle."""
+    model, opt, sched = build(0)
+    with monkeypatch.context() as patch:
+        patch.setattr(save, "check_extra", dict)  # let the foreign object through
+        save_checkpoint(directory, step, model=model, optimizer=opt, scheduler=sched, extra={"obj": Opaque()})
+
+
+def test_a_payload_weights_only_refuses_falls_back_with_a_warning(tmp_path, monkeypatch):
+    save_steps(tmp_path, [10])
+    save_refused_payload(tmp_path, 20, monkeypatch)
+    bad = re.escape(str(payload(tmp_path, 20)))
+    with pytest.warns(UserWarning, match=rf"skipping bad checkpoint {bad}: torch.load\(\.\.\., weights_only=True\) "
+                      r"refused it \(WeightsUnpickler error: Unsupported global: GLOBAL .*Opaque"):
+        info = load(tmp_path)
+    assert info.step == 10 and len(info.skipped) == 1
+
+
+def test_a_newest_checkpoint_of_another_model_raises_instead_of_falling_back(tmp_path):
+    save_steps(tmp_path, [10])
+    model = nn.Sequential(nn.Linear(6, 5), nn.Dropout(0.25), nn.ReLU(), nn.Linear(5, 3))
+    save_checkpoint(tmp_path, 20, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    plain = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.25), nn.ReLU(), nn.Linear(8, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either
+        with pytest.raises(RuntimeError, match=r"(?s)could not resume from .*step-00000020\.common\..*size mismatch"):
+            load_latest_checkpoint(tmp_path, model=plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.1))
+
+
+def tamper(directory, step, recompute_checksum: bool):
+    """Change a weight in the payload and "repair" the manifest's size and hash to match."""
+    path = payload(directory, step)
+    state = torch.load(path, weights_only=True)
+    next(iter(state["model"].values())).add_(1.0)
+    torch.save(state, path)
+    data = path.read_bytes()
+    manifest_path = directory / f"step-{step:08d}.json"
+    meta = json.loads(manifest_path.read_text())
+    meta["files"][0].update(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    if recompute_checksum:  # the whole manifest rewritten consistently, but not the payload's name
+        body = {k: v for k, v in meta.items() if k != "manifest_sha256"}
+        meta["manifest_sha256"] = hashlib.sha256(
+            json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    manifest_path.write_text(json.dumps(meta))
+    return manifest_path
+
+
+@pytest.mark.parametrize(
+    "recompute_checksum, reason",
+    [(False, "manifest checksum mismatch"), (True, "whose name does not carry its SHA-256")],
+)
+def test_a_payload_changed_under_a_repaired_manifest_is_detected(tmp_path, recompute_checksum, reason):
+    save_steps(tmp_path, [10, 20])
+    manifest_path = tamper(tmp_path, 20, recompute_checksum)
+    with pytest.warns(UserWarning, match=rf"skipping bad checkpoint {re.escape(str(manifest_path))}: .*{reason}"):
+        info = load(tmp_path)
+    assert info.step == 10
+
+
+def test_a_cuda_rng_state_this_process_cannot_take_is_reported_not_restored(tmp_path, monkeypatch):
+    with monkeypatch.context() as patch:
+        FakeCuda(patch)
+        save_steps(tmp_path, [1])
+    with pytest.warns(UserWarning, match=r"rank 0: the cuda RNG state was not restored from .*step-00000001"):
+        info = load(tmp_path)
+    assert info.step == 1 and not info.rng_restored
+
+
+def test_a_format_1_checkpoint_still_loads(tmp_path):
+    model, opt, sched = build(0)
+    rng_states = [get_rng_state(), get_rng_state()]
+    state = build_payload(7, 2, model, type(opt).__name__, opt.state_dict(), sched.state_dict(), rng_states, {"e": 7})
+    state["format"] = "distamp.checkpoint/1"
+    torch.save(state, tmp_path / "step-00000007.pt")
+    data = (tmp_path / "step-00000007.pt").read_bytes()
+    (tmp_path / "step-00000007.json").write_text(json.dumps({
+        "format": "distamp.checkpoint/1", "step": 7, "file": "step-00000007.pt", "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(), "world_size": 2}))
+    with pytest.warns(UserWarning, match=r"saved by 2 rank\(s\) and is resumed by 1"):
+        info = load(tmp_path)
+    assert (info.step, info.extra, info.world_size, info.path) == (7, {"e": 7}, 2, str(tmp_path / "step-00000007.pt"))
+
+
+def _fallback_then_mismatch(rank, world_size, base):
+    model, opt, sched = build(3, distributed=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        info = load_latest_checkpoint(f"{base}/refused", model=model, optimizer=opt, scheduler=sched)
+    try:
+        load_latest_checkpoint(f"{base}/other", model=nn.Linear(2, 2), optimizer=opt, scheduler=sched)
+    except RuntimeError as exc:
+        error = str(exc)
+    return info.step, [str(w.message) for w in record], error
+
+
+@pytest.mark.timeout(120)
+def test_all_ranks_fall_back_together_and_fail_together(tmp_path, monkeypatch):
+    save_steps(tmp_path / "refused", [10])
+    save_refused_payload(tmp_path / "refused", 20, monkeypatch)
+    save_steps(tmp_path / "other", [10])
+    out = run_workers(_fallback_then_mismatch, 2, str(tmp_path), timeout=100)
+    for step, messages, error in out:
+        assert step == 10
+        assert any("skipping bad checkpoint" in m and "Opaque" in m for m in messages)
+        assert error == out[0][2] and "rank 0: RuntimeError" in error and "rank 1: RuntimeError" in error
+
+
+def test_an_unlistable_directory_raises(tmp_path, monkeypatch):
+    from distamp.checkpoint import storage
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(storage, "list_checkpoints", refuse)
+    with pytest.raises(RuntimeError, match=r"rank 0 could not list checkpoints in .*Permission denied"):
+        load(tmp_path)
