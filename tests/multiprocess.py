@@ -9,6 +9,7 @@ within ``timeout`` seconds is killed and fails instead of hanging CI.
 
 from __future__ import annotations
 
+import datetime
 import io
 import multiprocessing as mp
 import os
@@ -26,7 +27,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, args, env, results):
+def _worker(fn, rank, world_size, port, args, env, results, pg_timeout=None):
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank),
@@ -42,7 +43,8 @@ def _worker(fn, rank, world_size, port, args, env, results):
     torch.set_num_threads(1)
     try:
         if not dist.is_initialized():
-            dist.init_process_group("gloo", rank=rank, world_size=world_size)
+            kwargs = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, **kwargs)
         value = fn(rank, world_size, *args)
         # Bytes, not tensors: torch would share tensor storage by file
         # descriptor, which breaks once this process has exited.
@@ -62,10 +64,13 @@ def run_workers(
     *args: Any,
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
+    pg_timeout: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes.
 
-    Returns the per-rank return values, ordered by rank.
+    ``pg_timeout`` (seconds) is the process group's collective timeout
+    (torch's default when None). Returns the per-rank return values,
+    ordered by rank.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -73,7 +78,7 @@ def run_workers(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(fn, rank, world_size, port, args, dict(env or {}), results),
+            args=(fn, rank, world_size, port, args, dict(env or {}), results, pg_timeout),
             daemon=True,
         )
         for rank in range(world_size)

@@ -27,7 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 from distamp.amp.black_modules import keep_in_fp32
 from distamp.amp.fp32_parameters import fp32_parameters
 from distamp.distributed.comm_hooks import CommStats, LowPrecisionAllReduce
+from distamp.distributed.fingerprint import check_ranks_agree
 from distamp.distributed.groups import group_size
+from distamp.distributed.timeouts import named_collective
 from distamp.optim.master_weights import fp32_model_state_dict
 from distamp.strategy import DistributedStrategy
 
@@ -206,21 +208,25 @@ class DataParallel(nn.Module):
         runtime.prepared = True
         if not self.distributed:
             return
-        # 1. Every rank takes rank 0's FP32 masters; the 16-bit parameters follow from them.
-        for opt in runtime.optimizers:
-            if opt.master_weights.enabled:
-                opt.master_weights.broadcast(src=0, group=self._process_group)
-        # 2. DDP on the final dtypes (its buckets are per dtype); it broadcasts the rest.
-        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
-        ddp = DistributedDataParallel(
-            self.module,
-            device_ids=[device] if device.type == "cuda" else None,
-            process_group=self._process_group,
-            find_unused_parameters=self.find_unused_parameters,
-            bucket_cap_mb=self.strategy.fuse_grad_size_in_MB,
-            gradient_as_bucket_view=True,
-            **self._ddp_kwargs,
-        )
+        # 0. Ranks that disagree on the strategy or the model fail here, naming the difference,
+        #    instead of summing FP16 with BF16 bit patterns or hanging in mismatched collectives.
+        check_ranks_agree(self.strategy, self.module)
+        with named_collective("the start-up broadcast of parameters from rank 0"):
+            # 1. Every rank takes rank 0's FP32 masters; the 16-bit parameters follow from them.
+            for opt in runtime.optimizers:
+                if opt.master_weights.enabled:
+                    opt.master_weights.broadcast(src=0, group=self._process_group)
+            # 2. DDP on the final dtypes (its buckets are per dtype); it broadcasts the rest.
+            device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+            ddp = DistributedDataParallel(
+                self.module,
+                device_ids=[device] if device.type == "cuda" else None,
+                process_group=self._process_group,
+                find_unused_parameters=self.find_unused_parameters,
+                bucket_cap_mb=self.strategy.fuse_grad_size_in_MB,
+                gradient_as_bucket_view=True,
+                **self._ddp_kwargs,
+            )
         if self.strategy.amp:
             cfg = self.strategy.amp_config
             runtime.comm_hook = LowPrecisionAllReduce(

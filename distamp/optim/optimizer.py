@@ -22,6 +22,7 @@ from torch import nn
 
 from distamp.amp.fp32_parameters import NORM_LAYER_TYPES
 from distamp.distributed.groups import data_parallel_group
+from distamp.distributed.timeouts import named_collective
 from distamp.optim.accumulation import GradientMerge
 from distamp.optim.first_forward import FirstForwardFinder
 from distamp.optim.grad_watch import GradWatch
@@ -237,7 +238,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         self.merge.count_backward()
         if self.merge.loss_divisor != 1:
             loss = loss / self.merge.loss_divisor
-        self.precision.scale_loss(loss).backward(**kwargs)
+        with named_collective(f"the gradient all-reduce of step {self._step_number + 1} (in backward)"):
+            self.precision.scale_loss(loss).backward(**kwargs)
         self._watch.after_backward(self.precision.loss_scale)
         self._publish_sync()
 
@@ -444,8 +446,14 @@ class AmpOptimizer(torch.optim.Optimizer):
     def _unscale_and_check(self) -> None:
         self._watch.before_unscale()
         group = data_parallel_group(self._process_group) if self.sync_found_inf else None
-        self._found_inf, self._grad_max = self.precision.unscale_and_check(group)
+        with named_collective(f"the inf/NaN verdict all-reduce of step {self._step_number + 1}"):
+            self._found_inf, self._grad_max = self.precision.unscale_and_check(group)
         self._unscaled = True
+
+    @property
+    def _step_number(self) -> int:
+        """Steps completed (applied or skipped)."""
+        return self.steps_applied + self.steps_skipped
 
     def _record(self, found_inf: bool, grad_max: float | None) -> None:
         """Count the step, log a skip, update the scale (which may raise when it is stuck)."""
