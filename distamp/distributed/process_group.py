@@ -56,22 +56,46 @@ def _env_int(name: str, default: int | None) -> int:
         ) from None
 
 
+def _local_rank(rank: int, world_size: int) -> int:
+    """LOCAL_RANK, or RANK where that provably is the same GPU.
+
+    The global rank is only a valid local rank when every worker is on this
+    node: WORLD_SIZE is 1, or the launcher says LOCAL_WORLD_SIZE equals
+    WORLD_SIZE. Anywhere else (rank 5 on the second 4-GPU node has local
+    rank 1) guessing would put two workers on one GPU, so refuse.
+    """
+    if "LOCAL_RANK" in os.environ:
+        return _env_int("LOCAL_RANK", None)
+    local_world_size = os.environ.get("LOCAL_WORLD_SIZE")
+    if world_size == 1 or local_world_size == str(world_size):
+        return rank
+    raise ValueError(
+        f"LOCAL_RANK is not set (RANK={rank}, WORLD_SIZE={world_size}, "
+        f"LOCAL_WORLD_SIZE={local_world_size if local_world_size is not None else 'not set'}), so the "
+        "GPU of this worker is unknown on a job that may span several nodes. Start it with distrun "
+        "or torchrun, or set LOCAL_RANK (this worker's index on its node); for a single-node job "
+        "LOCAL_WORLD_SIZE=WORLD_SIZE also works"
+    )
+
+
 def world_info_from_env() -> WorldInfo:
     """Read this worker's place in the job from the launcher's environment.
 
     Returns a one-process :class:`WorldInfo` when RANK is not set.
+    LOCAL_RANK selects the GPU; without it the job must be single-node
+    (WORLD_SIZE 1, or LOCAL_WORLD_SIZE equal to WORLD_SIZE).
     Raises ``ValueError`` for a partial or inconsistent environment.
     """
     if "RANK" not in os.environ:
         return WorldInfo()
     rank = _env_int("RANK", None)
     world_size = _env_int("WORLD_SIZE", None)
-    local_rank = _env_int("LOCAL_RANK", rank)
-    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
     if world_size < 1:
         raise ValueError(f"WORLD_SIZE={world_size!r} must be >= 1")
     if not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank!r} must be in [0, WORLD_SIZE={world_size})")
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    local_rank = _local_rank(rank, world_size)
     if not 0 <= local_rank < local_world_size:
         raise ValueError(
             f"LOCAL_RANK={local_rank!r} must be in [0, LOCAL_WORLD_SIZE={local_world_size})"
