@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 import weakref
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ from distamp.distributed.process_group import (
     WorldInfo,
     default_device,
     init_process_group,
+    validate_timeout,
     world_info_from_env,
 )
 from distamp.optim.optimizer import AmpOptimizer
@@ -60,6 +63,7 @@ class _FleetState:
     """What ``init`` learned and which objects fleet has built since."""
 
     world: WorldInfo | None = None
+    group_timeout: timedelta | None = None  # of the group init created, if it did
     strategy: DistributedStrategy | None = None
     optimizers: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     models: weakref.WeakSet = field(default_factory=weakref.WeakSet)
@@ -73,6 +77,7 @@ def init(
     is_collective: bool = True,
     strategy: DistributedStrategy | None = None,
     log_level: int | str | None = None,
+    timeout: float | timedelta | None = None,
 ) -> None:
     """Join the job described by the launcher's environment.
 
@@ -89,6 +94,13 @@ def init(
         strategy: the default strategy for ``distributed_optimizer``,
             ``distributed_model`` and ``auto_cast``.
         log_level: level for the ``distamp`` logger (e.g. ``"INFO"``).
+        timeout: how long a collective or the rendezvous store may wait
+            before raising, in seconds or as a ``datetime.timedelta``
+            (positive, finite). ``None`` is 30 minutes for NCCL and gloo
+            alike (torch's NCCL default of 10 minutes aborts jobs whose
+            rank 0 saves or compiles while the others wait). It applies to
+            the group ``init`` creates; a group that already exists keeps
+            its own.
     """
     if role_maker is not None:
         raise ValueError(
@@ -104,10 +116,19 @@ def init(
         raise TypeError(
             f"strategy must be a fleet.DistributedStrategy, got {type(strategy).__name__}"
         )
+    group_timeout = validate_timeout(timeout)
     if log_level is not None:
         logging.getLogger("distamp").setLevel(log_level)
     world = world_info_from_env()
-    init_process_group(world)
+    existed = dist.is_available() and dist.is_initialized()
+    if existed and timeout is not None and group_timeout != _state.group_timeout:
+        warnings.warn(
+            f"fleet.init(timeout={timeout!r}) is not applied: a process group already exists and "
+            "keeps its own timeout; pass it to the call that creates the group",
+            stacklevel=2,
+        )
+    if init_process_group(world, group_timeout) and not existed:
+        _state.group_timeout = group_timeout
     if dist.is_available() and dist.is_initialized() and not world.from_env:
         # A group created by the user (e.g. mp.spawn): trust it.
         world = WorldInfo(dist.get_rank(), dist.get_world_size(), world.local_rank, world.local_world_size)

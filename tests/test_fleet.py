@@ -164,3 +164,74 @@ def test_bad_models_and_optimizers_are_refused_with_the_fix():
         fleet.distributed_optimizer([p for p in model.parameters()])
     with pytest.raises(TypeError, match="DistributedStrategy, got dict"):
         fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), {"amp": True})
+
+
+TIMES_OUT = """
+    import json, os, sys, time, torch, torch.distributed as dist
+    from distamp import fleet
+    fleet.init(timeout=2)
+    if dist.get_rank() == 1:
+        time.sleep(10)  # alive, but never joins the collective: rank 0 must give up on its own
+        os._exit(0)
+    try:
+        dist.all_reduce(torch.ones(1))
+        print(json.dumps({"raised": None}))
+    except Exception as exc:
+        print(json.dumps({"raised": type(exc).__name__, "message": str(exc)}), flush=True)
+    os._exit(0)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_timeout_reaches_the_process_group():
+    """Rank 1 stays away from an all-reduce: with timeout=2 rank 0 raises instead of waiting 30 minutes."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(TIMES_OUT)],
+            env={
+                **{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS},
+                "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        out, err = procs[0].communicate(timeout=80)
+        procs[1].communicate(timeout=30)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert procs[0].returncode == 0, err
+    report = json.loads(out)
+    assert report["raised"] is not None
+    assert "timed out" in report["message"].lower(), report["message"]
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error", "message"),
+    [
+        (0, ValueError, r"timeout=0 must be a positive, finite number of seconds"),
+        (-5.0, ValueError, r"timeout=-5.0 must be a positive"),
+        (float("inf"), ValueError, r"timeout=inf must be a positive, finite"),
+        (float("nan"), ValueError, r"timeout=nan must be a positive, finite"),
+        (__import__("datetime").timedelta(0), ValueError, r"timeout=datetime.timedelta\(0\) must be"),
+        ("30", TypeError, r"timeout must be a number of seconds or a datetime.timedelta, got str '30'"),
+        (True, TypeError, r"got bool True"),
+    ],
+)
+def test_a_bad_timeout_is_refused_before_any_group_is_created(monkeypatch, timeout, error, message):
+    from distamp import fleet
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a process group was created before the timeout was validated")
+
+    monkeypatch.setattr(fleet, "init_process_group", must_not_run)
+    with pytest.raises(error, match=message):
+        fleet.init(timeout=timeout)

@@ -9,6 +9,7 @@ world with no process group at all.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -17,7 +18,22 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["WorldInfo", "default_backend", "default_device", "init_process_group", "world_info_from_env"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "WorldInfo",
+    "default_backend",
+    "default_device",
+    "init_process_group",
+    "validate_timeout",
+    "world_info_from_env",
+]
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+"""How long a collective or the store may wait, for NCCL and gloo alike.
+
+torch's own defaults are 30 minutes for gloo but 10 for NCCL, whose
+watchdog then aborts the job; a rank that writes a checkpoint or compiles a
+model while the others wait in a collective can take longer than 10."""
 
 @dataclass(frozen=True)
 class WorldInfo:
@@ -122,12 +138,41 @@ def default_device(local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(world: WorldInfo) -> bool:
-    """Initialise torch.distributed for ``world`` if the launcher asked for it.
+def validate_timeout(timeout: float | timedelta | None) -> timedelta:
+    """``timeout`` (seconds or a ``timedelta``) as a ``timedelta``; ``None`` is :data:`DEFAULT_TIMEOUT`.
 
-    Sets the CUDA device from LOCAL_RANK before creating an NCCL group (so
-    NCCL does not put every rank's context on GPU 0). Idempotent: an
-    existing group is kept when it agrees with ``world``.
+    Raises ``TypeError`` for another type and ``ValueError`` for a value
+    that is not positive and finite.
+    """
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, timedelta)):
+        raise TypeError(
+            f"timeout must be a number of seconds or a datetime.timedelta, got "
+            f"{type(timeout).__name__} {timeout!r}; e.g. timeout=1800 or timedelta(minutes=30)"
+        )
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(
+            f"timeout={timeout!r} must be a positive, finite number of seconds (or timedelta); "
+            f"the default is {DEFAULT_TIMEOUT.total_seconds():.0f} s"
+        )
+    try:
+        return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
+    except OverflowError:
+        raise ValueError(f"timeout={timeout!r} seconds is too large for a datetime.timedelta") from None
+
+
+def init_process_group(world: WorldInfo, timeout: timedelta = DEFAULT_TIMEOUT) -> bool:
+    """Initialise torch.distributed for ``world`` unless a group exists.
+
+    With the launcher's variables, joins its job (the launcher's
+    MASTER_ADDR/MASTER_PORT store); without them there is no group. The
+    backend is NCCL when CUDA is available, after selecting the CUDA device
+    from LOCAL_RANK (so NCCL does not put every rank's context on
+    GPU 0), and gloo otherwise. ``timeout`` bounds collectives and the
+    store. Idempotent: an existing group is kept when it agrees with
+    ``world``.
 
     Returns True when a process group exists afterwards.
     """
@@ -151,18 +196,19 @@ def init_process_group(world: WorldInfo) -> bool:
     device = default_device(world.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = _loopback_store(world)
+    kwargs = {"rank": world.rank, "world_size": world.world_size, "timeout": timeout}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    store = _loopback_store(world, timeout)
     dist.init_process_group(
         default_backend(),
         **({"store": store} if store is not None else {"init_method": "env://"}),
-        rank=world.rank,
-        world_size=world.world_size,
-        **({"device_id": device} if device.type == "cuda" else {}),
+        **kwargs,
     )
     return True
 
 
-def _loopback_store(world: WorldInfo) -> dist.TCPStore | None:
+def _loopback_store(world: WorldInfo, timeout: timedelta) -> dist.TCPStore | None:
     """The process-group store, listening on loopback only when MASTER_ADDR is loopback.
 
     torch's env:// store binds its server to every interface whatever
@@ -179,7 +225,6 @@ def _loopback_store(world: WorldInfo) -> dist.TCPStore | None:
         if host != "localhost":
             return None
         host = "127.0.0.1"
-    timeout = timedelta(minutes=30)
     if world.rank != 0:
         return dist.TCPStore(host, port, world.world_size, False, timeout=timeout)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
