@@ -84,8 +84,11 @@ def init(
     Reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (set by
     ``distrun`` or ``torchrun``) and creates the process group: NCCL when
     CUDA is available (after selecting ``cuda:LOCAL_RANK``), gloo otherwise.
-    Without those variables it is a one-process world with no group.
-    Calling it again is harmless.
+    Without those variables (``python train.py``) it creates a one-process
+    group, so ``DistributedSampler`` and ``torch.distributed`` calls work
+    unchanged; ``distributed_model`` then calls the model directly, without
+    DDP. A group that already exists (e.g. created under ``mp.spawn``) is
+    used as it is. Calling it again is harmless.
 
     Args:
         role_maker: Paddle's argument; only ``None`` is supported.

@@ -50,8 +50,54 @@ def test_one_process_world_without_launcher_variables():
     result = run_python(REPORT, {})
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {
-        "index": 0, "num": 1, "local": 0, "device": "cpu", "first": True, "group": False, "backend": None,
+        "index": 0, "num": 1, "local": 0, "device": "cpu", "first": True, "group": True, "backend": "gloo",
     }
+
+
+# The PyTorch DDP tutorial's loop, started with plain `python` and no launcher.
+TRAINS_ALONE = """
+    import json, torch, torch.distributed as dist, torch.nn.functional as F
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    from distamp import fleet
+
+    fleet.init()
+    strategy = fleet.DistributedStrategy()
+    strategy.amp = True
+    strategy.amp_configs = {"dtype": "bfloat16"}
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    sampler = DistributedSampler(data, shuffle=True, seed=0)  # rank and size from the default group
+    loader = DataLoader(data, batch_size=16, sampler=sampler)
+    model = torch.nn.Linear(4, 1).to(fleet.device())
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    model = fleet.distributed_model(model)
+    losses = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            with fleet.auto_cast():
+                loss = F.mse_loss(model(x).float(), y)
+            optimizer.zero_grad()
+            optimizer.minimize(loss)
+            losses.append(loss.item())
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    print(json.dumps({
+        "rank": dist.get_rank(), "world": dist.get_world_size(), "sum": total.item(),
+        "ddp": model.ddp is not None, "steps": len(losses), "first": losses[0], "last": losses[-1],
+    }))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_plain_python_trains_with_distributed_sampler_and_no_ddp():
+    result = run_python(TRAINS_ALONE, {})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert {k: report[k] for k in ("rank", "world", "sum", "ddp", "steps")} == {
+        "rank": 0, "world": 1, "sum": 1.0, "ddp": False, "steps": 12,
+    }
+    assert report["last"] < report["first"]
 
 
 @pytest.mark.timeout(90)
@@ -235,3 +281,4 @@ def test_a_bad_timeout_is_refused_before_any_group_is_created(monkeypatch, timeo
     monkeypatch.setattr(fleet, "init_process_group", must_not_run)
     with pytest.raises(error, match=message):
         fleet.init(timeout=timeout)
+

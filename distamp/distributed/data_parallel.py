@@ -51,9 +51,9 @@ class DataParallel(nn.Module):
 
     Parameters and buffers are broadcast from rank 0 when the wrapper is
     built, and the FP32 masters of attached optimizers too, so every rank
-    starts identical. Without a process group (a one-process run) the
-    module is called directly and only the FP32 handling of black-listed
-    modules applies.
+    starts identical. In a one-process world (no process group, or one of
+    a single rank) the module is called directly and only the FP32 handling
+    of black-listed modules applies.
 
     Args:
         module: the model, already on its device.
@@ -107,12 +107,20 @@ class DataParallel(nn.Module):
     # ------------------------------------------------------------------
     @property
     def distributed(self) -> bool:
-        """True when a process group exists and DDP is in use."""
-        return dist.is_available() and dist.is_initialized()
+        """True when the group has more than one rank, so DDP is in use.
+
+        A one-rank group (``fleet.init()`` without a launcher) has nothing to
+        communicate: the module is called directly, without DDP's overhead.
+        """
+        return (
+            dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size(self._process_group) > 1
+        )
 
     @property
     def ddp(self) -> DistributedDataParallel | None:
-        """The underlying DDP module (``None`` in a one-process run)."""
+        """The underlying DDP module (``None`` in a one-process world)."""
         return self._ddp
 
     @property

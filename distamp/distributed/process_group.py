@@ -3,11 +3,12 @@
 ``distrun`` and ``torchrun`` describe the job with the variables RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. A
 script started without them (plain ``python train.py``) is a one-process
-world with no process group at all.
+world: a process group of one rank on an in-memory store.
 """
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import math
 import os
@@ -167,14 +168,18 @@ def init_process_group(world: WorldInfo, timeout: timedelta = DEFAULT_TIMEOUT) -
     """Initialise torch.distributed for ``world`` unless a group exists.
 
     With the launcher's variables, joins its job (the launcher's
-    MASTER_ADDR/MASTER_PORT store); without them there is no group. The
-    backend is NCCL when CUDA is available, after selecting the CUDA device
-    from LOCAL_RANK (so NCCL does not put every rank's context on
+    MASTER_ADDR/MASTER_PORT store). Without them, creates a one-process
+    group on an in-memory store, so ``DistributedSampler``,
+    ``dist.get_rank()`` and collectives work in a plain ``python train.py``.
+    The backend is NCCL when CUDA is available, after selecting the CUDA
+    device from LOCAL_RANK (so NCCL does not put every rank's context on
     GPU 0), and gloo otherwise. ``timeout`` bounds collectives and the
     store. Idempotent: an existing group is kept when it agrees with
     ``world``.
 
-    Returns True when a process group exists afterwards.
+    Returns True when a process group exists afterwards (False only when
+    this build of PyTorch has no torch.distributed and ``world`` is a
+    single process).
     """
     if dist.is_available() and dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (world.rank, world.world_size) and world.from_env:
@@ -184,21 +189,25 @@ def init_process_group(world: WorldInfo, timeout: timedelta = DEFAULT_TIMEOUT) -
                 f"of {world.world_size}"
             )
         return True
-    if not world.from_env:
-        return False
     if not dist.is_available():
+        if not world.from_env:
+            return False
         raise RuntimeError("this build of PyTorch has no torch.distributed support")
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        if name not in os.environ:
-            raise ValueError(
-                f"environment variable {name} is not set; start the job with distrun or torchrun"
-            )
+    if world.from_env:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if name not in os.environ:
+                raise ValueError(
+                    f"environment variable {name} is not set; start the job with distrun or torchrun"
+                )
     device = default_device(world.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     kwargs = {"rank": world.rank, "world_size": world.world_size, "timeout": timeout}
     if device.type == "cuda":
         kwargs["device_id"] = device
+    if not world.from_env:
+        _init_one_process_group(timeout, kwargs)
+        return True
     store = _loopback_store(world, timeout)
     dist.init_process_group(
         default_backend(),
@@ -206,6 +215,38 @@ def init_process_group(world: WorldInfo, timeout: timedelta = DEFAULT_TIMEOUT) -
         **kwargs,
     )
     return True
+
+
+def _init_one_process_group(timeout: timedelta, kwargs: dict) -> None:
+    """A 1-rank group on an in-memory store, destroyed at exit.
+
+    No port is opened for the store; gloo's and NCCL's own listeners go on
+    the loopback interface unless the user chose one. Destroying the group
+    at exit spares the user NCCL's "destroy_process_group() was not called"
+    warning for a group they never created.
+    """
+    store = dist.HashStore()
+    store.set_timeout(timeout)
+    lo = _loopback_interface()
+    chosen = {var: lo for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if lo and var not in os.environ}
+    os.environ.update(chosen)
+    try:
+        dist.init_process_group(default_backend(), store=store, **kwargs)
+    finally:
+        for var in chosen:
+            os.environ.pop(var, None)
+    atexit.register(_destroy_if_current, dist.group.WORLD)
+
+
+def _destroy_if_current(group: dist.ProcessGroup) -> None:
+    if dist.is_initialized() and dist.group.WORLD is group:
+        dist.destroy_process_group()
+
+
+def _loopback_interface() -> str | None:
+    """Name of the loopback interface (``lo`` on Linux, ``lo0`` on macOS), if any."""
+    names = dict(socket.if_nameindex()).values() if hasattr(socket, "if_nameindex") else ()
+    return next((name for name in names if name in ("lo", "lo0")), None)
 
 
 def _loopback_store(world: WorldInfo, timeout: timedelta) -> dist.TCPStore | None:
