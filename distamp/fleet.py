@@ -190,11 +190,13 @@ def distributed_model(model: nn.Module, **kwargs: Any) -> DataParallel:
 
     Returns a :class:`~distamp.distributed.data_parallel.DataParallel` (DDP underneath);
     ``model.module`` is the original model. Keyword arguments go to it
-    (``find_unused_parameters``, ``static_graph``, ...).
+    (``find_unused_parameters``, ``static_graph``, ...). The model must
+    already be on :func:`device` (``model.to(fleet.device())``): a
+    parameter or buffer elsewhere raises ``ValueError`` naming it.
     """
     _world()
     strategy = _strategy(None)
-    wrapped = DataParallel(model, strategy, **kwargs)
+    wrapped = DataParallel(model, strategy, device=device(), **kwargs)
     for opt in list(_state.optimizers):
         if wrapped.owns_any(opt.master_weights.model_params):
             wrapped.attach_optimizer(opt)

@@ -282,3 +282,22 @@ def test_a_bad_timeout_is_refused_before_any_group_is_created(monkeypatch, timeo
     with pytest.raises(error, match=message):
         fleet.init(timeout=timeout)
 
+
+def test_a_model_not_on_fleet_device_is_refused_with_the_fix(monkeypatch):
+    """On a GPU host fleet.device() is cuda:LOCAL_RANK; stand that in on the CPU."""
+    from distamp import fleet
+
+    fleet.init()
+    monkeypatch.setattr(fleet, "device", lambda: torch.device("cuda", 1))
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(
+        ValueError,
+        match=r"parameter '0.weight' is on cpu, but this process trains on cuda:1 \(fleet.device\(\)\); "
+        r"move the model there before wrapping it: model.to\(fleet.device\(\)\)",
+    ):
+        fleet.distributed_model(model)
+
+    monkeypatch.setattr(fleet, "device", lambda: torch.device("cpu"))
+    model.register_buffer("stale", torch.zeros(1, device="meta"))
+    with pytest.raises(ValueError, match=r"buffer 'stale' is on meta, but this process trains on cpu"):
+        fleet.distributed_model(model)

@@ -38,6 +38,25 @@ def black_parameters(module: nn.Module, strategy: DistributedStrategy) -> list[n
     return [p for _, sub in matched for p in sub.parameters()]
 
 
+def _check_device(module: nn.Module, device: torch.device) -> torch.device:
+    """Raise ``ValueError`` naming the first parameter or buffer not on ``device``; return ``device``.
+
+    DDP would otherwise fail later with an error that names neither the
+    tensor nor the fix, or, with a model on another GPU, train there.
+    """
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    tensors = [("parameter", n, t) for n, t in module.named_parameters()]
+    tensors += [("buffer", n, t) for n, t in module.named_buffers()]
+    for kind, name, tensor in tensors:
+        if tensor.device != device:
+            raise ValueError(
+                f"{kind} {name!r} is on {tensor.device}, but this process trains on {device} "
+                "(fleet.device()); move the model there before wrapping it: model.to(fleet.device())"
+            )
+    return device
+
+
 class DataParallel(nn.Module):
     """Data-parallel wrapper for AMP training (``fleet.distributed_model``).
 
@@ -62,6 +81,10 @@ class DataParallel(nn.Module):
         find_unused_parameters: passed to DDP; ``None`` takes the
             strategy's ``find_unused_parameters``.
         process_group: the data-parallel group; ``None`` is the world.
+        device: the device this process trains on (``fleet.device()``);
+            every parameter and buffer must already be there, else a
+            ``ValueError`` names the first one that is not. ``None`` skips
+            the check and takes the parameters' device.
         ddp_kwargs: further keyword arguments for DDP (e.g. ``static_graph``).
     """
 
@@ -72,6 +95,7 @@ class DataParallel(nn.Module):
         *,
         find_unused_parameters: bool | None = None,
         process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -87,6 +111,7 @@ class DataParallel(nn.Module):
                     f"{name}={ddp_kwargs[name]!r} is set by distamp (device from LOCAL_RANK, "
                     "bucket size from strategy.fuse_grad_size_in_MB); remove it"
                 )
+        self._device = None if device is None else _check_device(module, torch.device(device))
         self.module = module
         self.strategy = strategy
         self.find_unused_parameters = (
@@ -193,9 +218,13 @@ class DataParallel(nn.Module):
         if self._ddp is not None and self._ddp_signature == signature:
             return
         self._drop_ddp()
-        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        device = self._device if self._device is not None else next(
+            (p.device for p in self.module.parameters()), torch.device("cpu")
+        )
         ddp = DistributedDataParallel(
             self.module,
+            # A single-device CUDA module: DDP moves inputs to device_ids[0]
+            # and its reducer works on that device; CPU modules must pass None.
             device_ids=[device] if device.type == "cuda" else None,
             process_group=self._process_group,
             find_unused_parameters=self.find_unused_parameters,
