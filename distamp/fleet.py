@@ -96,7 +96,11 @@ def init(
             must be True.
         strategy: the default strategy for ``distributed_optimizer``,
             ``distributed_model`` and ``auto_cast``.
-        log_level: level for the ``distamp`` logger (e.g. ``"INFO"``).
+        log_level: level for the ``distamp`` logger: a name (``"DEBUG"``,
+            ``"INFO"``, ``"WARNING"``, ``"ERROR"``, ``"CRITICAL"``, any case)
+            or a ``logging`` int. ``"INFO"`` shows loss-scale changes and
+            skipped steps. ``None`` leaves the level alone (warnings and
+            above show).
         timeout: how long a collective or the rendezvous store may wait
             before raising, in seconds or as a ``datetime.timedelta``
             (positive, finite). ``None`` is 30 minutes for NCCL and gloo
@@ -104,6 +108,10 @@ def init(
             rank 0 saves or compiles while the others wait). It applies to
             the group ``init`` creates; a group that already exists keeps
             its own.
+
+    Logs: unless logging is already configured (the ``distamp`` logger or
+    the root logger has a handler), ``init`` gives the ``distamp`` logger
+    one stderr handler whose lines start with ``[rankN]``.
     """
     if role_maker is not None:
         raise ValueError(
@@ -120,8 +128,7 @@ def init(
             f"strategy must be a fleet.DistributedStrategy, got {type(strategy).__name__}"
         )
     group_timeout = validate_timeout(timeout)
-    if log_level is not None:
-        logging.getLogger("distamp").setLevel(log_level)
+    level = _validate_log_level(log_level)
     world = world_info_from_env()
     existed = dist.is_available() and dist.is_initialized()
     if existed and timeout is not None and group_timeout != _state.group_timeout:
@@ -136,8 +143,52 @@ def init(
         # A group created by the user (e.g. mp.spawn): trust it.
         world = WorldInfo(dist.get_rank(), dist.get_world_size(), world.local_rank, world.local_world_size)
     _state.world = world
+    if level is not None:
+        logging.getLogger("distamp").setLevel(level)
+    _attach_log_handler(world.rank)
     if strategy is not None:
         _state.strategy = strategy
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _validate_log_level(log_level: int | str | None) -> int | None:
+    """``log_level`` as a ``logging`` int (``None`` stays ``None``)."""
+    if log_level is None:
+        return None
+    if isinstance(log_level, bool) or not isinstance(log_level, (int, str)):
+        raise TypeError(
+            f"log_level must be a level name or a logging int, got {type(log_level).__name__} "
+            f"{log_level!r}; e.g. log_level=\"INFO\""
+        )
+    if isinstance(log_level, str):
+        if log_level.upper() not in _LOG_LEVELS:
+            raise ValueError(
+                f"log_level={log_level!r} is not a logging level; use one of "
+                f"{', '.join(_LOG_LEVELS)} (or a logging int such as logging.INFO)"
+            )
+        return getattr(logging, log_level.upper())
+    if log_level < 0:
+        raise ValueError(f"log_level={log_level!r} must be >= 0 (e.g. logging.INFO, which is 20)")
+    return log_level
+
+
+def _attach_log_handler(rank: int) -> None:
+    """Give the ``distamp`` logger a stderr handler with a rank prefix, unless logging is configured.
+
+    The package itself only adds a ``NullHandler`` (a library must not print
+    on import), and that handler also keeps Python's last-resort handler
+    from printing warnings, so without this nothing distamp logs is seen.
+    A user who configured logging (any handler on ``distamp`` or the root)
+    keeps their setup: records propagate to their handlers.
+    """
+    logger = logging.getLogger("distamp")
+    if any(not isinstance(h, logging.NullHandler) for h in logger.handlers) or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()  # stderr
+    handler.setFormatter(logging.Formatter(f"[rank{rank}] %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
 
 
 def _world() -> WorldInfo:

@@ -301,3 +301,71 @@ def test_a_model_not_on_fleet_device_is_refused_with_the_fix(monkeypatch):
     model.register_buffer("stale", torch.zeros(1, device="meta"))
     with pytest.raises(ValueError, match=r"buffer 'stale' is on meta, but this process trains on cpu"):
         fleet.distributed_model(model)
+
+
+LOGS = """
+    import logging, torch
+    from torch import nn
+    from distamp import fleet
+
+    log = logging.getLogger("distamp")
+    fleet.init()
+    log.warning("a warning shows by default")
+    log.info("an info record does not")
+    fleet.init(log_level="INFO")  # the same handler, now at INFO
+    model = nn.Linear(2, 1)
+    strategy = fleet.DistributedStrategy()
+    strategy.amp = True
+    strategy.amp_configs = {"init_loss_scaling": 8.0, "decr_every_n_nan_or_inf": 1}
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    opt.backward(model(torch.ones(1, 2)).sum())
+    model.weight.grad[0, 0] = float("nan")
+    assert opt.step() is False
+"""
+
+
+@pytest.mark.timeout(60)
+def test_logs_reach_stderr_with_a_rank_prefix():
+    result = run_python(LOGS, {})
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines.count("[rank0] WARNING distamp: a warning shows by default") == 1
+    assert not any("an info record" in line for line in lines)
+    skipped = [line for line in lines if line.startswith("[rank0] INFO distamp:") and "skipped" in line]
+    assert len(skipped) == 1, result.stderr
+
+
+def test_configured_logging_gets_the_records_and_no_second_handler(caplog):
+    """pytest's capture handler on the root stands in for a user's logging.basicConfig()."""
+    import logging
+
+    from distamp import fleet
+
+    logger = logging.getLogger("distamp")
+    handlers, level = list(logger.handlers), logger.level
+    try:
+        fleet.init(log_level="info")
+        assert logger.handlers == handlers
+        logger.info("scale news")
+        assert [r.getMessage() for r in caplog.records if r.name == "distamp"] == ["scale news"]
+    finally:
+        logger.setLevel(level)
+
+
+@pytest.mark.parametrize(
+    ("log_level", "error", "message"),
+    [
+        ("LOUD", ValueError, r"log_level='LOUD' is not a logging level; use one of DEBUG, INFO, WARNING, ERROR, CRI"),
+        (-1, ValueError, r"log_level=-1 must be >= 0"),
+        (1.5, TypeError, r"log_level must be a level name or a logging int, got float 1.5"),
+    ],
+)
+def test_a_bad_log_level_is_refused_before_any_group_is_created(monkeypatch, log_level, error, message):
+    from distamp import fleet
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a process group was created before log_level was validated")
+
+    monkeypatch.setattr(fleet, "init_process_group", must_not_run)
+    with pytest.raises(error, match=message):
+        fleet.init(log_level=log_level)
