@@ -216,14 +216,17 @@ TIMES_OUT = """
     import json, os, sys, time, torch, torch.distributed as dist
     from distamp import fleet
     fleet.init(timeout=2)
+    report = {"store_timeout": dist.distributed_c10d._get_default_store().timeout.total_seconds()}
     if dist.get_rank() == 1:
+        print(json.dumps(report), flush=True)
         time.sleep(10)  # alive, but never joins the collective: rank 0 must give up on its own
         os._exit(0)
     try:
         dist.all_reduce(torch.ones(1))
-        print(json.dumps({"raised": None}))
+        report["raised"] = None
     except Exception as exc:
-        print(json.dumps({"raised": type(exc).__name__, "message": str(exc)}), flush=True)
+        report.update(raised=type(exc).__name__, message=str(exc))
+    print(json.dumps(report), flush=True)
     os._exit(0)
 """
 
@@ -248,16 +251,19 @@ def test_timeout_reaches_the_process_group():
     ]
     try:
         out, err = procs[0].communicate(timeout=80)
-        procs[1].communicate(timeout=30)
+        out1, err1 = procs[1].communicate(timeout=30)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
     assert procs[0].returncode == 0, err
+    assert procs[1].returncode == 0, err1
     report = json.loads(out)
     assert report["raised"] is not None
     assert "timed out" in report["message"].lower(), report["message"]
+    # The loopback store of rank 0 (server) and rank 1 (client) got it too.
+    assert report["store_timeout"] == json.loads(out1)["store_timeout"] == 2.0
 
 
 @pytest.mark.parametrize(
