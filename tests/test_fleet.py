@@ -375,3 +375,11 @@ def test_a_bad_log_level_is_refused_before_any_group_is_created(monkeypatch, log
     monkeypatch.setattr(fleet, "init_process_group", must_not_run)
     with pytest.raises(error, match=message):
         fleet.init(log_level=log_level)
+
+
+def test_a_timeout_for_a_group_that_already_exists_warns_that_it_is_not_applied():
+    from distamp import fleet
+
+    fleet.init()
+    with pytest.warns(UserWarning, match=r"fleet.init\(timeout=5\) is not applied: a process group already exists"):
+        fleet.init(timeout=5)
