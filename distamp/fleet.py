@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 import weakref
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +37,7 @@ from distamp.distributed.process_group import (
     WorldInfo,
     default_device,
     init_process_group,
+    validate_timeout,
     world_info_from_env,
 )
 from distamp.optim.optimizer import AmpOptimizer
@@ -63,6 +66,7 @@ class _FleetState:
     """What ``init`` learned and which objects fleet has built since."""
 
     world: WorldInfo | None = None
+    group_timeout: timedelta | None = None  # of the group init created, if it did
     strategy: DistributedStrategy | None = None
     optimizers: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     models: weakref.WeakSet = field(default_factory=weakref.WeakSet)
@@ -76,14 +80,18 @@ def init(
     is_collective: bool = True,
     strategy: DistributedStrategy | None = None,
     log_level: int | str | None = None,
+    timeout: float | timedelta | None = None,
 ) -> None:
     """Join the job described by the launcher's environment.
 
     Reads RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT (set by
     ``distrun`` or ``torchrun``) and creates the process group: NCCL when
     CUDA is available (after selecting ``cuda:LOCAL_RANK``), gloo otherwise.
-    Without those variables it is a one-process world with no group.
-    Calling it again is harmless.
+    Without those variables (``python train.py``) it creates a one-process
+    group, so ``DistributedSampler`` and ``torch.distributed`` calls work
+    unchanged; ``distributed_model`` then calls the model directly, without
+    DDP. A group that already exists (e.g. created under ``mp.spawn``) is
+    used as it is. Calling it again is harmless.
 
     Args:
         role_maker: Paddle's argument; only ``None`` is supported.
@@ -91,7 +99,22 @@ def init(
             must be True.
         strategy: the default strategy for ``distributed_optimizer``,
             ``distributed_model`` and ``auto_cast``.
-        log_level: level for the ``distamp`` logger (e.g. ``"INFO"``).
+        log_level: level for the ``distamp`` logger: a name (``"DEBUG"``,
+            ``"INFO"``, ``"WARNING"``, ``"ERROR"``, ``"CRITICAL"``, any case)
+            or a ``logging`` int. ``"INFO"`` shows loss-scale changes and
+            skipped steps. ``None`` leaves the level alone (warnings and
+            above show).
+        timeout: how long a collective or the rendezvous store may wait
+            before raising, in seconds or as a ``datetime.timedelta``
+            (positive, finite). ``None`` is 30 minutes for NCCL and gloo
+            alike (torch's NCCL default of 10 minutes aborts jobs whose
+            rank 0 saves or compiles while the others wait). It applies to
+            the group ``init`` creates; a group that already exists keeps
+            its own.
+
+    Logs: unless logging is already configured (the ``distamp`` logger or
+    the root logger has a handler), ``init`` gives the ``distamp`` logger
+    one stderr handler whose lines start with ``[rankN]``.
     """
     if role_maker is not None:
         raise ValueError(
@@ -107,16 +130,68 @@ def init(
         raise TypeError(
             f"strategy must be a fleet.DistributedStrategy, got {type(strategy).__name__}"
         )
-    if log_level is not None:
-        logging.getLogger("distamp").setLevel(log_level)
+    group_timeout = validate_timeout(timeout)
+    level = _validate_log_level(log_level)
     world = world_info_from_env()
-    init_process_group(world)
+    existed = dist.is_available() and dist.is_initialized()
+    if existed and timeout is not None and group_timeout != _state.group_timeout:
+        warnings.warn(
+            f"fleet.init(timeout={timeout!r}) is not applied: a process group already exists and "
+            "keeps its own timeout; pass it to the call that creates the group",
+            stacklevel=2,
+        )
+    if init_process_group(world, group_timeout) and not existed:
+        _state.group_timeout = group_timeout
     if dist.is_available() and dist.is_initialized() and not world.from_env:
         # A group created by the user (e.g. mp.spawn): trust it.
         world = WorldInfo(dist.get_rank(), dist.get_world_size(), world.local_rank, world.local_world_size)
     _state.world = world
+    if level is not None:
+        logging.getLogger("distamp").setLevel(level)
+    _attach_log_handler(world.rank)
     if strategy is not None:
         _state.strategy = strategy
+
+
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _validate_log_level(log_level: int | str | None) -> int | None:
+    """``log_level`` as a ``logging`` int (``None`` stays ``None``)."""
+    if log_level is None:
+        return None
+    if isinstance(log_level, bool) or not isinstance(log_level, (int, str)):
+        raise TypeError(
+            f"log_level must be a level name or a logging int, got {type(log_level).__name__} "
+            f"{log_level!r}; e.g. log_level=\"INFO\""
+        )
+    if isinstance(log_level, str):
+        if log_level.upper() not in _LOG_LEVELS:
+            raise ValueError(
+                f"log_level={log_level!r} is not a logging level; use one of "
+                f"{', '.join(_LOG_LEVELS)} (or a logging int such as logging.INFO)"
+            )
+        return getattr(logging, log_level.upper())
+    if log_level < 0:
+        raise ValueError(f"log_level={log_level!r} must be >= 0 (e.g. logging.INFO, which is 20)")
+    return log_level
+
+
+def _attach_log_handler(rank: int) -> None:
+    """Give the ``distamp`` logger a stderr handler with a rank prefix, unless logging is configured.
+
+    The package itself only adds a ``NullHandler`` (a library must not print
+    on import), and that handler also keeps Python's last-resort handler
+    from printing warnings, so without this nothing distamp logs is seen.
+    A user who configured logging (any handler on ``distamp`` or the root)
+    keeps their setup: records propagate to their handlers.
+    """
+    logger = logging.getLogger("distamp")
+    if any(not isinstance(h, logging.NullHandler) for h in logger.handlers) or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()  # stderr
+    handler.setFormatter(logging.Formatter(f"[rank{rank}] %(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
 
 
 def _world() -> WorldInfo:
@@ -177,11 +252,13 @@ def distributed_model(model: nn.Module, strategy: DistributedStrategy | None = N
     underneath, built at the first forward); ``model.module`` is the
     original model. ``strategy`` (default: the latest one) decides the wire
     dtype and the FP32 modules; other keyword arguments go to DDP
-    (``find_unused_parameters``, ``static_graph``, ...).
+    (``find_unused_parameters``, ``static_graph``, ...). The model must
+    already be on :func:`device` (``model.to(fleet.device())``): a
+    parameter or buffer elsewhere raises ``ValueError`` naming it.
     """
     _world()
     strategy = _strategy(strategy)
-    wrapped = DataParallel(model, strategy, **kwargs)
+    wrapped = DataParallel(model, strategy, device=device(), **kwargs)
     for opt in list(_state.optimizers):
         if wrapped.owns_any(opt.master_weights.model_params):
             wrapped.attach_optimizer(opt)

@@ -15,6 +15,8 @@ import shlex
 
 import pytest
 
+from tests.test_version_range import release, torch_requirement
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCKERFILES = ["docker/Dockerfile.cuda", "docker/Dockerfile.cpu"]
 
@@ -107,6 +109,20 @@ def test_commands_refer_to_what_the_package_provides(dockerfile):
     scripts_used = [word for word in cmd[0] if word.endswith(".py")]
     assert scripts_used and all(os.path.exists(os.path.join(ROOT, s)) for s in scripts_used)
     assert any(keyword == "FROM" for keyword, _ in instructions(dockerfile))
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_the_image_installs_a_torch_inside_setup_cfgs_range(dockerfile):
+    """An explicit torch==TORCH_VERSION, not whatever a base image ships (2.5.1 could not run distrun)."""
+    steps = instructions(dockerfile)
+    args = dict(a.split("=", 1) for keyword, a in steps if keyword == "ARG" and "=" in a)
+    version = args.get("TORCH_VERSION")
+    assert version, f"{dockerfile} should choose torch with ARG TORCH_VERSION=..."
+    assert any('"torch==${TORCH_VERSION}"' in a for keyword, a in steps if keyword == "RUN")
+    floor, ceiling = re.fullmatch(r"torch>=([0-9.]+),<([0-9.]+)", torch_requirement()).groups()
+    assert release(floor) <= release(version) < release(ceiling), (
+        f"{dockerfile} installs torch {version}, outside setup.cfg's torch>={floor},<{ceiling}"
+    )
 
 
 def test_ignore_rules_are_modelled():

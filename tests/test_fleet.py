@@ -50,8 +50,54 @@ def test_one_process_world_without_launcher_variables():
     result = run_python(REPORT, {})
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == {
-        "index": 0, "num": 1, "local": 0, "device": "cpu", "first": True, "group": False, "backend": None,
+        "index": 0, "num": 1, "local": 0, "device": "cpu", "first": True, "group": True, "backend": "gloo",
     }
+
+
+# The PyTorch DDP tutorial's loop, started with plain `python` and no launcher.
+TRAINS_ALONE = """
+    import json, torch, torch.distributed as dist, torch.nn.functional as F
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    from distamp import fleet
+
+    fleet.init()
+    strategy = fleet.DistributedStrategy()
+    strategy.amp = True
+    strategy.amp_configs = {"dtype": "bfloat16"}
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+    sampler = DistributedSampler(data, shuffle=True, seed=0)  # rank and size from the default group
+    loader = DataLoader(data, batch_size=16, sampler=sampler)
+    model = torch.nn.Linear(4, 1).to(fleet.device())
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    model = fleet.distributed_model(model)
+    losses = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            with fleet.auto_cast():
+                loss = F.mse_loss(model(x).float(), y)
+            optimizer.zero_grad()
+            optimizer.minimize(loss)
+            losses.append(loss.item())
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    print(json.dumps({
+        "rank": dist.get_rank(), "world": dist.get_world_size(), "sum": total.item(),
+        "ddp": model.ddp is not None, "steps": len(losses), "first": losses[0], "last": losses[-1],
+    }))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_plain_python_trains_with_distributed_sampler_and_no_ddp():
+    result = run_python(TRAINS_ALONE, {})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert {k: report[k] for k in ("rank", "world", "sum", "ddp", "steps")} == {
+        "rank": 0, "world": 1, "sum": 1.0, "ddp": False, "steps": 12,
+    }
+    assert report["last"] < report["first"]
 
 
 @pytest.mark.timeout(90)
@@ -164,3 +210,176 @@ def test_bad_models_and_optimizers_are_refused_with_the_fix():
         fleet.distributed_optimizer([p for p in model.parameters()])
     with pytest.raises(TypeError, match="DistributedStrategy, got dict"):
         fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), {"amp": True})
+
+
+TIMES_OUT = """
+    import json, os, sys, time, torch, torch.distributed as dist
+    from distamp import fleet
+    fleet.init(timeout=2)
+    report = {"store_timeout": dist.distributed_c10d._get_default_store().timeout.total_seconds()}
+    if dist.get_rank() == 1:
+        print(json.dumps(report), flush=True)
+        time.sleep(10)  # alive, but never joins the collective: rank 0 must give up on its own
+        os._exit(0)
+    try:
+        dist.all_reduce(torch.ones(1))
+        report["raised"] = None
+    except Exception as exc:
+        report.update(raised=type(exc).__name__, message=str(exc))
+    print(json.dumps(report), flush=True)
+    os._exit(0)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_timeout_reaches_the_process_group():
+    """Rank 1 stays away from an all-reduce: with timeout=2 rank 0 raises instead of waiting 30 minutes."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(TIMES_OUT)],
+            env={
+                **{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS},
+                "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        out, err = procs[0].communicate(timeout=80)
+        out1, err1 = procs[1].communicate(timeout=30)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert procs[0].returncode == 0, err
+    assert procs[1].returncode == 0, err1
+    report = json.loads(out)
+    assert report["raised"] is not None
+    assert "timed out" in report["message"].lower(), report["message"]
+    # The loopback store of rank 0 (server) and rank 1 (client) got it too.
+    assert report["store_timeout"] == json.loads(out1)["store_timeout"] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error", "message"),
+    [
+        (0, ValueError, r"timeout=0 must be a positive, finite number of seconds"),
+        (-5.0, ValueError, r"timeout=-5.0 must be a positive"),
+        (float("inf"), ValueError, r"timeout=inf must be a positive, finite"),
+        (float("nan"), ValueError, r"timeout=nan must be a positive, finite"),
+        (__import__("datetime").timedelta(0), ValueError, r"timeout=datetime.timedelta\(0\) must be"),
+        ("30", TypeError, r"timeout must be a number of seconds or a datetime.timedelta, got str '30'"),
+        (True, TypeError, r"got bool True"),
+    ],
+)
+def test_a_bad_timeout_is_refused_before_any_group_is_created(monkeypatch, timeout, error, message):
+    from distamp import fleet
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a process group was created before the timeout was validated")
+
+    monkeypatch.setattr(fleet, "init_process_group", must_not_run)
+    with pytest.raises(error, match=message):
+        fleet.init(timeout=timeout)
+
+
+def test_a_model_not_on_fleet_device_is_refused_with_the_fix(monkeypatch):
+    """On a GPU host fleet.device() is cuda:LOCAL_RANK; stand that in on the CPU."""
+    from distamp import fleet
+
+    fleet.init()
+    monkeypatch.setattr(fleet, "device", lambda: torch.device("cuda", 1))
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(
+        ValueError,
+        match=r"parameter '0.weight' is on cpu, but this process trains on cuda:1 \(fleet.device\(\)\); "
+        r"move the model there before wrapping it: model.to\(fleet.device\(\)\)",
+    ):
+        fleet.distributed_model(model)
+
+    monkeypatch.setattr(fleet, "device", lambda: torch.device("cpu"))
+    model.register_buffer("stale", torch.zeros(1, device="meta"))
+    with pytest.raises(ValueError, match=r"buffer 'stale' is on meta, but this process trains on cpu"):
+        fleet.distributed_model(model)
+
+
+LOGS = """
+    import logging, torch
+    from torch import nn
+    from distamp import fleet
+
+    log = logging.getLogger("distamp")
+    fleet.init()
+    log.warning("a warning shows by default")
+    log.info("an info record does not")
+    fleet.init(log_level="INFO")  # the same handler, now at INFO
+    model = nn.Linear(2, 1)
+    strategy = fleet.DistributedStrategy()
+    strategy.amp = True
+    strategy.amp_configs = {"init_loss_scaling": 8.0, "decr_every_n_nan_or_inf": 1}
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    opt.backward(model(torch.ones(1, 2)).sum())
+    model.weight.grad[0, 0] = float("nan")
+    assert opt.step() is False
+"""
+
+
+@pytest.mark.timeout(60)
+def test_logs_reach_stderr_with_a_rank_prefix():
+    result = run_python(LOGS, {})
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert lines.count("[rank0] WARNING distamp: a warning shows by default") == 1
+    assert not any("an info record" in line for line in lines)
+    skipped = [line for line in lines if line.startswith("[rank0] INFO distamp:") and "skipped" in line]
+    assert len(skipped) == 1, result.stderr
+
+
+def test_configured_logging_gets_the_records_and_no_second_handler(caplog):
+    """pytest's capture handler on the root stands in for a user's logging.basicConfig()."""
+    import logging
+
+    from distamp import fleet
+
+    logger = logging.getLogger("distamp")
+    handlers, level = list(logger.handlers), logger.level
+    try:
+        fleet.init(log_level="info")
+        assert logger.handlers == handlers
+        logger.info("scale news")
+        assert [r.getMessage() for r in caplog.records if r.name == "distamp"] == ["scale news"]
+    finally:
+        logger.setLevel(level)
+
+
+@pytest.mark.parametrize(
+    ("log_level", "error", "message"),
+    [
+        ("LOUD", ValueError, r"log_level='LOUD' is not a logging level; use one of DEBUG, INFO, WARNING, ERROR, CRI"),
+        (-1, ValueError, r"log_level=-1 must be >= 0"),
+        (1.5, TypeError, r"log_level must be a level name or a logging int, got float 1.5"),
+    ],
+)
+def test_a_bad_log_level_is_refused_before_any_group_is_created(monkeypatch, log_level, error, message):
+    from distamp import fleet
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a process group was created before log_level was validated")
+
+    monkeypatch.setattr(fleet, "init_process_group", must_not_run)
+    with pytest.raises(error, match=message):
+        fleet.init(log_level=log_level)
+
+
+def test_a_timeout_for_a_group_that_already_exists_warns_that_it_is_not_applied():
+    from distamp import fleet
+
+    fleet.init()
+    with pytest.warns(UserWarning, match=r"fleet.init\(timeout=5\) is not applied: a process group already exists"):
+        fleet.init(timeout=5)

@@ -37,11 +37,13 @@ class CommStats:
 class LowPrecisionAllReduce:
     """State of a DDP comm hook that averages a gradient bucket with ``wire_dtype`` on the wire.
 
-    The bucket is cast to ``wire_dtype`` (no copy when it already has that
-    dtype, as in O2 where parameters and hence buckets are 16-bit), divided
-    by ``predivide_factor`` so the 16-bit sum of ``world_size`` scaled
-    gradients cannot overflow, all-reduced, divided by the rest of the world
-    size, and written back into the bucket.
+    The bucket is divided in place by ``predivide_factor`` (in its own
+    dtype, so an FP32 gradient that only fits FP16 once divided survives),
+    cast to ``wire_dtype`` (no copy when it already has that dtype, as in O2
+    where parameters and hence buckets are 16-bit), all-reduced, divided by
+    the rest of the world size, and written back into the bucket. With the
+    default factor the 16-bit sum of ``world_size`` gradients cannot
+    overflow unless their mean does.
 
     Example::
 
@@ -93,10 +95,12 @@ def low_precision_allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook body for :class:`LowPrecisionAllReduce` (``state`` is the instance)."""
     buffer = bucket.buffer()
-    if buffer.dtype == state.wire_dtype:
-        wire = buffer.div_(state.predivide_factor)
-    else:
-        wire = buffer.to(state.wire_dtype).div_(state.predivide_factor)
+    # Divide in the bucket's own dtype before casting: an FP32 (O1) gradient
+    # in [65504, 65504 * world_size) is finite once divided but inf if cast
+    # first. Dividing the bucket in place is fine: the result overwrites it.
+    wire = buffer.div_(state.predivide_factor)
+    if wire.dtype != state.wire_dtype:
+        wire = wire.to(state.wire_dtype)
     nbytes = wire.numel() * wire.element_size()
     state.stats.calls += 1
     state.stats.bytes += nbytes

@@ -65,6 +65,25 @@ class _Runtime:
         self.prepared = False
 
 
+def _check_device(module: nn.Module, device: torch.device) -> torch.device:
+    """Raise ``ValueError`` naming the first parameter or buffer not on ``device``; return ``device``.
+
+    DDP would otherwise fail later with an error that names neither the
+    tensor nor the fix, or, with a model on another GPU, train there.
+    """
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    tensors = [("parameter", n, t) for n, t in module.named_parameters()]
+    tensors += [("buffer", n, t) for n, t in module.named_buffers()]
+    for kind, name, tensor in tensors:
+        if tensor.device != device:
+            raise ValueError(
+                f"{kind} {name!r} is on {tensor.device}, but this process trains on {device} "
+                "(fleet.device()); move the model there before wrapping it: model.to(fleet.device())"
+            )
+    return device
+
+
 class DataParallel(nn.Module):
     """Data-parallel wrapper for AMP training (``fleet.distributed_model``).
 
@@ -89,6 +108,9 @@ class DataParallel(nn.Module):
         find_unused_parameters: passed to DDP; ``None`` takes the
             strategy's ``find_unused_parameters``.
         process_group: the data-parallel group; ``None`` is the world.
+        device: the device this process trains on (``fleet.device()``); every
+            parameter and buffer must be there (``ValueError`` naming the first
+            that is not). ``None``: not checked, DDP uses the parameters' device.
         ddp_kwargs: further keyword arguments for DDP (e.g. ``static_graph``).
     """
 
@@ -99,6 +121,7 @@ class DataParallel(nn.Module):
         *,
         find_unused_parameters: bool | None = None,
         process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -118,6 +141,7 @@ class DataParallel(nn.Module):
             strategy.find_unused_parameters if find_unused_parameters is None else find_unused_parameters
         )
         self._process_group = process_group
+        self._device = None if device is None else _check_device(module, torch.device(device))
         self._ddp_kwargs = ddp_kwargs
         self._fp32_params = strategy_fp32_parameters(module, strategy)
         self._runtime = _Runtime()
@@ -217,9 +241,11 @@ class DataParallel(nn.Module):
                 if opt.master_weights.enabled:
                     opt.master_weights.broadcast(src=0, group=self._process_group)
             # 2. DDP on the final dtypes (its buckets are per dtype); it broadcasts the rest.
-            device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+            device = self._device or next((p.device for p in self.module.parameters()), torch.device("cpu"))
             ddp = DistributedDataParallel(
                 self.module,
+                # A single-device CUDA module: DDP moves inputs to device_ids[0]
+                # and its reducer works on that device; CPU modules must pass None.
                 device_ids=[device] if device.type == "cuda" else None,
                 process_group=self._process_group,
                 find_unused_parameters=self.find_unused_parameters,

@@ -3,12 +3,14 @@
 ``distrun`` and ``torchrun`` describe the job with the variables RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. A
 script started without them (plain ``python train.py``) is a one-process
-world with no process group at all.
+world: a process group of one rank on an in-memory store.
 """
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -17,7 +19,22 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["WorldInfo", "default_backend", "default_device", "init_process_group", "world_info_from_env"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "WorldInfo",
+    "default_backend",
+    "default_device",
+    "init_process_group",
+    "validate_timeout",
+    "world_info_from_env",
+]
+
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+"""How long a collective or the store may wait, for NCCL and gloo alike.
+
+torch's own defaults are 30 minutes for gloo but 10 for NCCL, whose
+watchdog then aborts the job; a rank that writes a checkpoint or compiles a
+model while the others wait in a collective can take longer than 10."""
 
 @dataclass(frozen=True)
 class WorldInfo:
@@ -56,22 +73,46 @@ def _env_int(name: str, default: int | None) -> int:
         ) from None
 
 
+def _local_rank(rank: int, world_size: int) -> int:
+    """LOCAL_RANK, or RANK where that provably is the same GPU.
+
+    The global rank is only a valid local rank when every worker is on this
+    node: WORLD_SIZE is 1, or the launcher says LOCAL_WORLD_SIZE equals
+    WORLD_SIZE. Anywhere else (rank 5 on the second 4-GPU node has local
+    rank 1) guessing would put two workers on one GPU, so refuse.
+    """
+    if "LOCAL_RANK" in os.environ:
+        return _env_int("LOCAL_RANK", None)
+    local_world_size = os.environ.get("LOCAL_WORLD_SIZE")
+    if world_size == 1 or local_world_size == str(world_size):
+        return rank
+    raise ValueError(
+        f"LOCAL_RANK is not set (RANK={rank}, WORLD_SIZE={world_size}, "
+        f"LOCAL_WORLD_SIZE={local_world_size if local_world_size is not None else 'not set'}), so the "
+        "GPU of this worker is unknown on a job that may span several nodes. Start it with distrun "
+        "or torchrun, or set LOCAL_RANK (this worker's index on its node); for a single-node job "
+        "LOCAL_WORLD_SIZE=WORLD_SIZE also works"
+    )
+
+
 def world_info_from_env() -> WorldInfo:
     """Read this worker's place in the job from the launcher's environment.
 
     Returns a one-process :class:`WorldInfo` when RANK is not set.
+    LOCAL_RANK selects the GPU; without it the job must be single-node
+    (WORLD_SIZE 1, or LOCAL_WORLD_SIZE equal to WORLD_SIZE).
     Raises ``ValueError`` for a partial or inconsistent environment.
     """
     if "RANK" not in os.environ:
         return WorldInfo()
     rank = _env_int("RANK", None)
     world_size = _env_int("WORLD_SIZE", None)
-    local_rank = _env_int("LOCAL_RANK", rank)
-    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
     if world_size < 1:
         raise ValueError(f"WORLD_SIZE={world_size!r} must be >= 1")
     if not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank!r} must be in [0, WORLD_SIZE={world_size})")
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    local_rank = _local_rank(rank, world_size)
     if not 0 <= local_rank < local_world_size:
         raise ValueError(
             f"LOCAL_RANK={local_rank!r} must be in [0, LOCAL_WORLD_SIZE={local_world_size})"
@@ -98,14 +139,47 @@ def default_device(local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(world: WorldInfo) -> bool:
-    """Initialise torch.distributed for ``world`` if the launcher asked for it.
+def validate_timeout(timeout: float | timedelta | None) -> timedelta:
+    """``timeout`` (seconds or a ``timedelta``) as a ``timedelta``; ``None`` is :data:`DEFAULT_TIMEOUT`.
 
-    Sets the CUDA device from LOCAL_RANK before creating an NCCL group (so
-    NCCL does not put every rank's context on GPU 0). Idempotent: an
-    existing group is kept when it agrees with ``world``.
+    Raises ``TypeError`` for another type and ``ValueError`` for a value
+    that is not positive and finite.
+    """
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, timedelta)):
+        raise TypeError(
+            f"timeout must be a number of seconds or a datetime.timedelta, got "
+            f"{type(timeout).__name__} {timeout!r}; e.g. timeout=1800 or timedelta(minutes=30)"
+        )
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(
+            f"timeout={timeout!r} must be a positive, finite number of seconds (or timedelta); "
+            f"the default is {DEFAULT_TIMEOUT.total_seconds():.0f} s"
+        )
+    try:
+        return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
+    except OverflowError:
+        raise ValueError(f"timeout={timeout!r} seconds is too large for a datetime.timedelta") from None
 
-    Returns True when a process group exists afterwards.
+
+def init_process_group(world: WorldInfo, timeout: timedelta = DEFAULT_TIMEOUT) -> bool:
+    """Initialise torch.distributed for ``world`` unless a group exists.
+
+    With the launcher's variables, joins its job (the launcher's
+    MASTER_ADDR/MASTER_PORT store). Without them, creates a one-process
+    group on an in-memory store, so ``DistributedSampler``,
+    ``dist.get_rank()`` and collectives work in a plain ``python train.py``.
+    The backend is NCCL when CUDA is available, after selecting the CUDA
+    device from LOCAL_RANK (so NCCL does not put every rank's context on
+    GPU 0), and gloo otherwise. ``timeout`` bounds collectives and the
+    store. Idempotent: an existing group is kept when it agrees with
+    ``world``.
+
+    Returns True when a process group exists afterwards (False only when
+    this build of PyTorch has no torch.distributed and ``world`` is a
+    single process).
     """
     if dist.is_available() and dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (world.rank, world.world_size) and world.from_env:
@@ -115,30 +189,67 @@ def init_process_group(world: WorldInfo) -> bool:
                 f"of {world.world_size}"
             )
         return True
-    if not world.from_env:
-        return False
     if not dist.is_available():
+        if not world.from_env:
+            return False
         raise RuntimeError("this build of PyTorch has no torch.distributed support")
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        if name not in os.environ:
-            raise ValueError(
-                f"environment variable {name} is not set; start the job with distrun or torchrun"
-            )
+    if world.from_env:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if name not in os.environ:
+                raise ValueError(
+                    f"environment variable {name} is not set; start the job with distrun or torchrun"
+                )
     device = default_device(world.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = _loopback_store(world)
+    kwargs = {"rank": world.rank, "world_size": world.world_size, "timeout": timeout}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    if not world.from_env:
+        _init_one_process_group(timeout, kwargs)
+        return True
+    store = _loopback_store(world, timeout)
     dist.init_process_group(
         default_backend(),
         **({"store": store} if store is not None else {"init_method": "env://"}),
-        rank=world.rank,
-        world_size=world.world_size,
-        **({"device_id": device} if device.type == "cuda" else {}),
+        **kwargs,
     )
     return True
 
 
-def _loopback_store(world: WorldInfo) -> dist.TCPStore | None:
+def _init_one_process_group(timeout: timedelta, kwargs: dict) -> None:
+    """A 1-rank group on an in-memory store, destroyed at exit.
+
+    No port is opened for the store; gloo's and NCCL's own listeners go on
+    the loopback interface unless the user chose one. Destroying the group
+    at exit spares the user NCCL's "destroy_process_group() was not called"
+    warning for a group they never created.
+    """
+    store = dist.HashStore()
+    store.set_timeout(timeout)
+    lo = _loopback_interface()
+    chosen = {var: lo for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if lo and var not in os.environ}
+    os.environ.update(chosen)
+    try:
+        dist.init_process_group(default_backend(), store=store, **kwargs)
+    finally:
+        for var in chosen:
+            os.environ.pop(var, None)
+    atexit.register(_destroy_if_current, dist.group.WORLD)
+
+
+def _destroy_if_current(group: dist.ProcessGroup) -> None:
+    if dist.is_initialized() and dist.group.WORLD is group:
+        dist.destroy_process_group()
+
+
+def _loopback_interface() -> str | None:
+    """Name of the loopback interface (``lo`` on Linux, ``lo0`` on macOS), if any."""
+    names = dict(socket.if_nameindex()).values() if hasattr(socket, "if_nameindex") else ()
+    return next((name for name in names if name in ("lo", "lo0")), None)
+
+
+def _loopback_store(world: WorldInfo, timeout: timedelta) -> dist.TCPStore | None:
     """The process-group store, listening on loopback only when MASTER_ADDR is loopback.
 
     torch's env:// store binds its server to every interface whatever
@@ -155,7 +266,6 @@ def _loopback_store(world: WorldInfo) -> dist.TCPStore | None:
         if host != "localhost":
             return None
         host = "127.0.0.1"
-    timeout = timedelta(minutes=30)
     if world.rank != 0:
         return dist.TCPStore(host, port, world.world_size, False, timeout=timeout)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

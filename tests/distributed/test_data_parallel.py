@@ -432,3 +432,43 @@ def test_no_sync_accumulation_communicates_once_and_steps_once():
         assert n_buckets >= 1 and calls == [0, 0, n_buckets]
         assert updates == 1  # one inf/NaN check and one scale update for the whole window
         assert torch.equal(masters, out[0][2])
+
+
+class Scale(nn.Module):
+    """loss = sum(weight * x): the weight's gradient is the input, chosen per rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return (self.weight * x).sum()
+
+
+def _large_opposite_gradients(rank, world_size):
+    from distamp import fleet
+
+    fleet.init()
+    model = Scale()
+    strategy = make_strategy(dtype="float16", init_loss_scaling=1.0)
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=1e-4), strategy)
+    wrapped = fleet.distributed_model(model)
+    x = torch.tensor([70000.0 if rank == 0 else -60000.0])
+    with fleet.auto_cast():
+        loss = wrapped(x)
+    opt.backward(loss)
+    grad = model.weight.grad.clone()
+    applied = opt.step()
+    return applied, grad, model.weight.detach().clone()
+
+
+@pytest.mark.timeout(120)
+def test_fp32_gradients_beyond_fp16_range_per_rank_are_averaged_not_overflowed():
+    """O1 FP16: per-rank gradients +70000 and -60000 average to 5000 without overflowing the wire."""
+    out = run_workers(_large_opposite_gradients, 2, timeout=100)
+    # Each half is rounded to FP16 on the wire: 35000 -> 35008, -30000 exactly.
+    expected = torch.tensor([35000.0]).half().float() + torch.tensor([-30000.0])
+    for applied, grad, weight in out:
+        assert applied is True
+        assert torch.equal(grad, expected) and abs(grad.item() - 5000.0) <= 8
+        assert torch.equal(weight, torch.ones(1).add_(expected, alpha=-1e-4))  # what SGD computes
