@@ -311,6 +311,13 @@ class AmpConfig(_Config):
     keep_norm_fp32: bool = True
     """O2: keep the parameters of normalization layers (BatchNorm, SyncBatchNorm, InstanceNorm, LayerNorm,
     GroupNorm, RMSNorm) in FP32, as Paddle's and Apex's O2 do; their inputs and outputs stay 16-bit."""
+    check_nan_inf: bool = False
+    """Paddle's FLAGS_check_nan_inf: check every module's forward output and every local gradient before
+    communication; the first non-finite one raises FloatingPointError naming it, the rank, the step and the
+    dtype. Costs a host sync per module and per parameter: for debugging."""
+    overflow_retries: int = 0
+    """With ``optimizer.step(closure)``: an overflowing step lowers the scale at once and calls the closure
+    again, up to this many times, on every rank together, so the batch is not dropped (>= 0)."""
 
     def __post_init__(self) -> None:
         own, put = self._OWNER, self._put
@@ -338,6 +345,8 @@ class AmpConfig(_Config):
                                                        lambda x: x >= 1))
         put("stuck_scale_patience", _as_int(own, "stuck_scale_patience", self.stuck_scale_patience, 1))
         put("keep_norm_fp32", _as_bool(own, "keep_norm_fp32", self.keep_norm_fp32))
+        put("check_nan_inf", _as_bool(own, "check_nan_inf", self.check_nan_inf))
+        put("overflow_retries", _as_int(own, "overflow_retries", self.overflow_retries, 0))
         self._check_op_lists()
         self._check_scale_bounds()
         self._warn_unused_scaling_keys()

@@ -44,6 +44,8 @@ DESIGN_DEFAULTS = {
     "gradient_predivide_factor": None,
     "stuck_scale_patience": 20,
     "keep_norm_fp32": True,
+    "check_nan_inf": False,
+    "overflow_retries": 0,
 }
 WHITE_OP, BLACK_OP = "matmul", "softmax"
 

@@ -267,11 +267,29 @@ class DataParallel(nn.Module):
         if not runtime.prepared:
             self.prepare()
         ddp = runtime.ddp
-        if ddp is None:
-            return self.module(*args, **kwargs)
-        ddp.require_backward_grad_sync = runtime.sync_enabled and all(runtime.optimizer_sync.values())
-        ddp.training = self.training
-        return ddp(*args, **kwargs)
+        try:
+            if ddp is None:
+                return self.module(*args, **kwargs)
+            ddp.require_backward_grad_sync = runtime.sync_enabled and all(runtime.optimizer_sync.values())
+            ddp.training = self.training
+            return ddp(*args, **kwargs)
+        except RuntimeError as exc:
+            hint = self._outside_auto_cast_hint(exc)
+            if hint is None:
+                raise
+            raise RuntimeError(f"{exc}\n{hint}") from exc
+
+    def _outside_auto_cast_hint(self, exc: RuntimeError) -> str | None:
+        """The fix for torch's bare dtype error when an O2 model runs outside ``fleet.auto_cast()``."""
+        cfg = self.strategy.amp_config
+        if not (self.strategy.amp and cfg.use_pure_fp16) or "type" not in str(exc).lower():
+            return None
+        if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda") if t == "cpu" or torch.cuda.is_available()):
+            return None
+        return (
+            f"distamp: with use_pure_fp16 the model's weights are {cfg.dtype} while its inputs are FP32; run the "
+            "forward under `with fleet.auto_cast():`, which casts the inputs of matmuls and convolutions."
+        )
 
     def fp32_state_dict(self) -> dict[str, Any]:
         """The wrapped model's ``state_dict()`` with every parameter in exact FP32 (from the masters).

@@ -11,6 +11,9 @@ communicates only on the last micro-batch of a window.
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 from distamp.strategy import DistributedStrategy
 
 __all__ = ["GradientMerge"]
@@ -36,6 +39,7 @@ class GradientMerge:
         self.k_steps = k_steps
         self.avg = avg
         self.micro_steps = 0
+        self._listeners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @classmethod
     def from_strategy(cls, strategy: DistributedStrategy) -> GradientMerge:
@@ -75,3 +79,18 @@ class GradientMerge:
     def reset(self) -> None:
         """The window was stepped: the next backward starts a new one."""
         self.micro_steps = 0
+
+    def add_listener(self, listener: Any, owner: Any) -> None:
+        """Keep ``listener.set_grad_sync(owner, flag)`` told whether the next backward communicates.
+
+        ``fleet.distributed_model`` registers its model, so DDP all-reduces
+        only on the last micro-batch of a window.
+        """
+        self._listeners[listener] = owner
+        listener.set_grad_sync(owner, self.sync_next_backward)
+
+    def publish(self) -> None:
+        """Tell every listener whether the next backward communicates."""
+        flag = self.sync_next_backward
+        for listener, owner in list(self._listeners.items()):
+            listener.set_grad_sync(owner, flag)

@@ -1,11 +1,12 @@
-"""O2 without ``fleet.distributed_model``: learn the model at its first forward.
+"""Without ``fleet.distributed_model``: learn the model at its first forward.
 
 ``fleet.distributed_optimizer`` alone sees only parameters, not the modules
 they belong to, so it cannot tell which ones are normalization layers that
-O2 keeps in FP32. A :class:`FirstForwardFinder` waits for the first forward
-of a module that owns every parameter of the optimizer (the model), gives
-those layers their exact FP32 values back from the masters, and removes
-itself. It is a global forward pre-hook only until then: one set
+O2 keeps in FP32, nor name a parameter whose gradient overflowed. A
+:class:`FirstForwardFinder` waits for the first forward of a module that
+owns every parameter of the optimizer (the model), hands it to the
+optimizer (:meth:`~distamp.optim.optimizer.AmpOptimizer.adopt_model`), and
+removes itself. It is a global forward pre-hook only until then: one set
 comparison per module call, and nothing afterwards.
 """
 
@@ -48,10 +49,12 @@ class FirstForwardFinder:
             return
         if optimizer.steps_applied + optimizer.steps_skipped:
             self.remove()
-            logger.warning(
-                "O2: no module owning all the optimizer's parameters ran a forward before the first step, so "
-                "normalization layers stay 16-bit; pass the model to fleet.distributed_model to keep them FP32"
-            )
+            if optimizer.master_weights.enabled:
+                logger.warning(
+                    "O2: no module owning all the optimizer's parameters ran a forward before the first step, "
+                    "so normalization layers stay 16-bit; pass the model to fleet.distributed_model to keep "
+                    "them FP32"
+                )
             return
         if not self._param_ids <= {id(p) for p in module.parameters()}:
             return

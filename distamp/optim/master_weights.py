@@ -202,6 +202,41 @@ class MasterWeights:
         for _, master, _ in self._pairs:
             master.grad = None
 
+    def zero_grads(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients (freed, or zeroed in place) and drop the masters'."""
+        grads = []
+        for p in self.model_params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+                continue
+            if p.grad.grad_fn is not None:
+                p.grad.detach_()
+            else:
+                p.grad.requires_grad_(False)
+            grads.append(p.grad)
+        if grads:
+            torch._foreach_zero_(grads)
+        self.zero_master_grads()
+
+    def swap_into(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put the masters in ``optimizer``'s param groups where the model parameters were.
+
+        State the optimizer already holds moves to the masters, in FP32.
+        """
+        old_state = dict(optimizer.state)
+        for group in optimizer.param_groups:
+            # Mutate in place: some optimizers keep a reference to the list.
+            group["params"][:] = [self.master_for(p) for p in group["params"]]
+        if old_state:
+            optimizer.state.clear()
+            for p, s in old_state.items():
+                optimizer.state[self.master_for(p)] = {
+                    k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
+                    for k, v in s.items()
+                }
+
     def broadcast(self, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
         """Make every rank's masters (and model copies) equal to rank ``src``'s."""
         for flat in self._flat:

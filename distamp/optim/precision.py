@@ -50,6 +50,7 @@ class FullPrecision:
     def __init__(self, params: Sequence[nn.Parameter], config: AmpConfig) -> None:
         self.config = config
         self.master_weights = MasterWeights(params, None)
+        self.consecutive_stuck = 0
 
     @property
     def loss_scale(self) -> float:
@@ -79,6 +80,10 @@ class FullPrecision:
     def update(self, found_inf: bool, grad_max: float | None) -> None:
         """Advance the loss scale by one optimizer step."""
 
+    def lower_scale_now(self) -> bool:
+        """Lower the loss scale at once (an overflow retry); False when it cannot go lower."""
+        return False
+
     def state_dict(self) -> dict:
         """Scaler type and state as plain numbers."""
         return {"loss_scaler_type": "", "loss_scaler": {}}
@@ -105,7 +110,6 @@ class MixedPrecision(FullPrecision):
     def __init__(self, params: Sequence[nn.Parameter], config: AmpConfig) -> None:
         super().__init__(params, config)
         self.scaler = build_loss_scaler(config)
-        self.consecutive_stuck = 0
 
     @property
     def loss_scale(self) -> float:
@@ -162,6 +166,14 @@ class MixedPrecision(FullPrecision):
         if self.consecutive_stuck >= self.config.stuck_scale_patience:
             raise RuntimeError(_stuck_message(self.config, self.scaler.scale, self.consecutive_stuck))
 
+    def lower_scale_now(self) -> bool:
+        """Lower the loss scale at once (an overflow retry); False when it cannot go lower."""
+        before = self.scaler.scale
+        if not self.scaler.decrease_now():
+            return False
+        logger.info("loss scale %g -> %g (retrying the step)", before, self.scaler.scale)
+        return True
+
     def state_dict(self) -> dict:
         """Scaler type and state as plain numbers."""
         return {"loss_scaler_type": type(self.scaler).__name__, "loss_scaler": self.scaler.state_dict()}
@@ -188,7 +200,6 @@ class PureLowPrecision(MixedPrecision):
         self.master_weights = MasterWeights(params, config.torch_dtype)
         self.master_weights.convert_model()
         self.scaler = build_loss_scaler(config)
-        self.consecutive_stuck = 0
         self._exposed_versions: list[tuple[torch.Tensor, int]] | None = None
 
     def _grads_to_check(self) -> list[torch.Tensor]:

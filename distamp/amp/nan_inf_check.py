@@ -1,0 +1,81 @@
+"""``check_nan_inf``: the first non-finite forward output or local gradient raises, naming it.
+
+Paddle's ``FLAGS_check_nan_inf`` for PyTorch models. With
+``amp_configs["check_nan_inf"] = True`` every module gets a forward hook
+and every parameter a gradient hook; the first non-finite value raises
+``FloatingPointError`` on the rank where it appeared, naming the module (or
+parameter), the rank, the step and the dtype. Gradient hooks run on each
+rank's local gradient *before* it is communicated, so the error points at
+the rank that produced it; under ``distrun`` that rank's error is the job's
+root cause.
+
+Costs: one ``isfinite().all()`` and a host sync per module output and per
+parameter gradient. It is a debugging switch, off by default; it also
+breaks ``torch.compile`` graphs (the hooks read values on the host).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from distamp.distributed.groups import group_rank
+
+__all__ = ["NanInfChecker"]
+
+
+def _nonfinite_kind(t: torch.Tensor) -> str | None:
+    if not t.is_floating_point() or bool(torch.isfinite(t).all()):
+        return None
+    return "NaN" if bool(torch.isnan(t).any()) else "inf"
+
+
+class NanInfChecker:
+    """Hooks that raise at the first non-finite forward output or gradient of ``model``.
+
+    Args:
+        model: the model (root name shown as its class name).
+        step: returns the number of the step in progress, for messages.
+    """
+
+    def __init__(self, model: nn.Module, step: Callable[[], int]) -> None:
+        self._step = step
+        self._handles: list[Any] = []
+        root = type(model).__name__
+        for name, module in model.named_modules():
+            label = f"module {name!r} ({type(module).__name__})" if name else f"the model ({root})"
+            self._handles.append(module.register_forward_hook(functools.partial(self._check_output, label)))
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                hook = functools.partial(self._check_grad, f"parameter {name!r}")
+                self._handles.append(param.register_hook(hook))
+
+    def _fail(self, what: str, kind: str, dtype: torch.dtype) -> None:
+        raise FloatingPointError(
+            f"check_nan_inf: {kind} in {what} on rank {group_rank()} at step {self._step()}, dtype {dtype}. "
+            "Look at that layer's inputs and weights; if it overflows only in 16 bits, keep it in FP32 with "
+            "custom_black_varnames."
+        )
+
+    def _check_output(self, label: str, module: nn.Module, args: Any, output: Any) -> None:
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor):
+                kind = _nonfinite_kind(t)
+                if kind is not None:
+                    self._fail(f"the forward output of {label}", kind, t.dtype)
+
+    def _check_grad(self, label: str, grad: torch.Tensor) -> None:
+        kind = _nonfinite_kind(grad)
+        if kind is not None:
+            self._fail(f"the local gradient of {label} (before communication)", kind, grad.dtype)
+
+    def remove(self) -> None:
+        """Take every hook off."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

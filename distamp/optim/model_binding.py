@@ -1,0 +1,74 @@
+"""What the meta-optimizer learns once it knows its model.
+
+``fleet.distributed_optimizer`` sees parameters, not modules. The model
+arrives later: from ``fleet.distributed_model`` (either order of the two
+calls) or, without it, at the model's first forward
+(:class:`~distamp.optim.first_forward.FirstForwardFinder`). Then
+:meth:`ModelBinding.adopt`:
+
+* gives O2's FP32-kept parameters (normalization layers,
+  ``custom_black_varnames``) their exact FP32 values back from the masters,
+  or with ``keep_norm_fp32=False`` stores normalization buffers in 16 bits;
+* learns the qualified parameter names that overflow attribution reports;
+* installs the ``check_nan_inf`` hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from distamp.amp.fp32_parameters import NORM_LAYER_TYPES
+from distamp.amp.nan_inf_check import NanInfChecker
+from distamp.optim.master_weights import MasterWeights
+from distamp.strategy import AmpConfig
+
+__all__ = ["ModelBinding"]
+
+
+class ModelBinding:
+    """Names, FP32-kept parameters and debug hooks of the model an optimizer trains.
+
+    Args:
+        master_weights: the optimizer's model-parameter / master pairing.
+        config: the strategy's AMP settings.
+        amp: whether AMP is on.
+        step: returns the number of the step in progress (for messages).
+    """
+
+    def __init__(self, master_weights: MasterWeights, config: AmpConfig, amp: bool, step: Callable[[], int]) -> None:
+        self._master_weights = master_weights
+        self._config = config
+        self._amp = amp
+        self._step = step
+        self.adopted = False
+        self.checker: NanInfChecker | None = None
+        self._names: dict[int, str] = {}
+
+    def name_of(self, param: nn.Parameter, index: int) -> str:
+        """The qualified name of ``param`` in the adopted model, else ``"params[index]"``."""
+        return self._names.get(id(param), f"params[{index}]")
+
+    def adopt(self, model: nn.Module, keep_fp32: list[nn.Parameter]) -> None:
+        """The model is known: names, O2's FP32-kept parameters, ``check_nan_inf`` hooks (once)."""
+        if self.adopted:
+            return
+        self.adopted = True
+        for name, param in model.named_parameters(remove_duplicate=False):
+            self._names.setdefault(id(param), name)
+        if self._master_weights.enabled:
+            self._master_weights.convert_model(keep_fp32=keep_fp32)
+            if not self._config.keep_norm_fp32:
+                self._norm_buffers_to_low(model, keep_fp32)
+        if self._amp and self._config.check_nan_inf:
+            self.checker = NanInfChecker(model, self._step)
+
+    def _norm_buffers_to_low(self, model: nn.Module, keep_fp32: list[nn.Parameter]) -> None:
+        # Torch's normalization kernels want 16-bit running statistics with 16-bit parameters.
+        low, kept = self._master_weights.low_dtype, {id(p) for p in keep_fp32}
+        for module in model.modules():
+            if isinstance(module, NORM_LAYER_TYPES) and not any(id(p) in kept for p in module.parameters()):
+                for name, buffer in module.named_buffers(recurse=False):
+                    if buffer.is_floating_point():
+                        setattr(module, name, buffer.to(low))

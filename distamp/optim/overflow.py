@@ -1,0 +1,102 @@
+"""Where an inf came from: per-parameter attribution of skipped steps.
+
+When a step is skipped, the question is which layer overflowed.
+:func:`nonfinite_parameters` answers it with one fused kernel over the
+reduced gradients (a per-tensor max-abs norm), and one all-reduce (MAX) of
+the per-parameter verdicts, so every rank names the same parameters even
+when the inf appeared on one rank only after communication. It runs only
+on skipped steps: applied steps pay nothing.
+
+:class:`OverflowLog` keeps ``last_overflow`` for ``optimizer.stats()``,
+logs one warning line per skipped step, and once a module keeps showing up
+suggests keeping it in FP32 with ``custom_black_varnames``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distamp.distributed.flag_sync import all_reduce_max
+
+__all__ = ["SUGGEST_AFTER", "OverflowLog", "nonfinite_parameters"]
+
+logger = logging.getLogger("distamp")
+
+SUGGEST_AFTER = 5
+"""Skipped steps naming the same module before the log suggests ``custom_black_varnames`` for it."""
+
+_SHOWN_NAMES = 6
+
+
+def nonfinite_parameters(
+    params: Sequence[nn.Parameter], names: Sequence[str], group: dist.ProcessGroup | None
+) -> list[str]:
+    """Names of ``params`` whose gradient is non-finite on any rank of ``group`` (same list on every rank).
+
+    Args:
+        params: the parameters whose ``.grad`` the step applies.
+        names: their qualified names, in the same order.
+        group: the data-parallel group (``None``: this rank only).
+    """
+    with_grad = [i for i, p in enumerate(params) if p.grad is not None]
+    if not params:
+        return []
+    device = params[with_grad[0]].grad.device if with_grad else params[0].device
+    flags = torch.zeros(len(params), dtype=torch.float32, device=device)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i in with_grad:
+        grad = params[i].grad
+        groups.setdefault((grad.device, grad.dtype), []).append(i)
+    for indices in groups.values():
+        maxima = torch.stack(torch._foreach_norm([params[i].grad for i in indices], math.inf)).float()
+        flags[torch.tensor(indices, device=device)] = (~torch.isfinite(maxima)).float().to(device)
+    all_reduce_max(flags, group)
+    return [names[i] for i in torch.nonzero(flags).flatten().tolist()]
+
+
+def _module_of(name: str) -> str:
+    return name.rpartition(".")[0] or name
+
+
+class OverflowLog:
+    """``last_overflow``, counts, a warning line per skipped step, and the ``custom_black_varnames`` hint."""
+
+    def __init__(self) -> None:
+        self.last_overflow: dict | None = None
+        self.overflows = 0
+        self._module_counts: collections.Counter[str] = collections.Counter()
+        self._suggested: set[str] = set()
+
+    def record(self, step: int, names: list[str], loss_scale: float, retrying: bool = False) -> None:
+        """One non-finite verdict at ``step``: remember it, log it, maybe suggest FP32 for a module."""
+        self.overflows += 1
+        self.last_overflow = {"step": step, "params": list(names)}
+        shown = ", ".join(names[:_SHOWN_NAMES]) + (f" and {len(names) - _SHOWN_NAMES} more" if len(names) > _SHOWN_NAMES else "")
+        action = "retried at a lower loss scale" if retrying else "skipped"
+        logger.warning(
+            "step %d %s: non-finite gradients in %s (loss scale %g)", step, action, shown or "no parameter", loss_scale
+        )
+        for module in dict.fromkeys(_module_of(n) for n in names):
+            self._module_counts[module] += 1
+            if self._module_counts[module] >= SUGGEST_AFTER and module not in self._suggested:
+                self._suggested.add(module)
+                logger.warning(
+                    "module %r had non-finite gradients in %d skipped steps; if it keeps overflowing, run it in "
+                    "FP32: strategy.amp_configs = {..., 'custom_black_varnames': [%r]}",
+                    module, self._module_counts[module], module,
+                )
+
+    def state_dict(self) -> dict:
+        """Counts as plain numbers (``last_overflow`` is diagnostic and not saved)."""
+        return {"overflows": self.overflows}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s counts."""
+        self.overflows = int(state.get("overflows", 0))

@@ -1,0 +1,71 @@
+"""The meta-optimizer's checkpoint state: tensors and plain numbers only.
+
+``AmpOptimizer.state_dict()`` holds the inner optimizer's state, the FP32
+masters (O2), the loss scaler's type and state, and the step counters, so
+``torch.load(..., weights_only=True)`` reads it back and a resumed run
+continues bitwise like an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from distamp.optim.optimizer import AmpOptimizer
+
+__all__ = ["STATE_FORMAT", "load_optimizer_state", "optimizer_state"]
+
+STATE_FORMAT = "distamp.AmpOptimizer/1"
+
+
+def optimizer_state(opt: AmpOptimizer) -> dict:
+    """``opt.state_dict()``: see the module docstring."""
+    precision, policy = opt.precision.state_dict(), opt.policy
+    return {
+        "format": STATE_FORMAT,
+        "inner": opt.inner_opt.state_dict(),
+        "master_weights": precision.get("master_weights", []),
+        "loss_scaler_type": precision["loss_scaler_type"],
+        "loss_scaler": precision["loss_scaler"],
+        "counters": {
+            "steps_applied": policy.steps_applied,
+            "steps_skipped": policy.steps_skipped,
+            "consecutive_stuck": opt.precision.consecutive_stuck,
+            "micro_steps": opt.merge.micro_steps,
+            "retries": policy.retries,
+            **policy.overflow.state_dict(),
+        },
+    }
+
+
+def load_optimizer_state(opt: AmpOptimizer, state_dict: dict) -> None:
+    """``opt.load_state_dict(state_dict)``; the model copies of the masters are refreshed.
+
+    Raises:
+        ValueError: not a distamp optimizer state, or saved with another
+            loss scaler or another ``use_pure_fp16``.
+    """
+    if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT:
+        keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise ValueError(
+            f"not a distamp AmpOptimizer state_dict (keys: {keys}); to load a bare torch "
+            "optimizer's state use optimizer.inner_opt.load_state_dict(...)"
+        )
+    masters = state_dict["master_weights"]
+    if bool(masters) != opt.master_weights.enabled:
+        raise ValueError(
+            "checkpoint and optimizer disagree on use_pure_fp16 (O2 master weights "
+            f"{'present' if masters else 'absent'} in the checkpoint); build the optimizer "
+            "with the strategy the checkpoint was saved with"
+        )
+    opt.precision.load_state_dict(state_dict)
+    opt.inner_opt.load_state_dict(state_dict["inner"])
+    if masters:
+        opt.master_weights.load_state_dict(masters)
+    counters, policy = state_dict["counters"], opt.policy
+    policy.steps_applied = int(counters["steps_applied"])
+    policy.steps_skipped = int(counters["steps_skipped"])
+    opt.precision.consecutive_stuck = int(counters["consecutive_stuck"])
+    opt.merge.micro_steps = int(counters["micro_steps"])
+    policy.retries = int(counters.get("retries", 0))
+    policy.overflow.load_state_dict(counters)

@@ -1,0 +1,127 @@
+"""The step decision: unscale, agree on inf/NaN, apply or skip (or retry), update the scale.
+
+:class:`StepPolicy` is the part of the meta-optimizer that runs between the
+last backward of a step and the next one. It owns the step counters, so
+``AmpOptimizer`` stays a thin facade over it, the precision plugin, the
+gradient-merge window and the model binding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distamp.distributed.groups import data_parallel_group
+from distamp.distributed.timeouts import named_collective
+from distamp.optim.accumulation import GradientMerge
+from distamp.optim.grad_watch import GradWatch
+from distamp.optim.model_binding import ModelBinding
+from distamp.optim.overflow import OverflowLog, nonfinite_parameters
+from distamp.optim.precision import FullPrecision
+
+__all__ = ["StepPolicy"]
+
+
+class StepPolicy:
+    """Decides every step the same way on every rank.
+
+    Args:
+        inner_opt: the inner optimizer (stepped when the verdict is finite).
+        precision: the precision plugin (unscale, check, scale updates).
+        merge: the gradient-merge window.
+        watch: misuse detection on the model's gradients.
+        binding: the model's parameter names (for attribution).
+        process_group: the data-parallel group (``None``: the default one).
+    """
+
+    def __init__(self, inner_opt: torch.optim.Optimizer, precision: FullPrecision, merge: GradientMerge,
+                 watch: GradWatch, binding: ModelBinding, process_group: dist.ProcessGroup | None) -> None:
+        self.inner_opt, self.precision, self.merge = inner_opt, precision, merge
+        self.watch, self.binding = watch, binding
+        self.process_group = process_group
+        self.overflow = OverflowLog()
+        self.sync_found_inf = True
+        self.steps_applied = self.steps_skipped = self.retries = 0
+        self.unscaled = self.found_inf = self.last_step_skipped = False
+        self.grad_max: float | None = None
+
+    @property
+    def step_number(self) -> int:
+        """Steps completed (applied or skipped)."""
+        return self.steps_applied + self.steps_skipped
+
+    def _group(self) -> dist.ProcessGroup | None:
+        return data_parallel_group(self.process_group) if self.sync_found_inf else None
+
+    def unscale_and_check(self) -> None:
+        """Unscale, check and agree on the verdict (once per step)."""
+        self.watch.before_unscale()
+        with named_collective(f"the inf/NaN verdict all-reduce of step {self.step_number + 1}"):
+            self.found_inf, self.grad_max = self.precision.unscale_and_check(self._group())
+        self.unscaled = True
+
+    def attribute_overflow(self, retrying: bool) -> None:
+        """Name the parameters whose reduced gradient is non-finite (skipped or retried steps only)."""
+        params = self.binding_params()
+        names = [self.binding.name_of(p, i) for i, p in enumerate(params)]
+        with named_collective(f"the overflow attribution of step {self.step_number + 1}"):
+            bad = nonfinite_parameters(params, names, self._group())
+        self.overflow.record(self.step_number + 1, bad, self.precision.loss_scale, retrying=retrying)
+
+    def binding_params(self) -> list[torch.nn.Parameter]:
+        """The model parameters, in the masters' order."""
+        return self.precision.master_weights.model_params
+
+    def step(self, closure: Callable[[], Any] | None) -> bool:
+        """``optimizer.step()``: see :meth:`distamp.optim.optimizer.AmpOptimizer.step`."""
+        if self.merge.is_accumulating:
+            return False
+        if closure is None and not self.unscaled and not self.watch.before_step(self.precision.loss_scale):
+            return False
+        if not self.unscaled:
+            self.unscale_and_check()
+        return self.finish(closure)
+
+    def step_with_closure(self, closure: Callable[[], Any], retries: int) -> Any:
+        """``optimizer.step(closure)`` under AMP, retrying an overflow up to ``retries`` times."""
+        if self.merge.k_steps > 1:
+            raise RuntimeError(
+                "step(closure) runs one micro-batch per call and cannot close a gradient-merge window of "
+                f"k_steps={self.merge.k_steps}; call optimizer.backward(loss) per micro-batch and step() instead"
+            )
+        while True:
+            with torch.enable_grad():
+                loss = closure()
+            self.unscale_and_check()
+            if not self.found_inf or retries == 0 or not self.precision.lower_scale_now():
+                break
+            retries -= 1
+            self.retries += 1
+            self.attribute_overflow(retrying=True)
+            self.unscaled = False
+        self.finish(None)
+        return loss
+
+    def finish(self, closure: Callable[[], Any] | None) -> bool:
+        """Apply or skip on the agreed verdict, count, update the scale; True when applied."""
+        found_inf = self.found_inf
+        if found_inf:
+            self.attribute_overflow(retrying=False)
+        else:
+            self.precision.take_user_grad_changes()
+            self.inner_opt.step(closure) if closure is not None else self.inner_opt.step()
+            self.precision.after_applied_step()
+        self.unscaled = False
+        self.merge.reset()
+        self.last_step_skipped = found_inf
+        if found_inf:
+            self.steps_skipped += 1
+        else:
+            self.steps_applied += 1
+        self.precision.update(found_inf, self.grad_max)
+        self.watch.after_step()
+        self.merge.publish()
+        return not found_inf

@@ -1,0 +1,154 @@
+"""Habits from plain PyTorch work, or fail loudly with the fix, under every mode."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distamp.amp import auto_cast
+from distamp.optim import AmpOptimizer
+from distamp.strategy import DistributedStrategy
+
+MODES = {
+    "off": {},
+    "o1_fp16": {"dtype": "float16", "init_loss_scaling": 1024.0},
+    "o2_fp16": {"dtype": "float16", "use_pure_fp16": True, "init_loss_scaling": 1024.0},
+    "o2_bf16": {"dtype": "bfloat16", "use_pure_fp16": True},
+}
+
+
+def _strategy(mode: str, **extra) -> DistributedStrategy:
+    strategy = DistributedStrategy(amp=mode != "off", **extra)
+    strategy.amp_configs = MODES[mode]
+    return strategy
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _forward_loss(model, opt, scale=1.0):
+    x, y = torch.full((4, 4), 1.0), torch.full((4, 2), 5.0)
+    dtype = opt.strategy.amp_config.dtype
+    with auto_cast(enable=opt.amp_enabled, dtype=dtype):
+        return F.mse_loss(model(x), y) * scale
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_clip_grad_norm_and_unscale_work_in_every_mode(mode):
+    model = _model()
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), _strategy(mode))
+    opt.backward(_forward_loss(model, opt))
+    norm = opt.clip_grad_norm_(1.0)
+    assert torch.isfinite(norm) and norm > 1.0
+    assert opt.stats()["grad_norm"] == pytest.approx(float(norm))
+    masters = [m for m in opt.master_weights.masters if m.grad is not None]
+    clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m.grad) for m in masters]))
+    assert clipped == pytest.approx(1.0, rel=1e-4)
+    assert opt.step()
+
+
+@pytest.mark.parametrize("mode", ["o1_fp16", "o2_fp16", "o2_bf16"])
+def test_torch_clip_after_unscale_clips_the_applied_update(mode):
+    """The GradScaler idiom: optimizer.unscale_(); torch.nn.utils.clip_grad_norm_(model.parameters(), m)."""
+    reference, ours = _model(), _model()
+    opt_ref = AmpOptimizer(torch.optim.SGD(reference.parameters(), lr=0.01), _strategy(mode))
+    opt = AmpOptimizer(torch.optim.SGD(ours.parameters(), lr=0.01), _strategy(mode))
+    opt_ref.backward(_forward_loss(reference, opt_ref))
+    opt_ref.clip_grad_norm_(0.5)
+    opt_ref.step()
+    opt.backward(_forward_loss(ours, opt))
+    opt.unscale_()
+    norm = torch.nn.utils.clip_grad_norm_(ours.parameters(), 0.5)
+    assert 1.0 < float(norm) < 1e4  # a true norm, not a scaled one
+    opt.step()
+    # Same update as optimizer.clip_grad_norm_, up to the 16-bit rounding torch's clip works in.
+    tolerance = 0 if mode.startswith("o1") else 1e-2
+    for a, b in zip(opt.master_weights.masters, opt_ref.master_weights.masters):
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance * 1e-2)
+
+
+def test_clipping_scaled_gradients_before_unscale_is_reported(caplog):
+    model = _model()
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), _strategy("o1_fp16"))
+    opt.backward(_forward_loss(model, opt))
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # on scaled gradients
+    with caplog.at_level(logging.WARNING, logger="distamp"):
+        opt.step()
+    assert "call optimizer.unscale_() before clipping" in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["off", "o1_fp16"])
+def test_merged_gradients_are_the_mean_before_step_in_every_mode(mode):
+    """torch's clip before step() sees the same (mean) gradient with AMP on or off."""
+    model = _model()
+    strategy = _strategy(mode, gradient_merge=True, gradient_merge_configs={"k_steps": 4})
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), strategy)
+    single = _model()
+    loss = F.mse_loss(single(torch.full((4, 4), 1.0)), torch.full((4, 2), 5.0))
+    loss.backward()
+    for _ in range(4):
+        opt.backward(_forward_loss(model, opt))
+    opt.unscale_()
+    for got, want in zip(model.parameters(), single.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=2e-3, atol=1e-3)
+
+
+def test_plain_loss_backward_under_loss_scaling_raises_with_the_fix():
+    model = _model()
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), _strategy("o1_fp16"))
+    _forward_loss(model, opt).backward()
+    with pytest.raises(RuntimeError, match=r"Replace loss.backward\(\) with optimizer.backward\(loss\)"):
+        opt.step()
+
+
+@pytest.mark.parametrize("mode", ["off", "o2_bf16"])
+def test_step_with_nothing_new_warns_once_and_is_not_counted(mode):
+    model = _model()
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), _strategy(mode))
+    opt.backward(_forward_loss(model, opt))
+    assert opt.step()
+    with pytest.warns(UserWarning, match="found no new gradients"):
+        assert opt.step() is False
+    assert opt.steps_applied == 1 and opt.steps_skipped == 0
+
+
+def test_plain_torch_loop_still_works_with_amp_off():
+    model = _model()
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), _strategy("off"))
+    for _ in range(2):
+        opt.zero_grad()
+        _forward_loss(model, opt).backward()
+        assert opt.step()
+
+
+def test_fp32_export_of_an_o2_model_is_exact_masters():
+    model = _model()
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), _strategy("o2_bf16"))
+    opt.backward(_forward_loss(model, opt))
+    opt.step()
+    exported = opt.fp32_state_dict(model)
+    assert all(v.dtype == torch.float32 for v in exported.values())
+    for (name, value), master in zip(exported.items(), opt.master_weights.masters):
+        assert torch.equal(value, master.detach()), name
+    assert model[0].weight.dtype == torch.bfloat16   # the model itself is untouched
+    fresh = _model()
+    fresh.load_state_dict(exported)
+
+
+def test_an_o2_forward_outside_auto_cast_says_how_to_fix_it():
+    from distamp import fleet
+
+    model = _model()
+    strategy = _strategy("o2_bf16")
+    fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), strategy)
+    wrapped = fleet.distributed_model(model, strategy=strategy)   # strategy= is accepted too
+    with pytest.raises(RuntimeError, match=r"run the forward under `with fleet.auto_cast\(\):`"):
+        wrapped(torch.ones(2, 4))
+    with fleet.auto_cast():
+        assert wrapped(torch.ones(2, 4)).dtype == torch.bfloat16
