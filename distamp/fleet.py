@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from distamp.distributed.process_group import (
     validate_timeout,
     world_info_from_env,
 )
+from distamp.launcher.env import SELECTED_GPUS_VAR
 from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
 
@@ -190,7 +192,10 @@ def _attach_log_handler(rank: int) -> None:
     if any(not isinstance(h, logging.NullHandler) for h in logger.handlers) or logging.getLogger().handlers:
         return
     handler = logging.StreamHandler()  # stderr
-    handler.setFormatter(logging.Formatter(f"[rank{rank}] %(levelname)s %(name)s: %(message)s"))
+    # Under distrun each rank's output has its own file and the console tee prefixes "[rankN]: "
+    # already; elsewhere (torchrun, mp.spawn) the prefix tells the ranks apart.
+    prefix = "" if SELECTED_GPUS_VAR in os.environ else f"[rank{rank}] "
+    handler.setFormatter(logging.Formatter(f"{prefix}%(levelname)s %(name)s: %(message)s"))
     logger.addHandler(handler)
 
 

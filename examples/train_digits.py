@@ -11,7 +11,10 @@ The data (1,797 8x8 images) ships inside scikit-learn, so nothing is
 downloaded. Every rank splits it with the same seed, trains on its
 ``DistributedSampler`` shard and evaluates the whole test set. Rank 0 shows
 a progress bar, prints ``test_accuracy=...`` and writes ``history.json`` and
-``history.png`` (loss and loss scale per step) into ``--out_dir``.
+``history.png`` into ``--out_dir``: per step the loss, the loss scale with
+the skipped steps, and the telemetry of ``optimizer.stats()`` (the global
+gradient norm ``clip_grad_norm_`` computes, and the running count of
+overflows).
 
 With ``--checkpoint_dir DIR`` the job saves every ``--checkpoint_every``
 steps (model, AMP optimizer with its FP32 masters and loss scale, every
@@ -81,12 +84,17 @@ class History:
     loss: list[float] = field(default_factory=list)
     loss_scale: list[float] = field(default_factory=list)
     skipped: list[bool] = field(default_factory=list)
+    grad_norm: list[float] = field(default_factory=list)
+    overflows: list[int] = field(default_factory=list)
 
-    def record(self, loss: float, scale: float, skipped: bool) -> None:
-        """Append one step."""
+    def record(self, loss: float, scale: float, skipped: bool, stats: dict) -> None:
+        """Append one step; ``stats`` is ``optimizer.stats()`` after it."""
         self.loss.append(loss)
         self.loss_scale.append(scale)
         self.skipped.append(skipped)
+        norm = stats["grad_norm"]
+        self.grad_norm.append(float("nan") if norm is None or skipped else norm)
+        self.overflows.append(stats["overflows"])
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -106,6 +114,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                        help="stop after this many optimizer steps (default: all epochs)")
     train.add_argument("--batch_size", type=int, default=32, help="per rank (default: %(default)s)")
     train.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: %(default)s)")
+    train.add_argument("--clip_grad_norm", type=float, default=math.inf, metavar="MAX",
+                       help="clip the global gradient norm to MAX (default: no clipping; the norm is "
+                       "still computed and plotted)")
     train.add_argument("--seed", type=int, default=0, help="split, init and shuffle seed (default: %(default)s)")
     out = p.add_argument_group("output")
     out.add_argument("--out_dir", default=os.path.join("runs", "digits"),
@@ -189,11 +200,12 @@ def train(model, optimizer, loader: DataLoader, sampler: DistributedSampler,
                 loss = F.cross_entropy(model(x), y)
             optimizer.zero_grad()
             optimizer.backward(loss)
+            optimizer.clip_grad_norm_(args.clip_grad_norm)  # unscaled; with inf it only measures
+            scale = float(optimizer.get_loss_scaling())     # the scale this step used
             applied = optimizer.step()
             step += 1
             if first:
-                scale = float(optimizer.get_loss_scaling())
-                history.record(loss.item(), scale, not applied)
+                history.record(loss.item(), scale, not applied, optimizer.stats())
                 bar.set_postfix(epoch=epoch, loss=f"{history.loss[-1]:.4f}", scale=f"{scale:g}")
                 bar.update()
             if args.checkpoint_dir and step % args.checkpoint_every == 0:
@@ -229,18 +241,24 @@ def write_history(out_dir: str, history: History, summary: dict) -> tuple[str, s
         json.dump({**summary, "step": list(range(1, len(history.loss) + 1)), **asdict(history)}, f, indent=1)
 
     steps = range(1, len(history.loss) + 1)
-    fig, (ax_loss, ax_scale) = plt.subplots(2, 1, sharex=True, figsize=(7, 5))
+    fig, (ax_loss, ax_scale, ax_norm) = plt.subplots(3, 1, sharex=True, figsize=(7, 7))
     ax_loss.plot(steps, history.loss, lw=1)
     ax_loss.set_ylabel("training loss (rank 0)")
     ax_loss.set_yscale("log")
     ax_scale.step(steps, history.loss_scale, where="post")
     ax_scale.set_ylabel("loss scale")
     ax_scale.set_yscale("log", base=2)
-    ax_scale.set_xlabel("optimizer step")
     skipped = [s for s, skip in zip(steps, history.skipped) if skip]
     if skipped:
         ax_scale.plot(skipped, [history.loss_scale[s - 1] for s in skipped], "rx", label="skipped step")
         ax_scale.legend()
+    ax_norm.plot(steps, history.grad_norm, lw=1, label="global gradient norm")
+    ax_norm.set_ylabel("gradient norm")
+    ax_norm.set_yscale("log")
+    ax_overflows = ax_norm.twinx()
+    ax_overflows.step(steps, history.overflows, where="post", color="tab:red", label="overflows so far")
+    ax_overflows.set_ylabel("overflows", color="tab:red")
+    ax_norm.set_xlabel("optimizer step")
     fig.suptitle(f"digits, {summary['precision']}: test accuracy {summary['test_accuracy']:.4f}")
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)

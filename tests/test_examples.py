@@ -42,6 +42,8 @@ def test_train_digits_writes_consistent_outputs(tmp_path):
     assert f"{history['test_accuracy']:.4f}" == accuracy[0]
     assert history["step"] == [1, 2, 3, 4, 5, 6]
     assert len(history["loss"]) == len(history["loss_scale"]) == len(history["skipped"]) == 6
+    assert len(history["grad_norm"]) == len(history["overflows"]) == 6  # optimizer.stats() telemetry
+    assert history["overflows"][-1] == history["skipped_steps"]
     assert history["skipped_steps"] == sum(history["skipped"])
     assert all(s >= 1.0 for s in history["loss_scale"]) and history["loss_scale"][0] <= 32768.0
     assert (tmp_path / "out" / "history.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,32 @@
+"""The converted PyTorch DDP tutorial trains under distrun, snapshots FP32 weights and resumes."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TUTORIAL = os.path.join(ROOT, "examples", "ddp_tutorial.py")
+
+
+def _distrun(tmp_path, *args: str) -> str:
+    cmd = [sys.executable, "-m", "distamp.launcher", "--nproc_per_node", "2", TUTORIAL, *args,
+           "--batch_size", "128"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=90, check=False)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+@pytest.mark.timeout(200)
+def test_tutorial_trains_snapshots_fp32_and_resumes(tmp_path):
+    precision = ["--dtype", "bfloat16", "--pure_fp16"]  # O2: the model is 16-bit, the snapshot is not
+    first = _distrun(tmp_path, "2", "1", *precision)
+    assert "[rank0]: Epoch 1 | Training snapshot saved" in first
+    snapshot = torch.load(tmp_path / "runs" / "tutorial" / "snapshot.pt", weights_only=True)
+    assert snapshot["EPOCHS_RUN"] == 2
+    assert {k: v.dtype for k, v in snapshot["MODEL_STATE"].items()} == {"weight": torch.float32, "bias": torch.float32}
+    resumed = _distrun(tmp_path, "3", "1", *precision)
+    assert "Resuming training from snapshot at epoch 2" in resumed
+    assert "Epoch 0 |" not in resumed and "[rank0]: [GPUcpu] Epoch 2 |" in resumed
