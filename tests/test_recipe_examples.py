@@ -1,4 +1,4 @@
-"""The converted PyTorch DDP tutorial trains under distrun, snapshots FP32 weights and resumes."""
+"""The converted PyTorch DDP tutorial and the small GPT example run under distrun and do what they say."""
 
 import os
 import subprocess
@@ -30,3 +30,17 @@ def test_tutorial_trains_snapshots_fp32_and_resumes(tmp_path):
     resumed = _distrun(tmp_path, "3", "1", *precision)
     assert "Resuming training from snapshot at epoch 2" in resumed
     assert "Epoch 0 |" not in resumed and "[rank0]: [GPUcpu] Epoch 2 |" in resumed
+
+
+@pytest.mark.timeout(120)
+def test_gpt_example_learns_with_schedule_clipping_and_merge(tmp_path):
+    script = os.path.join(ROOT, "examples", "train_gpt.py")
+    cmd = [sys.executable, "-m", "distamp.launcher", "--nproc_per_node", "2", script,
+           "--steps", "40", "--merge", "2", "--warmup", "5"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=100, check=False)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    summary = dict(item.split("=") for line in done.stdout.splitlines() if line.startswith("[rank0]: final_loss")
+                   for item in line.removeprefix("[rank0]: ").split())
+    assert float(summary["final_loss"]) < float(summary["uniform"]) - 0.5  # it learns
+    applied = [line for line in done.stdout.splitlines() if "steps_applied=" in line]
+    assert len(applied) == 1 and "steps_applied=40 steps_skipped=0" in applied[0]
