@@ -18,10 +18,20 @@ import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MASTER_PORT", "LaunchPlan", "UsageError", "build_plan"]
+__all__ = [
+    "DEFAULT_MASTER_PORT", "WORKERS_PER_CPU", "LaunchPlan", "UsageError", "available_cpus",
+    "build_plan",
+]
 
 #: Port used with ``--ips`` when ``--master`` is not given (torchrun's default).
 DEFAULT_MASTER_PORT = 29500
+
+#: Most workers per CPU that ``--nproc_per_node`` may ask for without
+#: ``--allow_oversubscribe``. Beyond that every worker (a Python process with
+#: torch loaded, its threads and its log file) competes for a sliver of a
+#: core; a typo such as 100000 used to exhaust the host's memory.
+WORKERS_PER_CPU = 4
+
 
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _HOST_NAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
@@ -71,6 +81,14 @@ class LaunchPlan:
     def local_rendezvous(self) -> bool:
         """True when no ``--master``/``--ips`` was given: everything on loopback."""
         return self.master_addr is None
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask), which workers inherit."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _positive_int(flag: str, value: int, minimum: int) -> int:
@@ -253,8 +271,23 @@ def _check_master_host(given: str, host: str, node_rank: int) -> None:
         )
 
 
+def _check_oversubscription(nproc: int, cpus: int, allowed: bool) -> None:
+    """Refuse far more workers than CPUs unless ``--allow_oversubscribe`` was given."""
+    limit = WORKERS_PER_CPU * cpus
+    if nproc > limit and not allowed:
+        raise UsageError(
+            f"--nproc_per_node {nproc!r} is more than {WORKERS_PER_CPU} workers per CPU: "
+            f"this host has {cpus} CPU(s), so at most {limit} workers start without "
+            f"--allow_oversubscribe. Use --nproc_per_node {cpus} (one per CPU), "
+            f"or add --allow_oversubscribe if you really want {nproc} processes here."
+        )
+
+
 def _resolve_workers(
-    args: argparse.Namespace, environ: Mapping[str, str], gpu_count: Callable[[], int]
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    gpu_count: Callable[[], int],
+    cpu_count: Callable[[], int],
 ) -> tuple[int, tuple[str, ...] | None]:
     gpus = None
     if args.gpus is not None:
@@ -268,7 +301,10 @@ def _resolve_workers(
         gpus = _resolve_gpus(args.gpus, environ, gpu_count)
         return len(gpus), gpus
     nproc = args.nproc_per_node if args.nproc_per_node is not None else 1
-    return _positive_int("--nproc_per_node", nproc, 1), gpus
+    _positive_int("--nproc_per_node", nproc, 1)
+    # --gpus needs no such check: it starts one worker per distinct visible GPU.
+    _check_oversubscription(nproc, cpu_count(), args.allow_oversubscribe)
+    return nproc, gpus
 
 
 def _parse_tee(text: str, world_size: int) -> frozenset[int]:
@@ -351,6 +387,7 @@ def build_plan(
     args: argparse.Namespace,
     environ: Mapping[str, str] | None = None,
     gpu_count: Callable[[], int] = _visible_gpu_count,
+    cpu_count: Callable[[], int] = available_cpus,
 ) -> LaunchPlan:
     """Validate parsed arguments into a :class:`LaunchPlan`.
 
@@ -360,13 +397,15 @@ def build_plan(
             (default ``os.environ``).
         gpu_count: how many CUDA devices this process sees (injectable so
             tests can check GPU validation on a machine without GPUs).
+        cpu_count: how many CPUs the workers may run on (injectable so tests
+            can check the oversubscription limit for any host).
 
     Raises:
         UsageError: on any bad input, with a message naming the flag.
     """
     environ = os.environ if environ is None else environ
     nnodes, node_rank, host, port = _resolve_nodes(args)
-    nproc, gpus = _resolve_workers(args, environ, gpu_count)
+    nproc, gpus = _resolve_workers(args, environ, gpu_count, cpu_count)
     max_restarts = _positive_int("--max_restarts", args.max_restarts, 0)
     grace = _positive_int("--grace_period", args.grace_period, 1)
     tee = _parse_tee(args.tee, nnodes * nproc)
