@@ -18,12 +18,20 @@ import pytest
 from distamp.launcher.cli import _split_argv, build_parser, main, parse_plan
 from distamp.launcher.plan import UsageError, build_plan
 
+SYNTAX_ERROR = "import os\n\ndef f(:\n    pass\n"
+
 
 @pytest.fixture
 def script(tmp_path, monkeypatch):
-    """A training script in a fresh working directory."""
+    """A training script in a fresh working directory (and a script, module
+    and package ``__main__`` with a syntax error on line 3)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("print('hi')\n")
+    (tmp_path / "bad_syntax.py").write_text(SYNTAX_ERROR)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("raise SystemExit('distrun must not import the package')\n")
+    (tmp_path / "pkg" / "bad_syntax.py").write_text(SYNTAX_ERROR)
+    (tmp_path / "pkg" / "__main__.py").write_text(SYNTAX_ERROR)
     return "train.py"
 
 
@@ -84,6 +92,11 @@ BAD_INPUT = [
     # Far more workers than this host's CPUs: refused before any file or process exists.
     (["--nproc_per_node", "100000", "train.py"],
      r"--nproc_per_node 100000 is more than 4 workers per CPU: this host has \d+ CPU\(s\).*--allow_oversubscribe"),
+    (["--nproc_per_node", "2", "bad_syntax.py"],
+     r"training script 'bad_syntax.py' has a syntax error \(bad_syntax.py, line 3: 'def f\(:'\)"),
+    (["-m", "pkg.bad_syntax"],
+     r"-m 'pkg.bad_syntax' has a syntax error \(.*pkg/bad_syntax.py, line 3: 'def f\(:'\)"),
+    (["-m", "pkg"], r"-m 'pkg' has a syntax error \(.*pkg/__main__.py, line 3"),
 ]
 
 
@@ -131,6 +144,14 @@ def test_workers_per_cpu_limit_and_the_flag_that_lifts_it(script):
         parse(["--nproc_per_node", "65", "train.py"], cpus=16)
     # --gpus starts one worker per distinct visible GPU: never more than the GPUs.
     assert parse(["--gpus", "0,1,2", "train.py"], gpus=3, cpus=0).nproc_per_node == 3
+
+
+def test_syntax_check_does_not_run_the_code(script, tmp_path):
+    (tmp_path / "side_effect.py").write_text("open('ran', 'w').close()\n")
+    (tmp_path / "pkg" / "fine.py").write_text("x = 1\n")
+    assert parse(["side_effect.py"]).command == ("side_effect.py",)
+    assert parse(["-m", "pkg.fine"]).command == ("-m", "pkg.fine")
+    assert not (tmp_path / "ran").exists()
 
 
 def test_gpus_not_visible_names_the_id(script):
