@@ -6,7 +6,8 @@ default log layout opens files with ``"w"`` per attempt and tails them from
 the start; :class:`RankLogs` replaces it: it starts each job with fresh
 files, writes a separator line before every attempt, and tails only the new
 part of the tee'd ranks' files to the console, each line prefixed with
-``[rankN]:``.
+``[rankN]:`` exactly once (torch's own exception hook already prefixes a
+worker's traceback lines with it once the process group exists).
 """
 
 from __future__ import annotations
@@ -41,6 +42,20 @@ def tail_lines(path: str, count: int = 20) -> list[str]:
     return data.decode("utf-8", errors="replace").splitlines()[-count:]
 
 
+def _with_prefix(prefix: str, line: str) -> str:
+    """``line`` with ``prefix`` in front, once.
+
+    After ``init_process_group`` torch's ``sys.excepthook`` writes every
+    traceback line as ``[rankN]: ...`` into the worker's own stderr, and its
+    C++ warnings start with ``[rankN]:[W...``; adding the tee's prefix again
+    would double it.
+    """
+    tag = prefix.rstrip()
+    if line.startswith(tag):
+        line = line[len(tag):].removeprefix(" ")
+    return prefix + line
+
+
 class _Tee:
     """Copy new lines of some files to a stream, each with a prefix.
 
@@ -72,7 +87,7 @@ class _Tee:
                 lines.append(state[2])
                 state[2] = b""
             for line in lines:
-                self._out.write(f"{prefix}{line.decode('utf-8', errors='replace')}\n")
+                self._out.write(_with_prefix(prefix, line.decode("utf-8", errors="replace")) + "\n")
         self._out.flush()
 
     def _run(self) -> None:
