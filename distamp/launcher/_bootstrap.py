@@ -6,7 +6,8 @@ The elastic agent starts ``python _bootstrap.py`` for each worker. This file:
    (``PR_SET_PDEATHSIG``), and leaves a tiny guardian process in the
    worker's process group that SIGKILLs the whole group (the worker's own
    children too) when the launcher dies, so a ``kill -9`` of distrun leaves
-   no orphan; the guardian exits when the worker does;
+   no orphan; the guardian stays while anything is left in the group after
+   the worker exits, then exits;
 2. sends stdout and stderr to ``log_dir/workerlog.RANK``, opened in append
    mode so restarts add to the same file (the launcher writes the separator);
 3. ``exec``s the interpreter on the user's script or module, so the worker's
@@ -17,6 +18,8 @@ works without ``distamp`` on ``sys.path`` and costs a few milliseconds.
 The command travels in the environment, not in argv, because the agent
 rewrites ``$``-macros in argv and the user's arguments must stay untouched.
 """
+
+from __future__ import annotations
 
 import ctypes
 import json
@@ -29,8 +32,11 @@ import time
 COMMAND_VAR = "DISTAMP_WORKER_COMMAND"
 LOG_DIR_VAR = "DISTAMP_WORKER_LOG_DIR"
 LAUNCHER_PID_VAR = "DISTAMP_LAUNCHER_PID"
+GUARDIAN_NAME = b"distrun-guard"  # its /proc/PID/comm, as ps and top show it
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_PR_SET_NAME = 15
 _LAUNCHER_EXIT_GRACE = 1.0  # seconds; see _launcher_died
+_GROUP_POLL = 1.0  # seconds between looks at what a finished worker left behind
 
 
 def _die_with_launcher(launcher_pid: int) -> None:
@@ -73,6 +79,37 @@ def _launcher_died(launcher_pid: int, worker_pid: int) -> bool:
     return bool(ready)
 
 
+def _launcher_exits_within(launcher_pid: int, seconds: float) -> bool:
+    """Wait up to ``seconds``; True as soon as the launcher has exited."""
+    try:
+        fd = os.pidfd_open(launcher_pid)
+    except ProcessLookupError:
+        return True
+    except (AttributeError, OSError):
+        time.sleep(seconds)
+        return not _alive(launcher_pid)
+    try:
+        return bool(select.select([fd], [], [], seconds)[0])
+    finally:
+        os.close(fd)
+
+
+def _others_in_group(group: int) -> bool:
+    """True while a live process other than this one is in process group ``group``."""
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == group and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
 def _alive(pid: int) -> bool:
     """True while ``pid`` runs (a zombie counts as dead)."""
     try:
@@ -89,7 +126,10 @@ def _start_guardian(launcher_pid: int) -> None:
     The death signal reaches the worker only, not processes it starts (data
     loader workers, tools); the guardian shares the worker's process group
     and SIGKILLs all of it. It is double-forked so it is never the user's
-    child (a user ``os.wait()`` cannot reap it), and it exits with the worker.
+    child (a user ``os.wait()`` cannot reap it). It ignores the signals the
+    launcher sends the group to stop it, so it still guards what does not
+    stop; it exits once the worker has exited and nothing else is left in
+    the group.
     """
     worker_pid = os.getpid()
     first = os.fork()
@@ -100,10 +140,17 @@ def _start_guardian(launcher_pid: int) -> None:
         if os.fork():
             os._exit(0)
         os.closerange(0, 3)
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None).prctl(_PR_SET_NAME, GUARDIAN_NAME, 0, 0, 0)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_IGN)
         group = os.getpgid(0)
-        # A worker that exits while the launcher lives is the normal case:
-        # nothing to do. After the launcher dies, kill whatever is left.
-        if _launcher_died(launcher_pid, worker_pid):
+        launcher_died = _launcher_died(launcher_pid, worker_pid)
+        # Processes the worker started may outlive it; the launcher kills them
+        # when the job ends, and this guardian if the launcher dies first.
+        while not launcher_died and _others_in_group(group):
+            launcher_died = _launcher_exits_within(launcher_pid, _GROUP_POLL)
+        if launcher_died:
             os.killpg(group, signal.SIGKILL)
     finally:
         os._exit(0)

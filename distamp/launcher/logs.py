@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
@@ -108,19 +109,33 @@ class RankLogs(LogsSpecs):
         log_dir: where ``workerlog.N`` files go (must exist).
         tee_ranks: global ranks whose new lines are copied to ``out``.
         out: console stream for the tee (default ``sys.stdout``).
+        before_start: called before each attempt's workers start (distrun
+            stops there whatever the previous attempt left running).
     """
 
-    def __init__(self, log_dir: str, tee_ranks: frozenset[int], out: TextIO | None = None):
+    def __init__(
+        self,
+        log_dir: str,
+        tee_ranks: frozenset[int],
+        out: TextIO | None = None,
+        before_start: Callable[[], None] | None = None,
+    ):
         super().__init__(log_dir=log_dir)
         self._log_dir = log_dir
         self._tee_ranks = tee_ranks
         self._out = out if out is not None else sys.stdout
+        self._before_start = before_start
         self._tee: _Tee | None = None
         self._started: set[str] = set()
         self._round = 0
         # Torch's error-reply files (written by @record-decorated workers);
         # not logs, so they live outside log_dir and go away with the launch.
         self._error_dir = tempfile.mkdtemp(prefix="distrun-errors-")
+
+    @property
+    def attempts(self) -> int:
+        """How many times workers were started (0 until the first start)."""
+        return self._round
 
     @property
     def root_log_dir(self) -> str:
@@ -130,6 +145,8 @@ class RankLogs(LogsSpecs):
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         """Called by the agent before each attempt: write separators, start the tee."""
         self._stop_tee()
+        if self._before_start is not None:
+            self._before_start()
         self._round += 1
         tee_files = {}
         error_files = {}
