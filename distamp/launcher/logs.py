@@ -8,6 +8,9 @@ files, writes a separator line before every attempt, and tails only the new
 part of the tee'd ranks' files to the console, each line prefixed with
 ``[rankN]:`` exactly once (torch's own exception hook already prefixes a
 worker's traceback lines with it once the process group exists).
+
+It also hands each worker the files the launcher reads after an attempt:
+torch's error file and the exit stamp written by the bootstrap's guardian.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TextIO
 
 from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
+
+from distamp.launcher import _bootstrap
 
 __all__ = ["RankLogs", "log_path", "tail_lines"]
 
@@ -128,14 +133,50 @@ class RankLogs(LogsSpecs):
         self._tee: _Tee | None = None
         self._started: set[str] = set()
         self._round = 0
-        # Torch's error-reply files (written by @record-decorated workers);
-        # not logs, so they live outside log_dir and go away with the launch.
+        self._ranks: tuple[int, ...] = ()
+        self._round_started = 0.0
+        # Torch's error-reply files (written by @record-decorated workers) and
+        # the guardians' exit stamps; not logs, so they live outside log_dir
+        # and go away with the launch.
         self._error_dir = tempfile.mkdtemp(prefix="distrun-errors-")
 
     @property
     def attempts(self) -> int:
         """How many times workers were started (0 until the first start)."""
         return self._round
+
+    @property
+    def started_at(self) -> float:
+        """``time.time()`` when the latest attempt's workers were started."""
+        return self._round_started
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Global ranks of the latest attempt's workers on this node."""
+        return self._ranks
+
+    def exit_times(self, wait_for: Collection[int] = (), timeout: float = 2.0) -> dict[int, float]:
+        """``time.time()`` at which the latest attempt's workers on this node
+        exited, by global rank, for those whose guardian recorded it.
+
+        A guardian writes its stamp a moment after its worker exits, so this
+        waits up to ``timeout`` seconds for the stamps of ``wait_for``.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            times = {}
+            for rank in self._ranks:
+                try:
+                    with open(self._exit_file(self._round, rank), encoding="utf-8") as f:
+                        times[rank] = float(f.read())
+                except (OSError, ValueError):
+                    continue
+            if set(wait_for) <= times.keys() or time.monotonic() >= deadline:
+                return times
+            time.sleep(0.02)
+
+    def _exit_file(self, round_: int, rank: int) -> str:
+        return os.path.join(self._error_dir, f"start{round_}.rank{rank}.exit")
 
     @property
     def root_log_dir(self) -> str:
@@ -148,6 +189,7 @@ class RankLogs(LogsSpecs):
         if self._before_start is not None:
             self._before_start()
         self._round += 1
+        self._ranks = tuple(int(env["RANK"]) for env in envs.values())
         tee_files = {}
         error_files = {}
         for local_rank, env in envs.items():
@@ -171,6 +213,8 @@ class RankLogs(LogsSpecs):
             error_file = os.path.join(self._error_dir, f"start{self._round}.rank{rank}.json")
             error_files[local_rank] = error_file
             env["TORCHELASTIC_ERROR_FILE"] = error_file
+            env[_bootstrap.EXIT_FILE_VAR] = self._exit_file(self._round, rank)
+        self._round_started = time.time()
         if tee_files:
             self._tee = _Tee(tee_files, self._out)
         # Empty stdouts/stderrs: torch leaves the workers' streams alone and

@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TextIO
 
@@ -165,15 +165,56 @@ def _how(failure: ProcessFailure) -> str:
     return f"exited with code {failure.exitcode}"
 
 
-def describe_failure(plan: LaunchPlan, error: ChildFailedError) -> tuple[int, str]:
+def _early_exit(
+    error: ChildFailedError, exits: Mapping[int, float], failing: int, failure: ProcessFailure
+) -> tuple[int, float] | None:
+    """The first rank on this node that exited 0 before the root-cause failure.
+
+    The agent treats an exit 0 as success and reports failures only, but a
+    rank that leaves early (fewer steps, a ``break``) makes its peers fail
+    in their next collective: that exit is the cause to report. ``exits``
+    are the guardians' stamps; a failure without one falls back to the
+    agent's stamp, which is truncated to the second and so never later.
+    """
+    fail_time = exits.get(failing, float(failure.timestamp))
+    successes = [(t, r) for r, t in exits.items() if r not in error.failures and t < fail_time]
+    return (min(successes)[1], min(successes)[0]) if successes else None
+
+
+def _ranks_phrase(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} was"
+    if len(ranks) <= 4:
+        return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]} were"
+    return f"{len(ranks)} other ranks were"
+
+
+def describe_failure(
+    plan: LaunchPlan,
+    error: ChildFailedError,
+    exits: Mapping[int, float] | None = None,
+    started_at: float | None = None,
+) -> tuple[int, str]:
     """Exit code and report for a job whose workers failed.
 
     The report ends with the log tail and then a summary line naming the
-    first failing rank, how it failed, and its log file.
+    root cause and its log file: the first failing rank, or, when a rank on
+    this node exited 0 while the others were still running and they failed
+    after it, that rank's early exit ("rank 1 exited 0 at 12.3 s while rank
+    0 was still running; rank 0 then failed: ...").
+
+    Args:
+        plan: the launch.
+        error: what the agent raised.
+        exits: ``time.time()`` of each local worker's exit by global rank
+            (from the bootstrap's guardians), when known.
+        started_at: ``time.time()`` when the workers were started.
     """
     rank, failure = _first_failure(plan, error)
     path = log_path(plan.log_dir, rank)
     code = exit_code_of(failure)
+    exits = exits or {}
+    early = _early_exit(error, exits, rank, failure)
     others = [
         f"rank {r} {_how(f)}"
         for r, f in sorted(error.failures.items())
@@ -189,10 +230,24 @@ def describe_failure(plan: LaunchPlan, error: ChildFailedError) -> tuple[int, st
         if plan.max_restarts
         else ""
     )
+    failed = (
+        f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
+        f"{_how(failure)}{restarts}; full log: {path}."
+    )
+    if early is None:
+        lines.append(
+            f"distrun: {failed} The other workers were stopped; exiting with code {code}."
+        )
+        return code, "\n".join(lines)
+    first, when = early
+    running = sorted(r for r in error.failures.keys() | exits.keys() if exits.get(r, when + 1) > when)
+    at = f" at {when - started_at:.1f} s" if started_at else ""
     lines.append(
-        f"distrun: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
-        f"{_how(failure)}{restarts}; full log: {path}. The other workers were "
-        f"stopped; exiting with code {code}."
+        f"distrun: rank {first} exited 0{at} while {_ranks_phrase(running)} still running; "
+        f"rank {rank} then failed: {failed} A rank that exits 0 while others still run "
+        f"usually skipped collectives they wait for (fewer steps or batches, an early "
+        f"break); see {log_path(plan.log_dir, first)}. The other workers were stopped; "
+        f"exiting with code {code}."
     )
     return code, "\n".join(lines)
 
@@ -297,7 +352,11 @@ def launch(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = Non
                 elastic_launch(launch_config(plan, logs, store_dir), sys.executable)(bootstrap)
                 code, message = 0, None
             except ChildFailedError as error:
-                code, message = describe_failure(plan, error)
+                # Every exit is stamped, except where the agent's SIGKILL took
+                # the guardian too.
+                killed_by_agent = {r for r, f in error.failures.items() if f.exitcode == -int(signal.SIGKILL)}
+                exits = logs.exit_times(wait_for=set(logs.ranks) - killed_by_agent)
+                code, message = describe_failure(plan, error, exits, logs.started_at)
             except SignalException as error:
                 code, message = 128 + int(error.sigval), _interrupted(plan, error.sigval, logs.attempts)
             except KeyboardInterrupt:

@@ -1,10 +1,11 @@
-"""The console tee of :class:`RankLogs`, without workers."""
+"""The console tee and the per-attempt files of :class:`RankLogs`, without workers."""
 
 from __future__ import annotations
 
 import io
 
-from distamp.launcher.logs import _Tee
+from distamp.launcher import _bootstrap
+from distamp.launcher.logs import RankLogs, _Tee
 
 
 def test_tee_prefixes_each_line_once(tmp_path):
@@ -31,3 +32,22 @@ def test_tee_prefixes_each_line_once(tmp_path):
         "[rank0]: ",
         "[rank0]: last line without newline",
     ]
+
+
+def test_each_attempt_gets_exit_stamp_files_and_a_start_time(tmp_path):
+    calls = []
+    logs = RankLogs(str(tmp_path), frozenset(), before_start=lambda: calls.append(len(calls)))
+    try:
+        envs = {0: {"RANK": "4"}, 1: {"RANK": "5"}}
+        logs.reify(envs)
+        assert calls == [0] and logs.attempts == 1 and logs.ranks == (4, 5)
+        assert logs.started_at > 0
+        stamp = envs[1][_bootstrap.EXIT_FILE_VAR]
+        with open(stamp, "w") as f:
+            f.write("123.5")
+        assert logs.exit_times(timeout=0) == {5: 123.5}
+        assert logs.exit_times(wait_for={4, 5}, timeout=0.1) == {5: 123.5}
+        logs.reify({0: {"RANK": "4"}, 1: {"RANK": "5"}})  # a restart: fresh stamps
+        assert calls == [0, 1] and logs.attempts == 2 and logs.exit_times(timeout=0) == {}
+    finally:
+        logs.close()
