@@ -32,6 +32,12 @@ def why_unavailable() -> str | None:
     return None
 
 
+def _remove(name: str) -> None:
+    """Delete namespace ``name`` (and with it its end of the veth pair) and its hosts file."""
+    subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
+    shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
+
+
 def _run(*cmd: str) -> None:
     done = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if done.returncode != 0:
@@ -54,11 +60,26 @@ class LinkedNamespaces:
             raise ValueError(f"rate_gbit must be > 0, got {rate_gbit!r}")
         if not 0 <= subnet <= 255:
             raise ValueError(f"subnet must be in 0..255, got {subnet!r}")
-        tag = f"{os.getpid() % 100000}"
         self.rate_gbit = rate_gbit
-        self.names = (f"dampa{tag}", f"dampb{tag}")  # interface names are capped at 15 chars
+        self.names = self.names_for(os.getpid())
         self.addresses = (f"10.77.{subnet}.1", f"10.77.{subnet}.2")
         self._created: list[str] = []
+
+    @staticmethod
+    def names_for(pid: int) -> tuple[str, str]:
+        """The namespaces a ``LinkedNamespaces`` made in process ``pid`` is named."""
+        tag = f"{pid % 100000}"
+        return (f"dampa{tag}", f"dampb{tag}")  # interface names are capped at 15 chars
+
+    @classmethod
+    def remove_leftovers(cls, pid: int) -> None:
+        """Remove what process ``pid`` created and could not remove (it was killed).
+
+        For a supervisor (a test) whose child was stopped with SIGKILL, which
+        skips ``close()``. Stop the processes running in the namespaces first.
+        """
+        for name in cls.names_for(pid):
+            _remove(name)
 
     def hostname(self, i: int) -> str:
         """Hostname of namespace ``i`` (resolvable inside both namespaces)."""
@@ -96,9 +117,7 @@ class LinkedNamespaces:
     def close(self) -> None:
         """Delete the namespaces (which deletes the veth pair) and their hosts files."""
         while self._created:
-            name = self._created.pop()
-            subprocess.run(["ip", "netns", "del", name], check=False, capture_output=True)
-            shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
+            _remove(self._created.pop())
 
     def __enter__(self) -> Self:
         try:

@@ -1,4 +1,5 @@
-"""Finding the processes a test started: the tree below a pid, read from /proc (Linux)."""
+"""Finding the processes a test started, read from /proc (Linux): the tree below a
+pid, or every process carrying a marker in its environment."""
 
 from __future__ import annotations
 
@@ -28,3 +29,23 @@ def descendants(pid: int) -> list[int]:
         out.append(p)
         todo.extend(children.get(p, []))
     return out
+
+
+def with_environ(name: str, value: str) -> list[int]:
+    """Live processes (zombies excluded) whose environment has ``name=value``.
+
+    A test that starts a job with a unique value finds everything the job
+    started this way, whoever its parent is now (orphans are re-parented).
+    """
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0"):
+            found.append(int(entry))
+    return found

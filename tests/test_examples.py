@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -96,27 +97,61 @@ def _leftover_namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith("damp")]
 
 
-@pytest.mark.timeout(60)
+def _stop_group(proc: subprocess.Popen) -> None:
+    """Stop ``proc`` (started in its own session) and everything in its process group.
+
+    SIGTERM first: benchmark.py then stops its ranks and removes its
+    namespaces itself. Then SIGKILL for the group: the ranks share it
+    (``ip netns exec`` and ``unshare`` exec their command).
+    """
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+@pytest.fixture
+def link_runs():
+    """Register orchestrator processes; whatever happens to the test (a failure, a
+    pytest-timeout), each is stopped with its ranks and its namespaces removed."""
+    started: list[subprocess.Popen] = []
+    yield started.append
+    for proc in started:
+        _stop_group(proc)
+        netns.LinkedNamespaces.remove_leftovers(proc.pid)
+
+
+# Two ranks importing torch in namespaces plus probe processes: over a minute
+# when other tests load the machine.
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(netns.why_unavailable() is not None, reason=str(netns.why_unavailable()))
-def test_link_mode_runs_one_rank_per_namespace_and_cleans_up(tmp_path):
+def test_link_mode_runs_one_rank_per_namespace_and_cleans_up(tmp_path, link_runs):
     cmd = [sys.executable, os.path.join(EXAMPLES, "benchmark.py"), "--link_gbit", "1", "--model", "shallow",
            "--batch", "4", "--modes", "fp32,torch_bf16", "--reps", "1", "--steps", "1", "--warmup", "1",
            "--probe_steps", "1", "--json", str(tmp_path / "link.json")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": ROOT})
+                            env={**os.environ, "PYTHONPATH": ROOT}, start_new_session=True)
+    link_runs(proc)
     try:
-        out, err = proc.communicate(timeout=50)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+        out, err = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        _stop_group(proc)
+        out, err = proc.communicate()
+        pytest.fail(f"benchmark.py --link_gbit did not finish in 240 s:\n{out}\n{err}")
     assert proc.returncode == 0, out + err
     result = json.loads((tmp_path / "link.json").read_text())
     assert result["config"]["link_gbit"] == 1.0 and result["config"]["world_size"] == 2
     assert "1 Gbit/s link" in out
-    # Its namespaces are named after its pid (netns.LinkedNamespaces); other tests may
-    # create their own meanwhile, so look only for these.
-    own = {f"dampa{proc.pid % 100000}", f"dampb{proc.pid % 100000}"}
+    # Its namespaces are named after its pid; other tests may create their
+    # own meanwhile, so look only for these.
+    own = set(netns.LinkedNamespaces.names_for(proc.pid))
     assert not own & set(_leftover_namespaces())
     assert not [name for name in own if os.path.exists(f"/etc/netns/{name}")]
 

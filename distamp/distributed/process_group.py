@@ -13,6 +13,7 @@ import ipaddress
 import math
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -214,6 +215,8 @@ def init_process_group(world: WorldInfo, timeout: timedelta = DEFAULT_TIMEOUT) -
         **({"store": store} if store is not None else {"init_method": "env://"}),
         **kwargs,
     )
+    atexit.unregister(_let_comm_threads_finish)  # once, whatever the number of inits
+    atexit.register(_let_comm_threads_finish)
     return True
 
 
@@ -281,3 +284,49 @@ def _loopback_store(world: WorldInfo, timeout: timedelta) -> dist.TCPStore | Non
         ) from exc
     return dist.TCPStore(host, port, world.world_size, True, timeout=timeout,
                          multi_tenant=True, master_listen_fd=sock.detach())
+
+
+_GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
+_EXIT_WAIT = 2.0  # seconds at most
+
+
+def _let_comm_threads_finish() -> None:
+    """At exit, wait (GIL released) until gloo's worker threads are idle.
+
+    ``destroy_process_group()`` leaves a group alive while something still
+    holds it (a DDP model does). A gloo thread that has just completed an
+    all-reduce with a Python callback (DDP comm hooks: distamp's, torch's
+    fp16_compress_hook) then takes the GIL once more to release the
+    callback. If the interpreter is already finalizing by then, Python ends
+    that thread with ``pthread_exit``, whose unwinding reaches a
+    ``noexcept`` destructor: "terminate called without an active
+    exception", exit 134, after a job that had finished. atexit handlers
+    run before finalization, so sleeping here lets such a thread finish;
+    a thread that needs the GIL gets it while this one sleeps, so two looks
+    in a row at sleeping workers mean they are idle.
+    """
+    deadline = time.monotonic() + _EXIT_WAIT
+    idle_looks = 0
+    while idle_looks < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        idle_looks = 0 if _gloo_workers_running() else idle_looks + 1
+
+
+def _gloo_workers_running() -> bool:
+    """True when a gloo worker thread of this process is runnable (not sleeping)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:  # not Linux: nothing to look at
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != _GLOO_WORKER:
+                    continue
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "S":  # running, runnable, or in the kernel (D) mid-way
+            return True
+    return False

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from distamp.launcher.plan import LaunchPlan, UsageError, build_plan
+from distamp.launcher.plan import WORKERS_PER_CPU, LaunchPlan, UsageError, build_plan
 from distamp.suggest import did_you_mean
 
 __all__ = ["build_parser", "main", "parse_plan"]
@@ -49,7 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     workers.add_argument(
         "--nproc_per_node", type=int, metavar="N",
-        help="number of workers on this node, CPU or GPU (default: 1, or one per --gpus id)",
+        help="number of workers on this node, CPU or GPU (default: 1, or one per --gpus id); "
+        f"more than {WORKERS_PER_CPU} per CPU of this host is refused unless "
+        "--allow_oversubscribe is given",
+    )
+    workers.add_argument(
+        "--allow_oversubscribe", action="store_true",
+        help=f"allow --nproc_per_node above {WORKERS_PER_CPU} workers per CPU (e.g. many "
+        "tiny test workers); without it such a count exits with code 2 before anything starts",
     )
     nodes = parser.add_argument_group("several nodes")
     nodes.add_argument("--nnodes", type=int, metavar="N", help="number of nodes (default: 1)")

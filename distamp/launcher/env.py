@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 
 from distamp.launcher import _bootstrap
-from distamp.launcher.plan import LaunchPlan
+from distamp.launcher.plan import LaunchPlan, available_cpus
 
 __all__ = ["WorkerEnv", "build_worker_env", "patched_environ"]
 
@@ -30,13 +30,6 @@ class WorkerEnv:
     def __init__(self) -> None:
         self.variables: dict[str, str] = {}
         self.notes: list[str] = []
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def _loopback_interface() -> str | None:
@@ -71,7 +64,7 @@ def build_worker_env(plan: LaunchPlan, environ: Mapping[str, str], launcher_pid:
         # Workers see exactly the selected devices, so cuda:LOCAL_RANK is theirs.
         v["CUDA_VISIBLE_DEVICES"] = ",".join(plan.gpus)
     if "OMP_NUM_THREADS" not in environ:
-        cores = _cpu_count()
+        cores = available_cpus()
         threads = max(1, cores // plan.nproc_per_node)
         v["OMP_NUM_THREADS"] = str(threads)
         env.notes.append(

@@ -6,7 +6,11 @@ default log layout opens files with ``"w"`` per attempt and tails them from
 the start; :class:`RankLogs` replaces it: it starts each job with fresh
 files, writes a separator line before every attempt, and tails only the new
 part of the tee'd ranks' files to the console, each line prefixed with
-``[rankN]:``.
+``[rankN]:`` exactly once (torch's own exception hook already prefixes a
+worker's traceback lines with it once the process group exists).
+
+It also hands each worker the files the launcher reads after an attempt:
+torch's error file and the exit stamp written by the bootstrap's guardian.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Collection
 from typing import TextIO
 
 from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
+
+from distamp.launcher import _bootstrap
 
 __all__ = ["RankLogs", "log_path", "tail_lines"]
 
@@ -39,6 +46,20 @@ def tail_lines(path: str, count: int = 20) -> list[str]:
     except OSError:
         return []
     return data.decode("utf-8", errors="replace").splitlines()[-count:]
+
+
+def _with_prefix(prefix: str, line: str) -> str:
+    """``line`` with ``prefix`` in front, once.
+
+    After ``init_process_group`` torch's ``sys.excepthook`` writes every
+    traceback line as ``[rankN]: ...`` into the worker's own stderr, and its
+    C++ warnings start with ``[rankN]:[W...``; adding the tee's prefix again
+    would double it.
+    """
+    tag = prefix.rstrip()
+    if line.startswith(tag):
+        line = line[len(tag):].removeprefix(" ")
+    return prefix + line
 
 
 class _Tee:
@@ -72,7 +93,7 @@ class _Tee:
                 lines.append(state[2])
                 state[2] = b""
             for line in lines:
-                self._out.write(f"{prefix}{line.decode('utf-8', errors='replace')}\n")
+                self._out.write(_with_prefix(prefix, line.decode("utf-8", errors="replace")) + "\n")
         self._out.flush()
 
     def _run(self) -> None:
@@ -93,19 +114,69 @@ class RankLogs(LogsSpecs):
         log_dir: where ``workerlog.N`` files go (must exist).
         tee_ranks: global ranks whose new lines are copied to ``out``.
         out: console stream for the tee (default ``sys.stdout``).
+        before_start: called before each attempt's workers start (distrun
+            stops there whatever the previous attempt left running).
     """
 
-    def __init__(self, log_dir: str, tee_ranks: frozenset[int], out: TextIO | None = None):
+    def __init__(
+        self,
+        log_dir: str,
+        tee_ranks: frozenset[int],
+        out: TextIO | None = None,
+        before_start: Callable[[], None] | None = None,
+    ):
         super().__init__(log_dir=log_dir)
         self._log_dir = log_dir
         self._tee_ranks = tee_ranks
         self._out = out if out is not None else sys.stdout
+        self._before_start = before_start
         self._tee: _Tee | None = None
         self._started: set[str] = set()
         self._round = 0
-        # Torch's error-reply files (written by @record-decorated workers);
-        # not logs, so they live outside log_dir and go away with the launch.
+        self._ranks: tuple[int, ...] = ()
+        self._round_started = 0.0
+        # Torch's error-reply files (written by @record-decorated workers) and
+        # the guardians' exit stamps; not logs, so they live outside log_dir
+        # and go away with the launch.
         self._error_dir = tempfile.mkdtemp(prefix="distrun-errors-")
+
+    @property
+    def attempts(self) -> int:
+        """How many times workers were started (0 until the first start)."""
+        return self._round
+
+    @property
+    def started_at(self) -> float:
+        """``time.time()`` when the latest attempt's workers were started."""
+        return self._round_started
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Global ranks of the latest attempt's workers on this node."""
+        return self._ranks
+
+    def exit_times(self, wait_for: Collection[int] = (), timeout: float = 2.0) -> dict[int, float]:
+        """``time.time()`` at which the latest attempt's workers on this node
+        exited, by global rank, for those whose guardian recorded it.
+
+        A guardian writes its stamp a moment after its worker exits, so this
+        waits up to ``timeout`` seconds for the stamps of ``wait_for``.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            times = {}
+            for rank in self._ranks:
+                try:
+                    with open(self._exit_file(self._round, rank), encoding="utf-8") as f:
+                        times[rank] = float(f.read())
+                except (OSError, ValueError):
+                    continue
+            if set(wait_for) <= times.keys() or time.monotonic() >= deadline:
+                return times
+            time.sleep(0.02)
+
+    def _exit_file(self, round_: int, rank: int) -> str:
+        return os.path.join(self._error_dir, f"start{round_}.rank{rank}.exit")
 
     @property
     def root_log_dir(self) -> str:
@@ -115,7 +186,10 @@ class RankLogs(LogsSpecs):
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         """Called by the agent before each attempt: write separators, start the tee."""
         self._stop_tee()
+        if self._before_start is not None:
+            self._before_start()
         self._round += 1
+        self._ranks = tuple(int(env["RANK"]) for env in envs.values())
         tee_files = {}
         error_files = {}
         for local_rank, env in envs.items():
@@ -139,6 +213,8 @@ class RankLogs(LogsSpecs):
             error_file = os.path.join(self._error_dir, f"start{self._round}.rank{rank}.json")
             error_files[local_rank] = error_file
             env["TORCHELASTIC_ERROR_FILE"] = error_file
+            env[_bootstrap.EXIT_FILE_VAR] = self._exit_file(self._round, rank)
+        self._round_started = time.time()
         if tee_files:
             self._tee = _Tee(tee_files, self._out)
         # Empty stdouts/stderrs: torch leaves the workers' streams alone and

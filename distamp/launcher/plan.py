@@ -15,13 +15,23 @@ import ipaddress
 import os
 import re
 import socket
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MASTER_PORT", "LaunchPlan", "UsageError", "build_plan"]
+__all__ = [
+    "DEFAULT_MASTER_PORT", "WORKERS_PER_CPU", "LaunchPlan", "UsageError", "available_cpus",
+    "build_plan",
+]
 
 #: Port used with ``--ips`` when ``--master`` is not given (torchrun's default).
 DEFAULT_MASTER_PORT = 29500
+
+#: Most workers per CPU that ``--nproc_per_node`` may ask for without
+#: ``--allow_oversubscribe``. Beyond that every worker (a Python process with
+#: torch loaded, its threads and its log file) competes for a sliver of a
+#: core; a typo such as 100000 used to exhaust the host's memory.
+WORKERS_PER_CPU = 4
 
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _HOST_NAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
@@ -71,6 +81,14 @@ class LaunchPlan:
     def local_rendezvous(self) -> bool:
         """True when no ``--master``/``--ips`` was given: everything on loopback."""
         return self.master_addr is None
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask), which workers inherit."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _positive_int(flag: str, value: int, minimum: int) -> int:
@@ -253,8 +271,23 @@ def _check_master_host(given: str, host: str, node_rank: int) -> None:
         )
 
 
+def _check_oversubscription(nproc: int, cpus: int, allowed: bool) -> None:
+    """Refuse far more workers than CPUs unless ``--allow_oversubscribe`` was given."""
+    limit = WORKERS_PER_CPU * cpus
+    if nproc > limit and not allowed:
+        raise UsageError(
+            f"--nproc_per_node {nproc!r} is more than {WORKERS_PER_CPU} workers per CPU: "
+            f"this host has {cpus} CPU(s), so at most {limit} workers start without "
+            f"--allow_oversubscribe. Use --nproc_per_node {cpus} (one per CPU), "
+            f"or add --allow_oversubscribe if you really want {nproc} processes here."
+        )
+
+
 def _resolve_workers(
-    args: argparse.Namespace, environ: Mapping[str, str], gpu_count: Callable[[], int]
+    args: argparse.Namespace,
+    environ: Mapping[str, str],
+    gpu_count: Callable[[], int],
+    cpu_count: Callable[[], int],
 ) -> tuple[int, tuple[str, ...] | None]:
     gpus = None
     if args.gpus is not None:
@@ -268,7 +301,10 @@ def _resolve_workers(
         gpus = _resolve_gpus(args.gpus, environ, gpu_count)
         return len(gpus), gpus
     nproc = args.nproc_per_node if args.nproc_per_node is not None else 1
-    return _positive_int("--nproc_per_node", nproc, 1), gpus
+    _positive_int("--nproc_per_node", nproc, 1)
+    # --gpus needs no such check: it starts one worker per distinct visible GPU.
+    _check_oversubscription(nproc, cpu_count(), args.allow_oversubscribe)
+    return nproc, gpus
 
 
 def _parse_tee(text: str, world_size: int) -> frozenset[int]:
@@ -298,11 +334,15 @@ def _resolve_command(args: argparse.Namespace) -> tuple[str, ...]:
     if args.module:
         if target is None:
             raise UsageError("-m needs a module name, e.g. distrun -m package.train --lr 0.1.")
-        if not _MODULE_NAME.match(target) or not _module_exists(target):
+        spec = _find_module(target) if _MODULE_NAME.match(target) else None
+        if spec is None:
             raise UsageError(
                 f"-m {target!r}: no module of that name can be imported here; "
                 f"check the name and that its package is installed or on PYTHONPATH."
             )
+        source = _module_source(target, spec)
+        if source is not None:
+            _check_compiles(source, f"-m {target!r}")
         return ("-m", target, *rest)
     if target is None:
         raise UsageError(
@@ -315,7 +355,34 @@ def _resolve_command(args: argparse.Namespace) -> tuple[str, ...]:
             f"training script {target!r} {what} (looked from {os.getcwd()!r}); "
             f"give the path of a Python file, or use -m MODULE to run a module."
         )
+    _check_compiles(target, f"training script {target!r}")
     return (target, *rest)
+
+
+def _check_compiles(path: str, what: str) -> None:
+    """Byte-compile ``path`` so a syntax error stops the launch before any worker starts.
+
+    Every worker would otherwise fail the same way after the rendezvous, and
+    the report would name only one of them.
+    """
+    try:
+        with open(path, "rb") as f:
+            source = f.read()
+    except OSError as exc:
+        raise UsageError(f"{what} cannot be read: {exc.strerror}.") from None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # SyntaxWarnings are the worker's to print
+            compile(source, path, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        where = f"{exc.filename or path}, line {exc.lineno}" if exc.lineno else (exc.filename or path)
+        code = f": {exc.text.strip()!r}" if exc.text and exc.text.strip() else ""
+        raise UsageError(
+            f"{what} has a syntax error ({where}{code}): {exc.msg}. Fix it and run "
+            f"distrun again; no worker was started."
+        ) from None
+    except ValueError as exc:  # e.g. null bytes on Python < 3.12
+        raise UsageError(f"{what} cannot be compiled: {exc}; no worker was started.") from None
 
 
 def _check_log_dir(log_dir: str) -> str:
@@ -336,21 +403,54 @@ def _check_log_dir(log_dir: str) -> str:
     return log_dir
 
 
-def _module_exists(name: str) -> bool:
-    """Whether ``python -m name`` can find the top-level package from here."""
-    top = name.partition(".")[0]
-    # The worker runs ``python -m`` from this directory, which puts the
-    # directory first on sys.path; distrun's own sys.path does not have it.
-    return (
-        importlib.util.find_spec(top) is not None
-        or importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is not None
-    )
+def _find_module(name: str) -> importlib.machinery.ModuleSpec | None:
+    """The spec ``python -m name`` would run from here, found without importing anything.
+
+    ``importlib.util.find_spec`` would import (run) the parent packages of a
+    dotted name, so the path is walked one package at a time. The worker
+    runs ``python -m`` from this directory, which puts it first on
+    ``sys.path``; distrun's own ``sys.path`` does not have it. Returns
+    ``None`` when the top-level package cannot be found; a submodule that
+    cannot be found this way (a package that extends ``__path__`` at
+    import time) yields the deepest package found.
+    """
+    parts = name.split(".")
+    spec = importlib.machinery.PathFinder.find_spec(parts[0], [os.getcwd()])
+    if spec is None:
+        spec = importlib.util.find_spec(parts[0])
+    if spec is None:
+        return None
+    for i in range(1, len(parts)):
+        if spec.submodule_search_locations is None:
+            return None  # a plain module has no submodules
+        child = importlib.machinery.PathFinder.find_spec(
+            ".".join(parts[: i + 1]), list(spec.submodule_search_locations)
+        )
+        if child is None:
+            return spec
+        spec = child
+    return spec
+
+
+def _module_source(name: str, spec: importlib.machinery.ModuleSpec) -> str | None:
+    """The ``.py`` file ``python -m name`` runs, or ``None`` when it is not a known source file."""
+    if spec.name != name:
+        return None  # only a parent package was found: nothing certain to compile
+    if spec.submodule_search_locations is not None:  # a package runs its __main__
+        spec = importlib.machinery.PathFinder.find_spec(
+            f"{name}.__main__", list(spec.submodule_search_locations)
+        )
+        if spec is None:
+            return None
+    origin = spec.origin if spec.has_location else None
+    return origin if origin is not None and origin.endswith(".py") else None
 
 
 def build_plan(
     args: argparse.Namespace,
     environ: Mapping[str, str] | None = None,
     gpu_count: Callable[[], int] = _visible_gpu_count,
+    cpu_count: Callable[[], int] = available_cpus,
 ) -> LaunchPlan:
     """Validate parsed arguments into a :class:`LaunchPlan`.
 
@@ -360,13 +460,15 @@ def build_plan(
             (default ``os.environ``).
         gpu_count: how many CUDA devices this process sees (injectable so
             tests can check GPU validation on a machine without GPUs).
+        cpu_count: how many CPUs the workers may run on (injectable so tests
+            can check the oversubscription limit for any host).
 
     Raises:
         UsageError: on any bad input, with a message naming the flag.
     """
     environ = os.environ if environ is None else environ
     nnodes, node_rank, host, port = _resolve_nodes(args)
-    nproc, gpus = _resolve_workers(args, environ, gpu_count)
+    nproc, gpus = _resolve_workers(args, environ, gpu_count, cpu_count)
     max_restarts = _positive_int("--max_restarts", args.max_restarts, 0)
     grace = _positive_int("--grace_period", args.grace_period, 1)
     tee = _parse_tee(args.tee, nnodes * nproc)

@@ -4,8 +4,10 @@ The agent (``torch.distributed.launcher.api.elastic_launch``) does the
 process management: rendezvous, start, monitor, fail the group together
 (SIGTERM, then SIGKILL after the grace period), restart up to
 ``max_restarts`` times, and stop everything on SIGINT/SIGTERM/SIGHUP/SIGQUIT.
-This module chooses the rendezvous, wires in :class:`RankLogs`, and turns
-the outcome into an exit code and a report a user can act on.
+This module chooses the rendezvous, wires in :class:`RankLogs` and a
+:class:`~distamp.launcher.reaper.Reaper` (so nothing a worker started
+outlives the job), and turns the outcome into an exit code and a report a
+user can act on.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import TextIO
 
 from torch.distributed.elastic.multiprocessing import ProcessFailure, SignalException
@@ -27,11 +32,17 @@ from distamp.launcher import _bootstrap
 from distamp.launcher.env import build_worker_env, patched_environ
 from distamp.launcher.logs import RankLogs, log_path, tail_lines
 from distamp.launcher.plan import LaunchPlan
+from distamp.launcher.reaper import Reaper
 
 __all__ = ["describe_failure", "exit_code_of", "launch", "launch_config"]
 
 TAIL_LINES = 20
 _RENDEZVOUS_TIMEOUT = 900  # seconds the nodes wait for each other (torch's default)
+# What the elastic agent stops its workers on; distrun catches them from the
+# start, so a signal during rendezvous or while workers start still goes
+# through the clean-up below.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+_LEFTOVERS_SHOWN = 5
 
 
 def launch_config(plan: LaunchPlan, logs: RankLogs, store_dir: str) -> LaunchConfig:
@@ -154,15 +165,56 @@ def _how(failure: ProcessFailure) -> str:
     return f"exited with code {failure.exitcode}"
 
 
-def describe_failure(plan: LaunchPlan, error: ChildFailedError) -> tuple[int, str]:
+def _early_exit(
+    error: ChildFailedError, exits: Mapping[int, float], failing: int, failure: ProcessFailure
+) -> tuple[int, float] | None:
+    """The first rank on this node that exited 0 before the root-cause failure.
+
+    The agent treats an exit 0 as success and reports failures only, but a
+    rank that leaves early (fewer steps, a ``break``) makes its peers fail
+    in their next collective: that exit is the cause to report. ``exits``
+    are the guardians' stamps; a failure without one falls back to the
+    agent's stamp, which is truncated to the second and so never later.
+    """
+    fail_time = exits.get(failing, float(failure.timestamp))
+    successes = [(t, r) for r, t in exits.items() if r not in error.failures and t < fail_time]
+    return (min(successes)[1], min(successes)[0]) if successes else None
+
+
+def _ranks_phrase(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} was"
+    if len(ranks) <= 4:
+        return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]} were"
+    return f"{len(ranks)} other ranks were"
+
+
+def describe_failure(
+    plan: LaunchPlan,
+    error: ChildFailedError,
+    exits: Mapping[int, float] | None = None,
+    started_at: float | None = None,
+) -> tuple[int, str]:
     """Exit code and report for a job whose workers failed.
 
     The report ends with the log tail and then a summary line naming the
-    first failing rank, how it failed, and its log file.
+    root cause and its log file: the first failing rank, or, when a rank on
+    this node exited 0 while the others were still running and they failed
+    after it, that rank's early exit ("rank 1 exited 0 at 12.3 s while rank
+    0 was still running; rank 0 then failed: ...").
+
+    Args:
+        plan: the launch.
+        error: what the agent raised.
+        exits: ``time.time()`` of each local worker's exit by global rank
+            (from the bootstrap's guardians), when known.
+        started_at: ``time.time()`` when the workers were started.
     """
     rank, failure = _first_failure(plan, error)
     path = log_path(plan.log_dir, rank)
     code = exit_code_of(failure)
+    exits = exits or {}
+    early = _early_exit(error, exits, rank, failure)
     others = [
         f"rank {r} {_how(f)}"
         for r, f in sorted(error.failures.items())
@@ -178,10 +230,24 @@ def describe_failure(plan: LaunchPlan, error: ChildFailedError) -> tuple[int, st
         if plan.max_restarts
         else ""
     )
+    failed = (
+        f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
+        f"{_how(failure)}{restarts}; full log: {path}."
+    )
+    if early is None:
+        lines.append(
+            f"distrun: {failed} The other workers were stopped; exiting with code {code}."
+        )
+        return code, "\n".join(lines)
+    first, when = early
+    running = sorted(r for r in error.failures.keys() | exits.keys() if exits.get(r, when + 1) > when)
+    at = f" at {when - started_at:.1f} s" if started_at else ""
     lines.append(
-        f"distrun: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
-        f"{_how(failure)}{restarts}; full log: {path}. The other workers were "
-        f"stopped; exiting with code {code}."
+        f"distrun: rank {first} exited 0{at} while {_ranks_phrase(running)} still running; "
+        f"rank {rank} then failed: {failed} A rank that exits 0 while others still run "
+        f"usually skipped collectives they wait for (fewer steps or batches, an early "
+        f"break); see {log_path(plan.log_dir, first)}. The other workers were stopped; "
+        f"exiting with code {code}."
     )
     return code, "\n".join(lines)
 
@@ -206,12 +272,56 @@ def _summary(plan: LaunchPlan) -> str:
     )
 
 
+@contextmanager
+def _stop_signals_raise() -> Iterator[None]:
+    """Turn SIGTERM/SIGINT/SIGHUP/SIGQUIT into ``SignalException`` for the block.
+
+    The agent installs the same handler, but only once it starts the
+    workers; before that (rendezvous, log files) SIGTERM would kill distrun
+    outright and skip its clean-up. Signal handlers can only be set from the
+    main thread; elsewhere the block runs with the handlers as they are.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        sigval = signal.Signals(signum)
+        raise SignalException(f"distrun got {sigval.name}", sigval=sigval)
+
+    previous = {sig: signal.signal(sig, handler) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _ignore_stop_signals() -> None:
+    """Ignore further stop signals: a second Ctrl-C must not cut the clean-up short."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def _leftovers_note(killed: list[str]) -> str:
+    shown = ", ".join(killed[:_LEFTOVERS_SHOWN])
+    more = f" and {len(killed) - _LEFTOVERS_SHOWN} more" if len(killed) > _LEFTOVERS_SHOWN else ""
+    return (
+        f"distrun: killed {len(killed)} process(es) that the workers had started and left "
+        f"running: {shown}{more}."
+    )
+
+
 def launch(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Run ``plan`` to completion and return distrun's exit code.
 
     0 when every worker succeeded; the first failing worker's code (128 +
     signal number for a signal) when they failed; 128 + signal number when
-    distrun itself was interrupted; 1 when the rendezvous failed.
+    distrun itself was interrupted; 1 when the rendezvous failed. Whatever
+    the outcome, every process the workers started is gone when it returns
+    (SIGKILL for what the agent did not already stop), and between restarts
+    nothing of the previous attempt is left running.
     """
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
@@ -225,32 +335,49 @@ def launch(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = Non
     for note in worker_env.notes:
         print(f"distrun: {note}", file=err)
     err.flush()
-    logs = RankLogs(plan.log_dir, plan.tee, out=out)
+    reaper = Reaper()
+
+    def before_start() -> None:
+        killed = reaper.kill_leftovers()
+        if killed:
+            print(_leftovers_note(killed) + " (before restarting)", file=err)
+
+    logs = RankLogs(plan.log_dir, plan.tee, out=out, before_start=before_start)
     bootstrap = os.path.abspath(_bootstrap.__file__)
+    killed: list[str] = []
     try:
-        with patched_environ(worker_env.variables), tempfile.TemporaryDirectory(prefix="distrun-") as store_dir:
-            elastic_launch(launch_config(plan, logs, store_dir), sys.executable)(bootstrap)
-        return 0
-    except ChildFailedError as error:
-        logs.close()  # flush the tee before the report
-        code, report = describe_failure(plan, error)
-        print(report, file=err)
-        return code
-    except SignalException as error:
-        logs.close()  # flush the tee before the message
-        print(
-            f"distrun: received {error.sigval.name}; stopped every worker "
-            f"(logs in {plan.log_dir}).",
-            file=err,
-        )
-        return 128 + int(error.sigval)
-    except KeyboardInterrupt:
-        # Ctrl-C before the workers started (e.g. while waiting for other
-        # nodes): torch's own handler is not installed yet.
-        print("distrun: interrupted before the workers started.", file=err)
-        return 128 + int(signal.SIGINT)
-    except RendezvousError as error:
-        print(f"distrun: rendezvous failed: {error}", file=err)
-        return 1
+        with _stop_signals_raise(), reaper, patched_environ(worker_env.variables), \
+                tempfile.TemporaryDirectory(prefix="distrun-") as store_dir:
+            try:
+                elastic_launch(launch_config(plan, logs, store_dir), sys.executable)(bootstrap)
+                code, message = 0, None
+            except ChildFailedError as error:
+                # Every exit is stamped, except where the agent's SIGKILL took
+                # the guardian too.
+                killed_by_agent = {r for r, f in error.failures.items() if f.exitcode == -int(signal.SIGKILL)}
+                exits = logs.exit_times(wait_for=set(logs.ranks) - killed_by_agent)
+                code, message = describe_failure(plan, error, exits, logs.started_at)
+            except SignalException as error:
+                code, message = 128 + int(error.sigval), _interrupted(plan, error.sigval, logs.attempts)
+            except KeyboardInterrupt:
+                # Only where distrun could not install its handlers (not the
+                # main thread) and torch's were not installed yet.
+                code, message = 128 + int(signal.SIGINT), "distrun: interrupted before the workers started."
+            except RendezvousError as error:
+                code, message = 1, f"distrun: rendezvous failed: {error}"
+            finally:
+                _ignore_stop_signals()
+                killed = reaper.kill_leftovers()
     finally:
-        logs.close()
+        logs.close()  # flush the tee before the report
+    if killed:
+        print(_leftovers_note(killed), file=err)
+    if message is not None:
+        print(message, file=err)
+    return code
+
+
+def _interrupted(plan: LaunchPlan, sigval: signal.Signals, attempts: int) -> str:
+    if attempts == 0:
+        return f"distrun: received {sigval.name} before the workers started; nothing was left running."
+    return f"distrun: received {sigval.name}; stopped every worker (logs in {plan.log_dir})."

@@ -18,12 +18,20 @@ import pytest
 from distamp.launcher.cli import _split_argv, build_parser, main, parse_plan
 from distamp.launcher.plan import UsageError, build_plan
 
+SYNTAX_ERROR = "import os\n\ndef f(:\n    pass\n"
+
 
 @pytest.fixture
 def script(tmp_path, monkeypatch):
-    """A training script in a fresh working directory."""
+    """A training script in a fresh working directory (and a script, module
+    and package ``__main__`` with a syntax error on line 3)."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("print('hi')\n")
+    (tmp_path / "bad_syntax.py").write_text(SYNTAX_ERROR)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("raise SystemExit('distrun must not import the package')\n")
+    (tmp_path / "pkg" / "bad_syntax.py").write_text(SYNTAX_ERROR)
+    (tmp_path / "pkg" / "__main__.py").write_text(SYNTAX_ERROR)
     return "train.py"
 
 
@@ -81,11 +89,22 @@ BAD_INPUT = [
     (["--log_dir", "train.py", "train.py"], r"--log_dir 'train.py'.*is not a directory"),
     (["--log_dir", "", "train.py"], r"--log_dir '' is not a valid directory path"),
     (["--nproc", "2", "train.py"], r"unrecognized option '--nproc'.*Did you mean '--nproc_per_node'\?"),
+    # Far more workers than this host's CPUs: refused before any file or process exists.
+    (["--nproc_per_node", "100000", "train.py"],
+     r"--nproc_per_node 100000 is more than 4 workers per CPU: this host has \d+ CPU\(s\).*--allow_oversubscribe"),
+    (["--nproc_per_node", "2", "bad_syntax.py"],
+     r"training script 'bad_syntax.py' has a syntax error \(bad_syntax.py, line 3: 'def f\(:'\)"),
+    (["-m", "pkg.bad_syntax"],
+     r"-m 'pkg.bad_syntax' has a syntax error \(.*pkg/bad_syntax.py, line 3: 'def f\(:'\)"),
+    (["-m", "pkg"], r"-m 'pkg' has a syntax error \(.*pkg/__main__.py, line 3"),
 ]
 
 
 @pytest.mark.parametrize("argv, message", BAD_INPUT, ids=[" ".join(a) or "<empty>" for a, _ in BAD_INPUT])
-def test_bad_input_exits_2_with_message(argv, message, script, capsys):
+def test_bad_input_exits_2_with_message(argv, message, script, capsys, monkeypatch):
+    # Should validation ever let one through, fail here instead of starting
+    # (say) 100000 workers inside the test process.
+    monkeypatch.setattr("distamp.launcher.run.launch", lambda plan: pytest.fail(f"launched {plan}"))
     code, err = run_main(argv, capsys)
     assert code == 2
     assert err.startswith("distrun: error: ")
@@ -101,12 +120,38 @@ def fake_gpus(count):
     return lambda: count
 
 
-def parse(argv, environ=None, gpus=0):
+def parse(argv, environ=None, gpus=0, cpus=None):
     parser = build_parser()
     own, command = _split_argv(parser, argv)
     args = parser.parse_args(own)
     args.script, args.script_args = (command[0], command[1:]) if command else (None, [])
-    return build_plan(args, environ or {}, fake_gpus(gpus))
+    if cpus is None:
+        return build_plan(args, environ or {}, fake_gpus(gpus))
+    return build_plan(args, environ or {}, fake_gpus(gpus), cpu_count=lambda: cpus)
+
+
+def test_workers_per_cpu_limit_and_the_flag_that_lifts_it(script):
+    assert parse(["--nproc_per_node", "8", "train.py"], cpus=2).nproc_per_node == 8
+    with pytest.raises(UsageError, match=(
+        r"^--nproc_per_node 9 is more than 4 workers per CPU: this host has 2 CPU\(s\), so at most "
+        r"8 workers start without --allow_oversubscribe. Use --nproc_per_node 2 \(one per CPU\), "
+        r"or add --allow_oversubscribe if you really want 9 processes here.$"
+    )):
+        parse(["--nproc_per_node", "9", "train.py"], cpus=2)
+    plan = parse(["--allow_oversubscribe", "--nproc_per_node", "100000", "train.py"], cpus=2)
+    assert plan.nproc_per_node == 100000
+    with pytest.raises(UsageError, match=r"--nproc_per_node 65 .* this host has 16 CPU"):
+        parse(["--nproc_per_node", "65", "train.py"], cpus=16)
+    # --gpus starts one worker per distinct visible GPU: never more than the GPUs.
+    assert parse(["--gpus", "0,1,2", "train.py"], gpus=3, cpus=0).nproc_per_node == 3
+
+
+def test_syntax_check_does_not_run_the_code(script, tmp_path):
+    (tmp_path / "side_effect.py").write_text("open('ran', 'w').close()\n")
+    (tmp_path / "pkg" / "fine.py").write_text("x = 1\n")
+    assert parse(["side_effect.py"]).command == ("side_effect.py",)
+    assert parse(["-m", "pkg.fine"]).command == ("-m", "pkg.fine")
+    assert not (tmp_path / "ran").exists()
 
 
 def test_gpus_not_visible_names_the_id(script):
@@ -154,6 +199,7 @@ def test_help_exits_0(capsys):
     out = capsys.readouterr().out
     for group in ("workers on this node", "several nodes", "logs and failures", "what to run"):
         assert group in out
+    assert "--allow_oversubscribe" in out and "4 per CPU" in out
 
 
 def test_parse_plan_never_starts_anything(script):

@@ -51,6 +51,19 @@ RANK1_KILLED = """
     time.sleep(120)
 """
 
+# Rank 1 leaves after the first collective (as with fewer batches than its
+# peers); rank 0 then fails in the second one ("Connection closed by peer").
+RANK1_EXITS_EARLY = """
+    import os, sys, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if dist.get_rank() == 1:
+        print("rank 1 is done", flush=True)
+        os._exit(0)
+    dist.all_reduce(t)
+"""
+
 # Each worker starts a child (as a data loader would), writes both pids to a
 # file and waits; the test then signals distrun.
 WAITS_WITH_CHILD = """
@@ -164,6 +177,28 @@ def test_failing_rank_is_named_with_its_traceback(tmp_path):
     assert "ValueError: rank 1 cannot go on" in tail
     # Rank 0 was sleeping for 120 s: it was stopped, not waited for.
     assert elapsed < 60
+
+
+@pytest.mark.timeout(90)
+def test_early_exit_0_is_named_as_the_root_cause_and_tracebacks_have_one_prefix(tmp_path):
+    script = write(tmp_path, "job.py", RANK1_EXITS_EARLY)
+    proc = distrun(tmp_path, "--nproc_per_node", "2", "--grace_period", "5", script)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.rstrip().splitlines()[-1]
+    assert re.match(
+        r"distrun: rank 1 exited 0 at \d+\.\d s while rank 0 was still running; rank 0 then "
+        r"failed: rank 0 \(local rank 0, pid \d+\) exited with code 1; full log: log/workerlog\.0\. "
+        r".*see log/workerlog\.1\. The other workers were stopped; exiting with code 1\.$",
+        last,
+    ), last
+    # rank 0's log tail: gloo says "Connection closed by peer" or "Connection reset by peer"
+    assert "by peer" in proc.stderr
+    # torch's excepthook already writes "[rank0]: " before each traceback
+    # line; the console tee must not add a second one.
+    console = proc.stdout.splitlines()
+    assert "[rank0]: Traceback (most recent call last):" in console, console
+    assert all(line.startswith("[rank0]: ") for line in console), console
+    assert not [line for line in console if line.startswith("[rank0]: [rank")], console
 
 
 @pytest.mark.timeout(90)

@@ -1,0 +1,53 @@
+"""The console tee and the per-attempt files of :class:`RankLogs`, without workers."""
+
+from __future__ import annotations
+
+import io
+
+from distamp.launcher import _bootstrap
+from distamp.launcher.logs import RankLogs, _Tee
+
+
+def test_tee_prefixes_each_line_once(tmp_path):
+    log = tmp_path / "workerlog.0"
+    # What a worker writes after init_process_group: torch's excepthook and
+    # C++ warnings already carry the rank.
+    log.write_text(
+        "plain line\n"
+        "[rank0]: Traceback (most recent call last):\n"
+        "[rank0]:   File \"job.py\", line 3, in <module>\n"
+        "[rank0]:[W1123 09:00:00.000 init.cpp:1] Warning: something\n"
+        "[rank1]: a line about another rank\n"
+        "[rank0]:\n"
+        "last line without newline"
+    )
+    out = io.StringIO()
+    _Tee({str(log): ("[rank0]: ", 0)}, out, interval=60).stop()
+    assert out.getvalue().splitlines() == [
+        "[rank0]: plain line",
+        "[rank0]: Traceback (most recent call last):",
+        "[rank0]:   File \"job.py\", line 3, in <module>",
+        "[rank0]: [W1123 09:00:00.000 init.cpp:1] Warning: something",
+        "[rank0]: [rank1]: a line about another rank",
+        "[rank0]: ",
+        "[rank0]: last line without newline",
+    ]
+
+
+def test_each_attempt_gets_exit_stamp_files_and_a_start_time(tmp_path):
+    calls = []
+    logs = RankLogs(str(tmp_path), frozenset(), before_start=lambda: calls.append(len(calls)))
+    try:
+        envs = {0: {"RANK": "4"}, 1: {"RANK": "5"}}
+        logs.reify(envs)
+        assert calls == [0] and logs.attempts == 1 and logs.ranks == (4, 5)
+        assert logs.started_at > 0
+        stamp = envs[1][_bootstrap.EXIT_FILE_VAR]
+        with open(stamp, "w") as f:
+            f.write("123.5")
+        assert logs.exit_times(timeout=0) == {5: 123.5}
+        assert logs.exit_times(wait_for={4, 5}, timeout=0.1) == {5: 123.5}
+        logs.reify({0: {"RANK": "4"}, 1: {"RANK": "5"}})  # a restart: fresh stamps
+        assert calls == [0, 1] and logs.attempts == 2 and logs.exit_times(timeout=0) == {}
+    finally:
+        logs.close()
