@@ -4,6 +4,12 @@ Loopback, two ranks (``torchrun --nproc_per_node 2`` works the same way)::
 
     distrun --nproc_per_node 2 examples/benchmark.py                 # 6.6M MLP, batch 64
     distrun --nproc_per_node 2 examples/benchmark.py --model deep    # many small layers
+    distrun --nproc_per_node 2 examples/benchmark.py --model cnn     # conv-BN-ReLU, batch 32
+    distrun --nproc_per_node 2 examples/benchmark.py --model gpt     # small GPT, batch 8
+
+One process (no launcher)::
+
+    python examples/benchmark.py --model tiny_gpt --threads 1        # per-op overhead
 
 Two "hosts" joined by a 1 Gbit/s link (root; one rank per network namespace)::
 
@@ -25,6 +31,7 @@ free events recorded by ``torch.profiler`` with ``profile_memory``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -48,15 +55,25 @@ _NETNS_ENV = "DISTAMP_BENCH_IN_NETNS"
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command line; ``--help`` lists every option."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    families = "\n".join(f"  {name:<9} {fam.describe()}; batch {fam.default_batch}"
+                         for name, fam in bench_modes.FAMILIES.items())
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=f"model families (--model), with their default batch:\n{families}",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     what = p.add_argument_group("what to compare")
-    what.add_argument("--model", choices=sorted(bench_modes.MODELS), default="mlp", help="default: %(default)s")
-    what.add_argument("--batch", type=int, default=64, help="per rank (default: %(default)s)")
+    what.add_argument("--model", choices=list(bench_modes.FAMILIES), default="mlp",
+                      help="model family, listed below (default: %(default)s)")
+    what.add_argument("--batch", type=int, default=None, help="per rank (default: the family's, below)")
     what.add_argument("--modes", default=",".join(bench_modes.MODES),
                       help="comma-separated subset of %(default)s")
     what.add_argument("--lr", type=float, default=0.01, help="default: %(default)s")
     what.add_argument("--bucket_mb", type=float, default=25.0,
                       help="DDP bucket size for every mode (default: %(default)s)")
+    sizes = p.add_argument_group("model sizes (default: the family's; each applies to the families it names)")
+    for size in _size_names():
+        takers = ", ".join(f"{name} {getattr(fam, size)}" for name, fam in bench_modes.FAMILIES.items()
+                           if size in fam.SIZES)
+        sizes.add_argument(f"--{size}", type=int, default=None, help=f"default: {takers}")
     how = p.add_argument_group("how long")
     how.add_argument("--reps", type=int, default=5, help="interleaved repetitions (default: %(default)s)")
     how.add_argument("--steps", type=int, default=10, help="timed steps per mode and repetition (default: %(default)s)")
@@ -78,12 +95,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     bad = [m for m in args.mode_list if m not in bench_modes.MODES]
     if bad or not args.mode_list:
         p.error(f"--modes: unknown {bad!r}; choose from {','.join(bench_modes.MODES)}")
+    given = {name: getattr(args, name) for name in _size_names() if getattr(args, name) is not None}
+    try:
+        args.family = bench_modes.family(args.model, **given)
+    except ValueError as exc:
+        p.error(f"--model {args.model} with {' '.join(f'--{k} {v}' for k, v in given.items())}: {exc}")
+    if args.batch is None:
+        args.batch = args.family.default_batch
     for name, low in (("batch", 1), ("reps", 1), ("steps", 1), ("warmup", 1), ("probe_steps", 0)):
         if getattr(args, name) < low:
             p.error(f"--{name} must be >= {low}, got {getattr(args, name)!r}")
     if args.link_gbit is not None and not args.link_gbit > 0:
         p.error(f"--link_gbit must be > 0, got {args.link_gbit!r}")
     return args
+
+
+def _size_names() -> list[str]:
+    """Every family's overridable sizes, each once, in order of appearance."""
+    return list(dict.fromkeys(size for fam in bench_modes.FAMILIES.values() for size in fam.SIZES))
 
 
 # ----------------------------------------------------------------------------- process set-up
@@ -126,9 +155,11 @@ def _free_port() -> int:
 
 def _batch(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + dist.get_rank())  # each rank its own shard, every mode the same
-    x = torch.randn(args.batch, bench_modes.IN_FEATURES, generator=g)
-    y = torch.randint(0, bench_modes.CLASSES, (args.batch,), generator=g)
-    return x.to(device), y.to(device)
+    return args.family.make_batch(args.batch, g, device)
+
+
+def _runner(args: argparse.Namespace, mode: str, device: torch.device) -> bench_modes.Runner:
+    return bench_modes.build_runner(mode, args.family, device, lr=args.lr, bucket_mb=args.bucket_mb)
 
 
 # ----------------------------------------------------------------------------- timing
@@ -142,7 +173,7 @@ def time_modes(args: argparse.Namespace, device: torch.device) -> tuple[dict[str
     for rep in range(args.reps):
         shift = rep % len(modes)
         for mode in modes[shift:] + modes[:shift]:
-            runner = bench_modes.build_runner(mode, args.model, device, lr=args.lr, bucket_mb=args.bucket_mb)
+            runner = _runner(args, mode, device)
             for _ in range(args.warmup):
                 runner.step(x, y)
             _sync(device)
@@ -192,11 +223,11 @@ def run_probe(args: argparse.Namespace) -> dict:
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=device.type == "cpu") as prof, \
             bench_modes.WireCounter() as counter:
-        runner = bench_modes.build_runner(args._probe, args.model, device, lr=args.lr, bucket_mb=args.bucket_mb)
-        if not getattr(runner.model, "_comm_hooks", True):
+        runner = _runner(args, args._probe, device)
+        if runner.ddp is not None and not runner.ddp._comm_hooks:
             # DDP's built-in all-reduce bypasses ProcessGroup's Python methods; torch's
             # allreduce_hook sends the same bytes through them, so it can be counted.
-            runner.model.register_comm_hook(None, bench_modes.default_hooks.allreduce_hook)
+            runner.ddp.register_comm_hook(None, bench_modes.default_hooks.allreduce_hook)
         runner.step(x, y)  # the first step also rebuilds DDP's buckets
         counter.reset()
         for _ in range(args.probe_steps):
@@ -252,13 +283,20 @@ def summarize(args: argparse.Namespace, times: dict[str, list[float]], losses: d
             row["wire_vs_fp32"] = row["wire_bytes_per_step"] / rows["fp32"]["wire_bytes_per_step"]
         if "fp32" in rows and "peak_bytes_per_rank" in row and "peak_bytes_per_rank" in rows["fp32"]:
             row["peak_vs_fp32"] = max(row["peak_bytes_per_rank"]) / max(rows["fp32"]["peak_bytes_per_rank"])
-    n_params = sum(p.numel() for p in bench_modes.build_model(args.model, 0).parameters())
-    return {"config": {"model": args.model, "parameters": n_params, "batch_per_rank": args.batch,
+    n_params = sum(p.numel() for p in args.family.build(0).parameters())
+    sizes = {k: v for k, v in dataclasses.asdict(args.family).items() if k != "default_batch"}
+    return {"config": {"model": args.model, "family": args.family.describe(), "sizes": sizes,
+                       "parameters": n_params, "batch_per_rank": args.batch,
                        "world_size": dist.get_world_size(), "reps": args.reps, "steps": args.steps,
                        "warmup": args.warmup, "link_gbit": args.link_gbit, "bucket_mb": args.bucket_mb,
                        "threads_per_rank": torch.get_num_threads(), "device": str(_device()),
                        "torch": torch.__version__},
             "modes": rows}
+
+
+def _megabytes(nbytes: float) -> str:
+    mb = nbytes / 2**20
+    return f"{mb:.0f}" if mb >= 10 else f"{mb:.2f}"
 
 
 def markdown(summary: dict) -> str:
@@ -268,8 +306,9 @@ def markdown(summary: dict) -> str:
 
     cfg = summary["config"]
     link = f"{cfg['link_gbit']:g} Gbit/s link" if cfg["link_gbit"] else "loopback"
-    title = (f"model `{cfg['model']}` ({cfg['parameters'] / 1e6:.2f}M parameters), batch {cfg['batch_per_rank']} "
-             f"per rank, {cfg['world_size']} ranks, {link}, {cfg['reps']} x {cfg['steps']} steps per mode")
+    title = (f"model `{cfg['model']}` ({cfg['family']}; {cfg['parameters'] / 1e6:.2f}M parameters), "
+             f"batch {cfg['batch_per_rank']} per rank, "
+             f"{cfg['world_size']} ranks, {link}, {cfg['reps']} x {cfg['steps']} steps per mode")
     lines = [title,
              "",
              ("| mode | step ms (median) | IQR ms | x FP32 | x torch-native | wire MB/step "
@@ -277,7 +316,7 @@ def markdown(summary: dict) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for mode, r in summary["modes"].items():
         peaks = r.get("peak_bytes_per_rank")
-        peak = " / ".join(f"{p / 2**20:.0f}" for p in peaks) if peaks else "-"
+        peak = " / ".join(_megabytes(p) for p in peaks) if peaks else "-"
         wire = r.get("wire_bytes_per_step")
         lines.append(f"| {mode} | {r['median_s'] * 1e3:.1f} | {r['iqr_s'] * 1e3:.1f} | {fmt(r.get('vs_fp32'), '.2f')} "
                      f"| {fmt(r.get('vs_torch_native'), '.2f')} | {fmt(None if wire is None else wire / 1e6, '.2f')} "
