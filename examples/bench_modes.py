@@ -8,10 +8,14 @@ sequences (``gpt``, and ``tiny_gpt`` where per-op overhead dominates).
 
 Every mode trains the same model on the same batch with SGD + momentum:
 
-- ``fp32``: plain ``DistributedDataParallel``.
+- ``fp32``: plain ``DistributedDataParallel`` (one process: the bare model, see below).
 - ``torch_bf16``: DDP + ``torch.autocast(bfloat16)`` + :func:`bf16_gloo_compress_hook`.
 - ``torch_fp16``: DDP + ``torch.autocast(float16)`` + ``GradScaler`` + torch's ``fp16_compress_hook``.
 - ``distamp_o{1,2}_{bf16,fp16}``: distamp's meta-optimizer and ``distributed_model``.
+
+In a one-process world the torch-native modes use the bare model (no DDP),
+as distamp's ``DataParallel`` does, so neither side pays for a reducer that
+has nothing to reduce.
 """
 
 import abc
@@ -314,7 +318,7 @@ class Runner:
 
     ``model`` is what the step calls. ``ddp`` is the torch-native modes'
     DDP, where a probe may register a hook; ``None`` for distamp (which
-    registers its own).
+    registers its own) and in a one-process world.
     """
 
     mode: str
@@ -323,16 +327,22 @@ class Runner:
     ddp: DDP | None = None
 
 
+def _multi_rank() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _torch_runner(mode: str, model: nn.Module, loss_fn: LossFn, device: torch.device, lr: float,
                   bucket_mb: float) -> Runner:
     dtype = {"fp32": None, "torch_bf16": torch.bfloat16, "torch_fp16": torch.float16}[mode]
-    ids = [device.index] if device.type == "cuda" else None
-    ddp = DDP(model, device_ids=ids, bucket_cap_mb=bucket_mb)
-    if dtype is torch.bfloat16:
-        ddp.register_comm_hook(None, bf16_gloo_compress_hook)
-    elif dtype is torch.float16:
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    forward = ddp
+    ddp = None
+    if _multi_rank():  # one process: the bare model, as distamp's DataParallel calls it
+        ids = [device.index] if device.type == "cuda" else None
+        ddp = DDP(model, device_ids=ids, bucket_cap_mb=bucket_mb)
+        if dtype is torch.bfloat16:
+            ddp.register_comm_hook(None, bf16_gloo_compress_hook)
+        elif dtype is torch.float16:
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    forward = ddp if ddp is not None else model
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     scaler = torch.amp.GradScaler(device.type) if dtype is torch.float16 else None
 

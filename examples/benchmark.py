@@ -7,7 +7,8 @@ Loopback, two ranks (``torchrun --nproc_per_node 2`` works the same way)::
     distrun --nproc_per_node 2 examples/benchmark.py --model cnn     # conv-BN-ReLU, batch 32
     distrun --nproc_per_node 2 examples/benchmark.py --model gpt     # small GPT, batch 8
 
-One process (no launcher)::
+One process (no launcher): neither side uses DDP, since distamp calls the
+model directly in a one-process world::
 
     python examples/benchmark.py --model tiny_gpt --threads 1        # per-op overhead
 
@@ -279,7 +280,7 @@ def summarize(args: argparse.Namespace, times: dict[str, list[float]], losses: d
         native = bench_modes.COUNTERPART.get(mode)
         if native in rows:
             row["vs_torch_native"] = row["median_s"] / rows[native]["median_s"]
-        if "fp32" in rows and "wire_bytes_per_step" in row and "wire_bytes_per_step" in rows["fp32"]:
+        if "fp32" in rows and "wire_bytes_per_step" in row and rows["fp32"].get("wire_bytes_per_step"):
             row["wire_vs_fp32"] = row["wire_bytes_per_step"] / rows["fp32"]["wire_bytes_per_step"]
         if "fp32" in rows and "peak_bytes_per_rank" in row and "peak_bytes_per_rank" in rows["fp32"]:
             row["peak_vs_fp32"] = max(row["peak_bytes_per_rank"]) / max(rows["fp32"]["peak_bytes_per_rank"])
