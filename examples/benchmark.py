@@ -20,7 +20,8 @@ Repetitions interleave the modes (in a rotated order), so machine drift
 lands on every mode alike. Per mode it reports the median and interquartile
 range of the step time (each step's time is the slowest rank's), the ratio
 to FP32 DDP and to the torch-native counterpart, the collective payload per
-rank per step, and the peak tensor memory per rank. Bytes and memory come
+rank per step, and the peak tensor memory per rank (also as ratios to FP32
+and to the torch-native counterpart). Bytes and memory come
 from a probe run in a fresh process per mode and rank, so one mode's
 allocations cannot inflate another's: it counts every ``ProcessGroup``
 collective (see ``bench_modes.WireCounter``) and takes the peak of live
@@ -282,8 +283,9 @@ def summarize(args: argparse.Namespace, times: dict[str, list[float]], losses: d
             row["vs_torch_native"] = row["median_s"] / rows[native]["median_s"]
         if "fp32" in rows and "wire_bytes_per_step" in row and rows["fp32"].get("wire_bytes_per_step"):
             row["wire_vs_fp32"] = row["wire_bytes_per_step"] / rows["fp32"]["wire_bytes_per_step"]
-        if "fp32" in rows and "peak_bytes_per_rank" in row and "peak_bytes_per_rank" in rows["fp32"]:
-            row["peak_vs_fp32"] = max(row["peak_bytes_per_rank"]) / max(rows["fp32"]["peak_bytes_per_rank"])
+        for key, ref in (("peak_vs_fp32", "fp32"), ("peak_vs_torch_native", native)):
+            if ref in rows and "peak_bytes_per_rank" in row and "peak_bytes_per_rank" in rows[ref]:
+                row[key] = max(row["peak_bytes_per_rank"]) / max(rows[ref]["peak_bytes_per_rank"])
     n_params = sum(p.numel() for p in args.family.build(0).parameters())
     sizes = {k: v for k, v in dataclasses.asdict(args.family).items() if k != "default_batch"}
     return {"config": {"model": args.model, "family": args.family.describe(), "sizes": sizes,
@@ -313,15 +315,16 @@ def markdown(summary: dict) -> str:
     lines = [title,
              "",
              ("| mode | step ms (median) | IQR ms | x FP32 | x torch-native | wire MB/step "
-              "| peak tensor MB per rank | peak x FP32 | last loss |"),
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| peak tensor MB per rank | peak x FP32 | peak x torch-native | last loss |"),
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for mode, r in summary["modes"].items():
         peaks = r.get("peak_bytes_per_rank")
         peak = " / ".join(_megabytes(p) for p in peaks) if peaks else "-"
         wire = r.get("wire_bytes_per_step")
         lines.append(f"| {mode} | {r['median_s'] * 1e3:.1f} | {r['iqr_s'] * 1e3:.1f} | {fmt(r.get('vs_fp32'), '.2f')} "
                      f"| {fmt(r.get('vs_torch_native'), '.2f')} | {fmt(None if wire is None else wire / 1e6, '.2f')} "
-                     f"| {peak} | {fmt(r.get('peak_vs_fp32'), '.2f')} | {r['last_loss']:.4f} |")
+                     f"| {peak} | {fmt(r.get('peak_vs_fp32'), '.2f')} | {fmt(r.get('peak_vs_torch_native'), '.2f')} "
+                     f"| {r['last_loss']:.4f} |")
     return "\n".join(lines)
 
 

@@ -98,11 +98,16 @@ def test_benchmark_cnn_in_one_process(tmp_path):
     assert (cfg["world_size"], cfg["model"], cfg["batch_per_rank"]) == (1, "cnn", 2)
     assert cfg["family"] == family.describe() and cfg["sizes"]["image_size"] == 16
     assert f"({family.describe()};" in out and "batch 2 per rank, 1 ranks" in out
+    assert "| peak x FP32 | peak x torch-native |" in out
     assert list(rows) == BF16_MODES.split(",")
     for mode, row in rows.items():
         # One process: no DDP on either side, so nothing at all goes through a collective.
         assert row["wire_bytes_per_step"] == 0 and row["collective_calls_per_step"] == {}, mode
         assert row["last_loss"] == pytest.approx(rows["fp32"]["last_loss"], rel=0.02), mode
+    for mode in ("distamp_o1_bf16", "distamp_o2_bf16"):
+        assert rows[mode]["peak_vs_torch_native"] == pytest.approx(
+            max(rows[mode]["peak_bytes_per_rank"]) / max(rows["torch_bf16"]["peak_bytes_per_rank"]))
+    assert "peak_vs_torch_native" not in rows["fp32"]
 
 
 @pytest.mark.timeout(60)
