@@ -15,7 +15,9 @@ Every mode trains the same model on the same batch with SGD + momentum:
 
 In a one-process world the torch-native modes use the bare model (no DDP),
 as distamp's ``DataParallel`` does, so neither side pays for a reducer that
-has nothing to reduce.
+has nothing to reduce. With ``compiled=True`` each mode's model goes
+through ``torch.compile``: the DDP (or bare) model for torch-native modes,
+the ``fleet.distributed_model`` wrapper for distamp.
 """
 
 import abc
@@ -316,15 +318,18 @@ def bf16_gloo_compress_hook(process_group, bucket: dist.GradBucket) -> torch.fut
 class Runner:
     """One mode's model and its training step; ``step(x, y)`` returns the detached loss.
 
-    ``model`` is what the step calls. ``ddp`` is the torch-native modes'
-    DDP, where a probe may register a hook; ``None`` for distamp (which
-    registers its own) and in a one-process world.
+    ``model`` is what the step calls (compiled when asked). ``ddp`` is the
+    torch-native modes' DDP, where a probe may register a hook; ``None`` for
+    distamp (which registers its own) and in a one-process world. Call
+    ``select()`` before a run of this mode's steps when runners of other
+    modes were built since: ``fleet.auto_cast()`` follows the latest strategy.
     """
 
     mode: str
     model: nn.Module
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     ddp: DDP | None = None
+    select: Callable[[], None] = lambda: None
 
 
 def _multi_rank() -> bool:
@@ -332,7 +337,7 @@ def _multi_rank() -> bool:
 
 
 def _torch_runner(mode: str, model: nn.Module, loss_fn: LossFn, device: torch.device, lr: float,
-                  bucket_mb: float) -> Runner:
+                  bucket_mb: float, compiled: bool) -> Runner:
     dtype = {"fp32": None, "torch_bf16": torch.bfloat16, "torch_fp16": torch.float16}[mode]
     ddp = None
     if _multi_rank():  # one process: the bare model, as distamp's DataParallel calls it
@@ -342,7 +347,8 @@ def _torch_runner(mode: str, model: nn.Module, loss_fn: LossFn, device: torch.de
             ddp.register_comm_hook(None, bf16_gloo_compress_hook)
         elif dtype is torch.float16:
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    forward = ddp if ddp is not None else model
+    net = ddp if ddp is not None else model
+    forward = torch.compile(net) if compiled else net
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     scaler = torch.amp.GradScaler(device.type) if dtype is torch.float16 else None
 
@@ -362,7 +368,8 @@ def _torch_runner(mode: str, model: nn.Module, loss_fn: LossFn, device: torch.de
     return Runner(mode, forward, step, ddp)
 
 
-def _distamp_runner(mode: str, model: nn.Module, loss_fn: LossFn, lr: float, bucket_mb: float) -> Runner:
+def _distamp_runner(mode: str, model: nn.Module, loss_fn: LossFn, lr: float, bucket_mb: float,
+                    compiled: bool) -> Runner:
     from distamp import fleet
 
     _, level, short = mode.split("_")
@@ -372,7 +379,8 @@ def _distamp_runner(mode: str, model: nn.Module, loss_fn: LossFn, lr: float, buc
                             "dtype": {"bf16": "bfloat16", "fp16": "float16"}[short]}
     strategy.fuse_grad_size_in_MB = bucket_mb
     optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), strategy)
-    forward = fleet.distributed_model(model)
+    wrapped = fleet.distributed_model(model)
+    forward = torch.compile(wrapped) if compiled else wrapped
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with fleet.auto_cast():
@@ -382,18 +390,22 @@ def _distamp_runner(mode: str, model: nn.Module, loss_fn: LossFn, lr: float, buc
         optimizer.step()
         return loss.detach()
 
-    return Runner(mode, forward, step)
+    return Runner(mode, forward, step, select=lambda: fleet.init(strategy=strategy))
 
 
 def build_runner(mode: str, fam: ModelFamily, device: torch.device, *, seed: int = 0, lr: float = 0.01,
-                 bucket_mb: float = 25.0) -> Runner:
-    """A fresh model of ``fam`` (same seed for every mode), set up for data parallelism in ``mode``."""
+                 bucket_mb: float = 25.0, compiled: bool = False) -> Runner:
+    """A fresh model of ``fam`` (same seed for every mode), set up for data parallelism in ``mode``.
+
+    ``compiled``: ``torch.compile`` the model the step calls; compilation
+    happens at its first steps.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)!r}, got {mode!r}")
     model = fam.build(seed).to(device)
     if mode.startswith("distamp_"):
-        return _distamp_runner(mode, model, fam.loss, lr, bucket_mb)
-    return _torch_runner(mode, model, fam.loss, device, lr, bucket_mb)
+        return _distamp_runner(mode, model, fam.loss, lr, bucket_mb, compiled)
+    return _torch_runner(mode, model, fam.loss, device, lr, bucket_mb, compiled)
 
 
 # ----------------------------------------------------------------------------- wire bytes

@@ -5,7 +5,7 @@ Loopback, two ranks (``torchrun --nproc_per_node 2`` works the same way)::
     distrun --nproc_per_node 2 examples/benchmark.py                 # 6.6M MLP, batch 64
     distrun --nproc_per_node 2 examples/benchmark.py --model deep    # many small layers
     distrun --nproc_per_node 2 examples/benchmark.py --model cnn     # conv-BN-ReLU, batch 32
-    distrun --nproc_per_node 2 examples/benchmark.py --model gpt     # small GPT, batch 8
+    distrun --nproc_per_node 2 examples/benchmark.py --model gpt --compile
 
 One process (no launcher): neither side uses DDP, since distamp calls the
 model directly in a one-process world::
@@ -28,6 +28,13 @@ collective (see ``bench_modes.WireCounter``) and takes the peak of live
 tensor bytes from model construction to the last step
 (``torch.cuda.max_memory_allocated`` on CUDA; on CPU, the allocation and
 free events recorded by ``torch.profiler`` with ``profile_memory``).
+
+With ``--compile`` every mode's model goes through ``torch.compile``. Each
+mode's runner is then built once, stepped through its compilation before
+anything is timed (the same number of steps in every mode), and kept for
+all repetitions (see :func:`time_modes`); a timed step that compiles anyway
+fails the run. A probe compiles in its own process before it counts bytes;
+compilation traces with fake tensors, so it adds nothing to the peak.
 """
 
 from __future__ import annotations
@@ -71,6 +78,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     what.add_argument("--lr", type=float, default=0.01, help="default: %(default)s")
     what.add_argument("--bucket_mb", type=float, default=25.0,
                       help="DDP bucket size for every mode (default: %(default)s)")
+    what.add_argument("--compile", action="store_true",
+                      help="torch.compile every mode's model (compilation stays out of the timed steps)")
     sizes = p.add_argument_group("model sizes (default: the family's; each applies to the families it names)")
     for size in _size_names():
         takers = ", ".join(f"{name} {getattr(fam, size)}" for name, fam in bench_modes.FAMILIES.items()
@@ -140,6 +149,9 @@ def _init(args: argparse.Namespace) -> torch.device:
     device = _device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if args.compile:
+        # Past the limit dynamo would quietly run a frame eagerly: an error is better than such a table.
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     if any(m.startswith("distamp_") for m in args.mode_list):
         from distamp import fleet
 
@@ -161,36 +173,79 @@ def _batch(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor
 
 
 def _runner(args: argparse.Namespace, mode: str, device: torch.device) -> bench_modes.Runner:
-    return bench_modes.build_runner(mode, args.family, device, lr=args.lr, bucket_mb=args.bucket_mb)
+    return bench_modes.build_runner(mode, args.family, device, lr=args.lr, bucket_mb=args.bucket_mb,
+                                    compiled=args.compile)
+
+
+# ----------------------------------------------------------------------------- compilation
+
+# Steps that may compile: the first traces the model; distamp's wrapper prepares the model at
+# its first forward (builds DDP when there are ranks to reduce with), and dynamo compiles the
+# wrapper's forward again once that has happened.
+_COMPILE_STEPS = 2
+
+
+def _compiled_frames() -> int:
+    """Frames dynamo has tried to compile in this process: each cache miss counts one."""
+    return torch._dynamo.utils.counters["frames"]["total"]
+
+
+def compile_runner(args: argparse.Namespace, mode: str, device: torch.device,
+                   x: torch.Tensor, y: torch.Tensor) -> bench_modes.Runner:
+    """A runner of ``mode`` stepped through its compilation (the same steps for every mode)."""
+    runner = _runner(args, mode, device)
+    runner.select()
+    for _ in range(_COMPILE_STEPS):
+        runner.step(x, y)
+    return runner
 
 
 # ----------------------------------------------------------------------------- timing
 
 def time_modes(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """Per mode, every timed step's duration (slowest rank) and the last loss seen."""
+    """Per mode, every timed step's duration (slowest rank) and the last loss seen.
+
+    Without ``--compile`` every repetition rebuilds each mode's runner. With
+    it, each mode's runner is built and compiled once and kept for every
+    repetition: with several ranks a rebuilt distamp wrapper is compiled
+    again (dynamo guards its forward on per-instance state), which would
+    soon reach dynamo's recompile limit (an error here, see ``_init``).
+
+    Raises:
+        RuntimeError: with ``--compile``, a timed step compiled on some rank.
+    """
     x, y = _batch(args, device)
-    local: dict[str, list[float]] = {m: [] for m in args.mode_list}
-    last_loss: dict[str, float] = {}
     modes = args.mode_list
+    kept = {mode: compile_runner(args, mode, device, x, y) for mode in modes} if args.compile else {}
+    local: dict[str, list[float]] = {m: [] for m in modes}
+    compiled_in_timing = dict.fromkeys(modes, 0)
+    last_loss: dict[str, float] = {}
     for rep in range(args.reps):
         shift = rep % len(modes)
         for mode in modes[shift:] + modes[:shift]:
-            runner = _runner(args, mode, device)
+            runner = kept[mode] if args.compile else _runner(args, mode, device)
+            runner.select()
             for _ in range(args.warmup):
                 runner.step(x, y)
             _sync(device)
             dist.barrier()
+            frames = _compiled_frames()
             for _ in range(args.steps):
                 start = time.perf_counter()
                 loss = runner.step(x, y)
                 _sync(device)
                 local[mode].append(time.perf_counter() - start)
+            compiled_in_timing[mode] += _compiled_frames() - frames
             last_loss[mode] = float(loss)
             del runner
             gc.collect()
-    gathered: list[dict[str, list[float]]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(gathered, local)
-    slowest = {m: [max(r[m][i] for r in gathered) for i in range(len(local[m]))] for m in modes}
+    gathered: list[tuple[dict[str, list[float]], dict[str, int]]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(gathered, (local, compiled_in_timing))
+    recompiled = sorted({m for _, counts in gathered for m, n in counts.items() if n})
+    if recompiled:
+        raise RuntimeError(f"--compile: timed steps of {recompiled!r} compiled, so their times would include "
+                           "compilation; raise --warmup")
+    slowest = {m: [max(r[m][i] for r, _ in gathered) for i in range(len(local[m]))] for m in modes}
     return slowest, last_loss
 
 
@@ -230,7 +285,9 @@ def run_probe(args: argparse.Namespace) -> dict:
             # DDP's built-in all-reduce bypasses ProcessGroup's Python methods; torch's
             # allreduce_hook sends the same bytes through them, so it can be counted.
             runner.ddp.register_comm_hook(None, bench_modes.default_hooks.allreduce_hook)
-        runner.step(x, y)  # the first step also rebuilds DDP's buckets
+        # The first step also rebuilds DDP's buckets; with --compile the first ones compile.
+        for _ in range(_COMPILE_STEPS if args.compile else 1):
+            runner.step(x, y)
         counter.reset()
         for _ in range(args.probe_steps):
             runner.step(x, y)
@@ -289,7 +346,7 @@ def summarize(args: argparse.Namespace, times: dict[str, list[float]], losses: d
     n_params = sum(p.numel() for p in args.family.build(0).parameters())
     sizes = {k: v for k, v in dataclasses.asdict(args.family).items() if k != "default_batch"}
     return {"config": {"model": args.model, "family": args.family.describe(), "sizes": sizes,
-                       "parameters": n_params, "batch_per_rank": args.batch,
+                       "parameters": n_params, "batch_per_rank": args.batch, "compile": args.compile,
                        "world_size": dist.get_world_size(), "reps": args.reps, "steps": args.steps,
                        "warmup": args.warmup, "link_gbit": args.link_gbit, "bucket_mb": args.bucket_mb,
                        "threads_per_rank": torch.get_num_threads(), "device": str(_device()),
@@ -310,7 +367,7 @@ def markdown(summary: dict) -> str:
     cfg = summary["config"]
     link = f"{cfg['link_gbit']:g} Gbit/s link" if cfg["link_gbit"] else "loopback"
     title = (f"model `{cfg['model']}` ({cfg['family']}; {cfg['parameters'] / 1e6:.2f}M parameters), "
-             f"batch {cfg['batch_per_rank']} per rank, "
+             f"batch {cfg['batch_per_rank']} per rank, {'torch.compile' if cfg['compile'] else 'eager'}, "
              f"{cfg['world_size']} ranks, {link}, {cfg['reps']} x {cfg['steps']} steps per mode")
     lines = [title,
              "",

@@ -95,9 +95,9 @@ def test_benchmark_cnn_in_one_process(tmp_path):
 
     cfg, rows = result["config"], result["modes"]
     family = bench_modes.family("cnn", image_size=16)
-    assert (cfg["world_size"], cfg["model"], cfg["batch_per_rank"]) == (1, "cnn", 2)
+    assert (cfg["world_size"], cfg["model"], cfg["batch_per_rank"], cfg["compile"]) == (1, "cnn", 2, False)
     assert cfg["family"] == family.describe() and cfg["sizes"]["image_size"] == 16
-    assert f"({family.describe()};" in out and "batch 2 per rank, 1 ranks" in out
+    assert f"({family.describe()};" in out and "batch 2 per rank, eager, 1 ranks" in out
     assert "| peak x FP32 | peak x torch-native |" in out
     assert list(rows) == BF16_MODES.split(",")
     for mode, row in rows.items():
@@ -119,12 +119,29 @@ def test_benchmark_tiny_gpt_in_one_process(tmp_path):
     cfg, rows = result["config"], result["modes"]
     family = bench_modes.FAMILIES["tiny_gpt"]
     assert (cfg["world_size"], cfg["batch_per_rank"], cfg["threads_per_rank"]) == (1, family.default_batch, 1)
-    assert cfg["family"] == family.describe() and "per rank, 1 ranks" in out
+    assert cfg["family"] == family.describe() and "eager, 1 ranks" in out
     assert list(rows) == BF16_MODES.split(",")
     for mode, row in rows.items():
         assert row["last_loss"] == pytest.approx(rows["fp32"]["last_loss"], rel=0.02), mode
     assert rows["distamp_o1_bf16"]["vs_torch_native"] == pytest.approx(
         rows["distamp_o1_bf16"]["median_s"] / rows["torch_bf16"]["median_s"])
+
+
+@pytest.mark.timeout(150)
+def test_benchmark_compiled_runners_are_reused_without_recompiling(tmp_path):
+    # The MLP with the fewest ops compiles fastest; one torch-native and one distamp mode, and no
+    # probes (each would compile again in its own process). Two repetitions: the second reuses the
+    # compiled runners, and benchmark.py fails if a timed step compiled.
+    modes = "torch_bf16,distamp_o2_bf16"
+    out, result = run_one_process(tmp_path, "--model", "shallow", "--batch", "2", "--threads", "1", "--compile",
+                                  "--modes", modes, "--reps", "2", "--steps", "1", "--warmup", "1",
+                                  "--probe_steps", "0", timeout=130)
+
+    assert result["config"]["compile"] is True and "torch.compile, 1 ranks" in out
+    rows = result["modes"]
+    assert list(rows) == modes.split(",")
+    assert all(row["samples"] == 2 for row in rows.values())
+    assert rows["distamp_o2_bf16"]["last_loss"] == pytest.approx(rows["torch_bf16"]["last_loss"], rel=0.02)
 
 
 @pytest.mark.timeout(120)
