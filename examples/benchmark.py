@@ -4,6 +4,13 @@ Loopback, two ranks (``torchrun --nproc_per_node 2`` works the same way)::
 
     distrun --nproc_per_node 2 examples/benchmark.py                 # 6.6M MLP, batch 64
     distrun --nproc_per_node 2 examples/benchmark.py --model deep    # many small layers
+    distrun --nproc_per_node 2 examples/benchmark.py --model cnn     # conv-BN-ReLU, batch 32
+    distrun --nproc_per_node 2 examples/benchmark.py --model gpt --compile
+
+One process (no launcher): neither side uses DDP, since distamp calls the
+model directly in a one-process world::
+
+    python examples/benchmark.py --model tiny_gpt --threads 1        # per-op overhead
 
 Two "hosts" joined by a 1 Gbit/s link (root; one rank per network namespace)::
 
@@ -13,18 +20,27 @@ Repetitions interleave the modes (in a rotated order), so machine drift
 lands on every mode alike. Per mode it reports the median and interquartile
 range of the step time (each step's time is the slowest rank's), the ratio
 to FP32 DDP and to the torch-native counterpart, the collective payload per
-rank per step, and the peak tensor memory per rank. Bytes and memory come
+rank per step, and the peak tensor memory per rank (also as ratios to FP32
+and to the torch-native counterpart). Bytes and memory come
 from a probe run in a fresh process per mode and rank, so one mode's
 allocations cannot inflate another's: it counts every ``ProcessGroup``
 collective (see ``bench_modes.WireCounter``) and takes the peak of live
 tensor bytes from model construction to the last step
 (``torch.cuda.max_memory_allocated`` on CUDA; on CPU, the allocation and
 free events recorded by ``torch.profiler`` with ``profile_memory``).
+
+With ``--compile`` every mode's model goes through ``torch.compile``. Each
+mode's runner is then built once, stepped through its compilation before
+anything is timed (the same number of steps in every mode), and kept for
+all repetitions (see :func:`time_modes`); a timed step that compiles anyway
+fails the run. A probe compiles in its own process before it counts bytes;
+compilation traces with fake tensors, so it adds nothing to the peak.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -48,15 +64,27 @@ _NETNS_ENV = "DISTAMP_BENCH_IN_NETNS"
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command line; ``--help`` lists every option."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    families = "\n".join(f"  {name:<9} {fam.describe()}; batch {fam.default_batch}"
+                         for name, fam in bench_modes.FAMILIES.items())
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=f"model families (--model), with their default batch:\n{families}",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     what = p.add_argument_group("what to compare")
-    what.add_argument("--model", choices=sorted(bench_modes.MODELS), default="mlp", help="default: %(default)s")
-    what.add_argument("--batch", type=int, default=64, help="per rank (default: %(default)s)")
+    what.add_argument("--model", choices=list(bench_modes.FAMILIES), default="mlp",
+                      help="model family, listed below (default: %(default)s)")
+    what.add_argument("--batch", type=int, default=None, help="per rank (default: the family's, below)")
     what.add_argument("--modes", default=",".join(bench_modes.MODES),
                       help="comma-separated subset of %(default)s")
     what.add_argument("--lr", type=float, default=0.01, help="default: %(default)s")
     what.add_argument("--bucket_mb", type=float, default=25.0,
                       help="DDP bucket size for every mode (default: %(default)s)")
+    what.add_argument("--compile", action="store_true",
+                      help="torch.compile every mode's model (compilation stays out of the timed steps)")
+    sizes = p.add_argument_group("model sizes (default: the family's; each applies to the families it names)")
+    for size in _size_names():
+        takers = ", ".join(f"{name} {getattr(fam, size)}" for name, fam in bench_modes.FAMILIES.items()
+                           if size in fam.SIZES)
+        sizes.add_argument(f"--{size}", type=int, default=None, help=f"default: {takers}")
     how = p.add_argument_group("how long")
     how.add_argument("--reps", type=int, default=5, help="interleaved repetitions (default: %(default)s)")
     how.add_argument("--steps", type=int, default=10, help="timed steps per mode and repetition (default: %(default)s)")
@@ -78,12 +106,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     bad = [m for m in args.mode_list if m not in bench_modes.MODES]
     if bad or not args.mode_list:
         p.error(f"--modes: unknown {bad!r}; choose from {','.join(bench_modes.MODES)}")
+    given = {name: getattr(args, name) for name in _size_names() if getattr(args, name) is not None}
+    try:
+        args.family = bench_modes.family(args.model, **given)
+    except ValueError as exc:
+        p.error(f"--model {args.model} with {' '.join(f'--{k} {v}' for k, v in given.items())}: {exc}")
+    if args.batch is None:
+        args.batch = args.family.default_batch
     for name, low in (("batch", 1), ("reps", 1), ("steps", 1), ("warmup", 1), ("probe_steps", 0)):
         if getattr(args, name) < low:
             p.error(f"--{name} must be >= {low}, got {getattr(args, name)!r}")
     if args.link_gbit is not None and not args.link_gbit > 0:
         p.error(f"--link_gbit must be > 0, got {args.link_gbit!r}")
     return args
+
+
+def _size_names() -> list[str]:
+    """Every family's overridable sizes, each once, in order of appearance."""
+    return list(dict.fromkeys(size for fam in bench_modes.FAMILIES.values() for size in fam.SIZES))
 
 
 # ----------------------------------------------------------------------------- process set-up
@@ -109,6 +149,9 @@ def _init(args: argparse.Namespace) -> torch.device:
     device = _device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if args.compile:
+        # Past the limit dynamo would quietly run a frame eagerly: an error is better than such a table.
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     if any(m.startswith("distamp_") for m in args.mode_list):
         from distamp import fleet
 
@@ -126,38 +169,83 @@ def _free_port() -> int:
 
 def _batch(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + dist.get_rank())  # each rank its own shard, every mode the same
-    x = torch.randn(args.batch, bench_modes.IN_FEATURES, generator=g)
-    y = torch.randint(0, bench_modes.CLASSES, (args.batch,), generator=g)
-    return x.to(device), y.to(device)
+    return args.family.make_batch(args.batch, g, device)
+
+
+def _runner(args: argparse.Namespace, mode: str, device: torch.device) -> bench_modes.Runner:
+    return bench_modes.build_runner(mode, args.family, device, lr=args.lr, bucket_mb=args.bucket_mb,
+                                    compiled=args.compile)
+
+
+# ----------------------------------------------------------------------------- compilation
+
+# Steps that may compile: the first traces the model; distamp's wrapper prepares the model at
+# its first forward (builds DDP when there are ranks to reduce with), and dynamo compiles the
+# wrapper's forward again once that has happened.
+_COMPILE_STEPS = 2
+
+
+def _compiled_frames() -> int:
+    """Frames dynamo has tried to compile in this process: each cache miss counts one."""
+    return torch._dynamo.utils.counters["frames"]["total"]
+
+
+def compile_runner(args: argparse.Namespace, mode: str, device: torch.device,
+                   x: torch.Tensor, y: torch.Tensor) -> bench_modes.Runner:
+    """A runner of ``mode`` stepped through its compilation (the same steps for every mode)."""
+    runner = _runner(args, mode, device)
+    runner.select()
+    for _ in range(_COMPILE_STEPS):
+        runner.step(x, y)
+    return runner
 
 
 # ----------------------------------------------------------------------------- timing
 
 def time_modes(args: argparse.Namespace, device: torch.device) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """Per mode, every timed step's duration (slowest rank) and the last loss seen."""
+    """Per mode, every timed step's duration (slowest rank) and the last loss seen.
+
+    Without ``--compile`` every repetition rebuilds each mode's runner. With
+    it, each mode's runner is built and compiled once and kept for every
+    repetition: with several ranks a rebuilt distamp wrapper is compiled
+    again (dynamo guards its forward on per-instance state), which would
+    soon reach dynamo's recompile limit (an error here, see ``_init``).
+
+    Raises:
+        RuntimeError: with ``--compile``, a timed step compiled on some rank.
+    """
     x, y = _batch(args, device)
-    local: dict[str, list[float]] = {m: [] for m in args.mode_list}
-    last_loss: dict[str, float] = {}
     modes = args.mode_list
+    kept = {mode: compile_runner(args, mode, device, x, y) for mode in modes} if args.compile else {}
+    local: dict[str, list[float]] = {m: [] for m in modes}
+    compiled_in_timing = dict.fromkeys(modes, 0)
+    last_loss: dict[str, float] = {}
     for rep in range(args.reps):
         shift = rep % len(modes)
         for mode in modes[shift:] + modes[:shift]:
-            runner = bench_modes.build_runner(mode, args.model, device, lr=args.lr, bucket_mb=args.bucket_mb)
+            runner = kept[mode] if args.compile else _runner(args, mode, device)
+            runner.select()
             for _ in range(args.warmup):
                 runner.step(x, y)
             _sync(device)
             dist.barrier()
+            frames = _compiled_frames()
             for _ in range(args.steps):
                 start = time.perf_counter()
                 loss = runner.step(x, y)
                 _sync(device)
                 local[mode].append(time.perf_counter() - start)
+            compiled_in_timing[mode] += _compiled_frames() - frames
             last_loss[mode] = float(loss)
             del runner
             gc.collect()
-    gathered: list[dict[str, list[float]]] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(gathered, local)
-    slowest = {m: [max(r[m][i] for r in gathered) for i in range(len(local[m]))] for m in modes}
+    gathered: list[tuple[dict[str, list[float]], dict[str, int]]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(gathered, (local, compiled_in_timing))
+    recompiled = sorted({m for _, counts in gathered for m, n in counts.items() if n})
+    if recompiled:
+        raise RuntimeError(f"--compile: timed steps of {recompiled!r} compiled, so their times would include "
+                           "compilation; raise --warmup")
+    slowest = {m: [max(r[m][i] for r, _ in gathered) for i in range(len(local[m]))] for m in modes}
     return slowest, last_loss
 
 
@@ -192,12 +280,14 @@ def run_probe(args: argparse.Namespace) -> dict:
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=device.type == "cpu") as prof, \
             bench_modes.WireCounter() as counter:
-        runner = bench_modes.build_runner(args._probe, args.model, device, lr=args.lr, bucket_mb=args.bucket_mb)
-        if not getattr(runner.model, "_comm_hooks", True):
+        runner = _runner(args, args._probe, device)
+        if runner.ddp is not None and not runner.ddp._comm_hooks:
             # DDP's built-in all-reduce bypasses ProcessGroup's Python methods; torch's
             # allreduce_hook sends the same bytes through them, so it can be counted.
-            runner.model.register_comm_hook(None, bench_modes.default_hooks.allreduce_hook)
-        runner.step(x, y)  # the first step also rebuilds DDP's buckets
+            runner.ddp.register_comm_hook(None, bench_modes.default_hooks.allreduce_hook)
+        # The first step also rebuilds DDP's buckets; with --compile the first ones compile.
+        for _ in range(_COMPILE_STEPS if args.compile else 1):
+            runner.step(x, y)
         counter.reset()
         for _ in range(args.probe_steps):
             runner.step(x, y)
@@ -248,17 +338,25 @@ def summarize(args: argparse.Namespace, times: dict[str, list[float]], losses: d
         native = bench_modes.COUNTERPART.get(mode)
         if native in rows:
             row["vs_torch_native"] = row["median_s"] / rows[native]["median_s"]
-        if "fp32" in rows and "wire_bytes_per_step" in row and "wire_bytes_per_step" in rows["fp32"]:
+        if "fp32" in rows and "wire_bytes_per_step" in row and rows["fp32"].get("wire_bytes_per_step"):
             row["wire_vs_fp32"] = row["wire_bytes_per_step"] / rows["fp32"]["wire_bytes_per_step"]
-        if "fp32" in rows and "peak_bytes_per_rank" in row and "peak_bytes_per_rank" in rows["fp32"]:
-            row["peak_vs_fp32"] = max(row["peak_bytes_per_rank"]) / max(rows["fp32"]["peak_bytes_per_rank"])
-    n_params = sum(p.numel() for p in bench_modes.build_model(args.model, 0).parameters())
-    return {"config": {"model": args.model, "parameters": n_params, "batch_per_rank": args.batch,
+        for key, ref in (("peak_vs_fp32", "fp32"), ("peak_vs_torch_native", native)):
+            if ref in rows and "peak_bytes_per_rank" in row and "peak_bytes_per_rank" in rows[ref]:
+                row[key] = max(row["peak_bytes_per_rank"]) / max(rows[ref]["peak_bytes_per_rank"])
+    n_params = sum(p.numel() for p in args.family.build(0).parameters())
+    sizes = {k: v for k, v in dataclasses.asdict(args.family).items() if k != "default_batch"}
+    return {"config": {"model": args.model, "family": args.family.describe(), "sizes": sizes,
+                       "parameters": n_params, "batch_per_rank": args.batch, "compile": args.compile,
                        "world_size": dist.get_world_size(), "reps": args.reps, "steps": args.steps,
                        "warmup": args.warmup, "link_gbit": args.link_gbit, "bucket_mb": args.bucket_mb,
                        "threads_per_rank": torch.get_num_threads(), "device": str(_device()),
                        "torch": torch.__version__},
             "modes": rows}
+
+
+def _megabytes(nbytes: float) -> str:
+    mb = nbytes / 2**20
+    return f"{mb:.0f}" if mb >= 10 else f"{mb:.2f}"
 
 
 def markdown(summary: dict) -> str:
@@ -268,20 +366,22 @@ def markdown(summary: dict) -> str:
 
     cfg = summary["config"]
     link = f"{cfg['link_gbit']:g} Gbit/s link" if cfg["link_gbit"] else "loopback"
-    title = (f"model `{cfg['model']}` ({cfg['parameters'] / 1e6:.2f}M parameters), batch {cfg['batch_per_rank']} "
-             f"per rank, {cfg['world_size']} ranks, {link}, {cfg['reps']} x {cfg['steps']} steps per mode")
+    title = (f"model `{cfg['model']}` ({cfg['family']}; {cfg['parameters'] / 1e6:.2f}M parameters), "
+             f"batch {cfg['batch_per_rank']} per rank, {'torch.compile' if cfg['compile'] else 'eager'}, "
+             f"{cfg['world_size']} ranks, {link}, {cfg['reps']} x {cfg['steps']} steps per mode")
     lines = [title,
              "",
              ("| mode | step ms (median) | IQR ms | x FP32 | x torch-native | wire MB/step "
-              "| peak tensor MB per rank | peak x FP32 | last loss |"),
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| peak tensor MB per rank | peak x FP32 | peak x torch-native | last loss |"),
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for mode, r in summary["modes"].items():
         peaks = r.get("peak_bytes_per_rank")
-        peak = " / ".join(f"{p / 2**20:.0f}" for p in peaks) if peaks else "-"
+        peak = " / ".join(_megabytes(p) for p in peaks) if peaks else "-"
         wire = r.get("wire_bytes_per_step")
         lines.append(f"| {mode} | {r['median_s'] * 1e3:.1f} | {r['iqr_s'] * 1e3:.1f} | {fmt(r.get('vs_fp32'), '.2f')} "
                      f"| {fmt(r.get('vs_torch_native'), '.2f')} | {fmt(None if wire is None else wire / 1e6, '.2f')} "
-                     f"| {peak} | {fmt(r.get('peak_vs_fp32'), '.2f')} | {r['last_loss']:.4f} |")
+                     f"| {peak} | {fmt(r.get('peak_vs_fp32'), '.2f')} | {fmt(r.get('peak_vs_torch_native'), '.2f')} "
+                     f"| {r['last_loss']:.4f} |")
     return "\n".join(lines)
 
 

@@ -64,7 +64,7 @@ def test_benchmark_smoke_counts_half_the_bytes(tmp_path):
     assert "| mode | step ms (median) |" in done.stdout
     result = json.loads((tmp_path / "bench.json").read_text())
     assert list(result["modes"]) == modes.split(",")
-    n = sum(p.numel() for p in bench_modes.build_model("shallow", 0).parameters())
+    n = sum(p.numel() for p in bench_modes.FAMILIES["shallow"].build(0).parameters())
     rows = result["modes"]
     assert rows["fp32"]["wire_bytes_per_step"] == 4 * n
     assert rows["torch_bf16"]["wire_bytes_per_step"] == 2 * n
@@ -76,6 +76,114 @@ def test_benchmark_smoke_counts_half_the_bytes(tmp_path):
     assert rows["fp32"]["vs_fp32"] == 1.0
     assert rows["distamp_o2_bf16"]["vs_torch_native"] == pytest.approx(
         rows["distamp_o2_bf16"]["median_s"] / rows["torch_bf16"]["median_s"])
+
+
+BF16_MODES = "fp32,torch_bf16,distamp_o1_bf16,distamp_o2_bf16"
+SMOKE = ("--reps", "1", "--steps", "1", "--warmup", "1", "--probe_steps", "1")
+
+
+def run_one_process(tmp_path, *args: str, timeout: float) -> tuple[str, dict]:
+    """``python examples/benchmark.py args`` (a one-process world); its stdout and JSON results."""
+    cmd = [sys.executable, os.path.join(EXAMPLES, "benchmark.py"), *args, "--json", "bench.json"]
+    done = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    assert done.returncode == 0, f"benchmark.py failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+    return done.stdout, json.loads((tmp_path / "bench.json").read_text())
+
+
+@pytest.mark.timeout(120)
+def test_benchmark_cnn_in_one_process(tmp_path):
+    out, result = run_one_process(tmp_path, "--model", "cnn", "--batch", "2", "--image_size", "16", "--threads", "1",
+                                  "--modes", BF16_MODES, *SMOKE, timeout=100)
+
+    cfg, rows = result["config"], result["modes"]
+    family = bench_modes.family("cnn", image_size=16)
+    assert (cfg["world_size"], cfg["model"], cfg["batch_per_rank"], cfg["compile"]) == (1, "cnn", 2, False)
+    assert cfg["family"] == family.describe() and cfg["sizes"]["image_size"] == 16
+    assert f"({family.describe()};" in out and "batch 2 per rank, eager, 1 ranks" in out
+    assert "| peak x FP32 | peak x torch-native |" in out
+    assert list(rows) == BF16_MODES.split(",")
+    for mode, row in rows.items():
+        # One process: no DDP on either side, so nothing at all goes through a collective.
+        assert row["wire_bytes_per_step"] == 0 and row["collective_calls_per_step"] == {}, mode
+        assert row["last_loss"] == pytest.approx(rows["fp32"]["last_loss"], rel=0.02), mode
+    for mode in ("distamp_o1_bf16", "distamp_o2_bf16"):
+        assert rows[mode]["peak_vs_torch_native"] == pytest.approx(
+            max(rows[mode]["peak_bytes_per_rank"]) / max(rows["torch_bf16"]["peak_bytes_per_rank"]))
+    assert "peak_vs_torch_native" not in rows["fp32"]
+
+
+@pytest.mark.timeout(60)
+def test_benchmark_tiny_gpt_in_one_process(tmp_path):
+    # No probes here (each is a fresh process, ~4 s): the CNN test covers them in one process.
+    out, result = run_one_process(tmp_path, "--model", "tiny_gpt", "--threads", "1", "--modes", BF16_MODES,
+                                  "--reps", "1", "--steps", "1", "--warmup", "1", "--probe_steps", "0", timeout=50)
+
+    cfg, rows = result["config"], result["modes"]
+    family = bench_modes.FAMILIES["tiny_gpt"]
+    assert (cfg["world_size"], cfg["batch_per_rank"], cfg["threads_per_rank"]) == (1, family.default_batch, 1)
+    assert cfg["family"] == family.describe() and "eager, 1 ranks" in out
+    assert list(rows) == BF16_MODES.split(",")
+    for mode, row in rows.items():
+        assert row["last_loss"] == pytest.approx(rows["fp32"]["last_loss"], rel=0.02), mode
+    assert rows["distamp_o1_bf16"]["vs_torch_native"] == pytest.approx(
+        rows["distamp_o1_bf16"]["median_s"] / rows["torch_bf16"]["median_s"])
+
+
+@pytest.mark.timeout(150)
+def test_benchmark_compiled_runners_are_reused_without_recompiling(tmp_path):
+    # The MLP with the fewest ops compiles fastest; one torch-native and one distamp mode, and no
+    # probes (each would compile again in its own process). Two repetitions: the second reuses the
+    # compiled runners, and benchmark.py fails if a timed step compiled.
+    modes = "torch_bf16,distamp_o2_bf16"
+    out, result = run_one_process(tmp_path, "--model", "shallow", "--batch", "2", "--threads", "1", "--compile",
+                                  "--modes", modes, "--reps", "2", "--steps", "1", "--warmup", "1",
+                                  "--probe_steps", "0", timeout=130)
+
+    assert result["config"]["compile"] is True and "torch.compile, 1 ranks" in out
+    rows = result["modes"]
+    assert list(rows) == modes.split(",")
+    assert all(row["samples"] == 2 for row in rows.values())
+    assert rows["distamp_o2_bf16"]["last_loss"] == pytest.approx(rows["torch_bf16"]["last_loss"], rel=0.02)
+
+
+@pytest.mark.timeout(120)
+def test_benchmark_gpt_on_two_ranks_counts_tied_weights_once(tmp_path):
+    sizes = {"d_model": 32, "layers": 1, "heads": 2, "vocab": 64, "seq_len": 16}
+    modes = "torch_bf16,distamp_o2_bf16"
+    args = [a for k, v in sizes.items() for a in (f"--{k}", str(v))]
+    done = distrun(tmp_path, "benchmark.py", "--model", "gpt", *args, "--batch", "2", "--modes", modes,
+                   *SMOKE, "--json", "bench.json", timeout=100)
+
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["config"]["world_size"] == 2 and result["config"]["sizes"] == {**sizes}
+    assert "2 ranks" in done.stdout
+    # The output head shares the token embedding's weight: DDP and distamp send it once.
+    n = sum(p.numel() for p in bench_modes.family("gpt", **sizes).build(0).parameters())
+    assert result["config"]["parameters"] == n
+    rows = result["modes"]
+    assert rows["torch_bf16"]["wire_bytes_per_step"] == 2 * n
+    assert 2 * n <= rows["distamp_o2_bf16"]["wire_bytes_per_step"] <= 2 * n + 64
+    assert all(len(row["peak_bytes_per_rank"]) == 2 for row in rows.values())
+
+
+def test_batch_and_sizes_default_to_the_family():
+    assert benchmark.parse_args([]).batch == 64
+    assert benchmark.parse_args(["--model", "cnn"]).batch == 32
+    assert benchmark.parse_args(["--model", "gpt", "--batch", "3"]).batch == 3
+    args = benchmark.parse_args(["--model", "tiny_gpt", "--layers", "2"])
+    assert (args.family.layers, args.family.d_model, args.batch) == (2, 32, 2)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--model", "cnn", "--d_model", "64"], "does not take the sizes ['d_model']"),
+    (["--model", "gpt", "--d_model", "30"], "d_model=30 must be a multiple of heads=4"),
+    (["--model", "mlp", "--image_size", "32"], "it has none to override"),
+])
+def test_bad_sizes_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(argv)
+    assert message in capsys.readouterr().err
 
 
 def test_link_mode_without_root_exits_2(monkeypatch, capsys):
