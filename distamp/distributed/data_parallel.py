@@ -8,9 +8,12 @@ their exact values back, FP32 masters are broadcast from rank 0, a comm hook
 puts gradients on the wire in 16 bits, and only the last micro-batch of a
 gradient-merge window communicates.
 
-The model is prepared once, in :meth:`DataParallel.prepare`, at its first
-forward: by then every optimizer built on it is attached, and parameter
-dtypes are final, so DDP (whose buckets are per dtype) is built exactly once.
+The model is prepared once, in :meth:`DataParallel.prepare`: when the
+first optimizer is attached (whichever of ``fleet.distributed_optimizer`` and
+``fleet.distributed_model`` comes second), or at the first forward if no
+optimizer comes. By then parameter dtypes are final, so DDP (whose buckets
+are per dtype) is built exactly once, and outside any ``torch.compile``d
+region.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ class _Runtime:
         self.comm_hook: LowPrecisionAllReduce | None = None
         self.optimizers: list[AmpOptimizer] = []
         self.optimizer_sync: dict[int, bool] = {}
+        self.merge_sync = True  # all(optimizer_sync): a plain bool for forward (torch.compile guards on it)
         self.sync_enabled = True
         self.prepared = False
 
@@ -145,6 +149,7 @@ class DataParallel(nn.Module):
         self._ddp_kwargs = ddp_kwargs
         self._fp32_params = strategy_fp32_parameters(module, strategy)
         self._runtime = _Runtime()
+        self._runtime.prepared = not self.distributed  # one process: nothing to agree on or build
         cfg = strategy.amp_config
         self._black_modules = (
             keep_in_fp32(module, cfg.custom_black_varnames) if strategy.amp and cfg.custom_black_varnames else None
@@ -181,15 +186,16 @@ class DataParallel(nn.Module):
         """Raise before an optimizer that would change parameter dtypes is built too late.
 
         Raises:
-            RuntimeError: the model was already prepared (its first forward
-                ran, DDP is built on the parameters' dtypes) and the
-                optimizer is O2.
+            RuntimeError: the model was already prepared (an optimizer was
+                attached or it ran a forward: DDP is built on the parameters'
+                dtypes) and the optimizer is O2.
         """
         if self._runtime.prepared and changes_dtypes and self.distributed:
             raise RuntimeError(
-                "fleet.distributed_optimizer(...) with use_pure_fp16 was called after the model's first "
-                "forward, when its data-parallel wrapper was already built on the parameters' dtypes. "
-                "Build the optimizer before the first forward."
+                "fleet.distributed_optimizer(...) with use_pure_fp16 was called after the model's data-parallel "
+                "wrapper was built on the parameters' dtypes (when its first optimizer was attached, or at its "
+                "first forward). Build every optimizer of the model before its first forward, and, with several "
+                "optimizers on one model, before fleet.distributed_model."
             )
 
     def attach_optimizer(self, optimizer: AmpOptimizer) -> None:
@@ -208,10 +214,15 @@ class DataParallel(nn.Module):
         optimizer.adopt_model(self.module, self._fp32_params)
         runtime.optimizers.append(optimizer)
         optimizer.add_sync_listener(self)
+        if self.distributed:
+            # The second of the two fleet calls prepares (collective: every rank makes both calls).
+            self.prepare()
 
     def set_grad_sync(self, optimizer: AmpOptimizer, flag: bool) -> None:
         """Called by an attached optimizer: whether its next backward closes a merge window."""
-        self._runtime.optimizer_sync[id(optimizer)] = flag
+        runtime = self._runtime
+        runtime.optimizer_sync[id(optimizer)] = flag
+        runtime.merge_sync = all(runtime.optimizer_sync.values())
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -224,8 +235,13 @@ class DataParallel(nn.Module):
         finally:
             runtime.sync_enabled = previous
 
+    @torch.compiler.disable
     def prepare(self) -> None:
-        """Make ranks identical and build DDP; runs once, at the first forward (collective)."""
+        """Check the ranks agree, make them identical and build DDP; runs once (collective).
+
+        Called when the first optimizer is attached, else at the first
+        forward; never traced by ``torch.compile``.
+        """
         runtime = self._runtime
         if runtime.prepared:
             return
@@ -270,7 +286,7 @@ class DataParallel(nn.Module):
         try:
             if ddp is None:
                 return self.module(*args, **kwargs)
-            ddp.require_backward_grad_sync = runtime.sync_enabled and all(runtime.optimizer_sync.values())
+            ddp.require_backward_grad_sync = runtime.sync_enabled and runtime.merge_sync
             ddp.training = self.training
             return ddp(*args, **kwargs)
         except RuntimeError as exc:

@@ -78,8 +78,9 @@ def check_ranks_agree(strategy: DistributedStrategy, model: nn.Module, timeout: 
             ``timeout`` (the message names it).
     """
     exchange = StoreExchange(
-        "distamp.setup", "the set-up handshake (distributed_model's first forward)", timeout,
-        hint="Every rank must call fleet.distributed_model and run its first forward; check the other ranks' logs.",
+        "distamp.setup", "the set-up handshake (preparing the data-parallel model)", timeout,
+        hint="Every rank must call fleet.distributed_optimizer and fleet.distributed_model; check the other "
+        "ranks' logs.",
     )
     if exchange.world_size == 1:
         return

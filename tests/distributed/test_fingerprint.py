@@ -62,9 +62,8 @@ def _mismatches(rank, world_size):
         model = nn.Linear(width, 2)
         opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
         wrapped = DataParallel(model, strategy)
-        wrapped.attach_optimizer(opt)
         try:
-            wrapped(torch.randn(3, width))
+            wrapped.attach_optimizer(opt)   # the second of the two calls prepares: the check runs here
         except ValueError as exc:
             messages[name] = str(exc)
     return messages
