@@ -8,12 +8,15 @@ and benchmarks can check "one all-reduce per bucket" and "half the bytes of
 FP32".
 """
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "LowPrecisionAllReduce", "low_precision_allreduce_hook"]
+__all__ = ["CommStats", "LowPrecisionAllReduce", "low_precision_allreduce_hook", "with_pending_fp32"]
+
+Pending = Callable[[Sequence[torch.Tensor]], "list[torch.Tensor | None] | None"]
 
 
 @dataclass
@@ -56,6 +59,10 @@ class LowPrecisionAllReduce:
             ``world_size / predivide_factor`` after; ``None`` divides by the
             whole world size before (safest against FP16 overflow).
         process_group: the data-parallel group; ``None`` means the world.
+        pending: returns, for a bucket's parameters, FP32 sums to add to the
+            bucket before the wire cast (gradient merge's earlier
+            micro-batches in O2, see
+            :class:`~distamp.optim.grad_accumulator.PendingFp32Grads`), or None.
     """
 
     def __init__(
@@ -63,6 +70,7 @@ class LowPrecisionAllReduce:
         wire_dtype: torch.dtype,
         predivide_factor: float | None = None,
         process_group: dist.ProcessGroup | None = None,
+        pending: Pending | None = None,
     ) -> None:
         if wire_dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(
@@ -81,6 +89,7 @@ class LowPrecisionAllReduce:
             )
         self.predivide_factor = float(predivide_factor)
         self.postdivide_factor = world_size / self.predivide_factor
+        self.pending = pending
         self.stats = CommStats()
 
     def register(self, ddp: "torch.nn.parallel.DistributedDataParallel") -> None:
@@ -93,7 +102,10 @@ def low_precision_allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook body for :class:`LowPrecisionAllReduce` (``state`` is the instance)."""
     buffer = bucket.buffer()
-    if buffer.dtype == state.wire_dtype:
+    total = with_pending_fp32(buffer, bucket.parameters(), state.pending)
+    if total is not buffer:
+        wire = total.div_(state.predivide_factor).to(state.wire_dtype)
+    elif buffer.dtype == state.wire_dtype:
         wire = buffer.div_(state.predivide_factor)
     else:
         wire = buffer.to(state.wire_dtype).div_(state.predivide_factor)
@@ -111,3 +123,22 @@ def low_precision_allreduce_hook(
         return buffer
 
     return work.get_future().then(finish)
+
+
+def with_pending_fp32(buffer: torch.Tensor, params: Sequence[torch.Tensor], pending: Pending | None) -> torch.Tensor:
+    """``buffer`` plus the FP32 sums ``pending`` has for its parameters, in FP32; ``buffer`` itself without any.
+
+    Gradient merge in O2: the earlier micro-batches' FP32 sum joins the last
+    micro-batch's gradient in FP32, so the window is rounded to 16 bits
+    once, on the wire, instead of once per micro-batch.
+    """
+    extra = pending(params) if pending is not None else None
+    if extra is None or all(e is None for e in extra):
+        return buffer
+    total = buffer.to(torch.float32, copy=True)
+    position = 0
+    for p, e in zip(params, extra):
+        if e is not None:
+            total[position : position + p.numel()].add_(e.reshape(-1))
+        position += p.numel()
+    return total

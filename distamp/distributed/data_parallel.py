@@ -28,6 +28,7 @@ from distamp.amp.black_modules import keep_in_fp32
 from distamp.amp.fp32_parameters import fp32_parameters
 from distamp.distributed.comm_hooks import CommStats, LowPrecisionAllReduce
 from distamp.distributed.groups import group_size
+from distamp.optim.grad_accumulator import PendingFp32Grads
 from distamp.optim.master_weights import fp32_model_state_dict
 from distamp.strategy import DistributedStrategy
 
@@ -224,7 +225,8 @@ class DataParallel(nn.Module):
         if self.strategy.amp:
             cfg = self.strategy.amp_config
             runtime.comm_hook = LowPrecisionAllReduce(
-                cfg.comm_torch_dtype, cfg.gradient_predivide_factor, self._process_group
+                cfg.comm_torch_dtype, cfg.gradient_predivide_factor, self._process_group,
+                PendingFp32Grads(runtime.optimizers),
             )
             runtime.comm_hook.register(ddp)
         runtime.ddp = ddp

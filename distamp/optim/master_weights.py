@@ -179,6 +179,13 @@ class MasterWeights:
         if dst:
             torch._foreach_copy_(dst, src)
 
+    def add_to_master_grads(self, extra: dict[int, torch.Tensor]) -> None:
+        """Add ``extra[id(param)]`` (FP32) to the master gradient of each param that has one."""
+        pairs = [(master.grad, extra[id(model_p)]) for model_p, master, _ in self._pairs
+                 if master.grad is not None and id(model_p) in extra]
+        if pairs:
+            torch._foreach_add_([g for g, _ in pairs], [e.view_as(g) for g, e in pairs])
+
     def grad_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(model grad, master grad)`` for each separate master whose parameter has a gradient."""
         return [

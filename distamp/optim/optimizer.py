@@ -238,6 +238,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         if self.merge.loss_divisor != 1:
             loss = loss / self.merge.loss_divisor
         self.precision.scale_loss(loss).backward(**kwargs)
+        self.precision.after_backward(window_open=self.merge.is_accumulating)
         self._watch.after_backward(self.precision.loss_scale)
         self._publish_sync()
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.distributed.flag_sync import all_reduce_max
+from distamp.optim.grad_accumulator import Fp32GradAccumulator
 from distamp.optim.loss_scaler import LossScaler, build_loss_scaler
 from distamp.optim.master_weights import MasterWeights
 from distamp.strategy import AmpConfig, DistributedStrategy
@@ -66,6 +67,9 @@ class FullPrecision:
         ``group`` is the group to agree over; ``None``: decide locally.
         """
         return False, None
+
+    def after_backward(self, window_open: bool) -> None:
+        """After each ``backward``; ``window_open``: a gradient-merge window continues after it."""
 
     def expose_unscaled_grads(self) -> None:
         """After ``unscale_()``: make the model's ``.grad`` hold what ``step()`` will apply."""
@@ -179,6 +183,9 @@ class PureLowPrecision(MixedPrecision):
     The model parameters are converted to the low dtype right away; those
     that must stay FP32 (normalization layers, ``custom_black_varnames``)
     are given back their exact FP32 values once the model is known.
+
+    Gradient merge sums the micro-batches in FP32
+    (:mod:`distamp.optim.grad_accumulator`), not in the 16-bit ``.grad``.
     """
 
     mode = "O2"
@@ -190,9 +197,22 @@ class PureLowPrecision(MixedPrecision):
         self.scaler = build_loss_scaler(config)
         self.consecutive_stuck = 0
         self._exposed_versions: list[tuple[torch.Tensor, int]] | None = None
+        self.grad_accumulator: Fp32GradAccumulator | None = None
+
+    def after_backward(self, window_open: bool) -> None:
+        """Inside a gradient-merge window: move the 16-bit gradients into the FP32 sum."""
+        if window_open:
+            if self.grad_accumulator is None:
+                self.grad_accumulator = Fp32GradAccumulator(self.master_weights.model_params)
+            self.grad_accumulator.add_and_zero()
 
     def _grads_to_check(self) -> list[torch.Tensor]:
         self.master_weights.copy_grads_to_masters()
+        if self.grad_accumulator is not None:
+            extra = self.grad_accumulator.take()  # None when the comm hook already added it
+            self.grad_accumulator.reset()
+            if extra:
+                self.master_weights.add_to_master_grads(extra)
         return super()._grads_to_check()
 
     def expose_unscaled_grads(self) -> None:
