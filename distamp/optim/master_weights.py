@@ -113,6 +113,26 @@ class MasterWeights:
         """The tensors the inner optimizer updates, in model-parameter order."""
         return [self._master_of[id(p)] for p in self.model_params]
 
+    def install(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put the masters in ``optimizer`` where the model parameters were (a no-op without masters).
+
+        State the optimizer already has moves to the masters, floating
+        tensors (but ``step``) in FP32.
+        """
+        if not self.enabled:
+            return
+        old_state = dict(optimizer.state)
+        for group in optimizer.param_groups:
+            # Mutate in place: some optimizers keep a reference to the list.
+            group["params"][:] = [self.master_for(p) for p in group["params"]]
+        if old_state:
+            optimizer.state.clear()
+            for p, s in old_state.items():
+                optimizer.state[self.master_for(p)] = {
+                    k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
+                    for k, v in s.items()
+                }
+
     def master_for(self, param: nn.Parameter) -> nn.Parameter:
         """The master of ``param`` (``param`` itself when it has none)."""
         try:
@@ -186,6 +206,10 @@ class MasterWeights:
         if pairs:
             torch._foreach_add_([g for g, _ in pairs], [e.view_as(g) for g, e in pairs])
 
+    def exact_fp32(self) -> dict[int, torch.Tensor]:
+        """``{id(param): its exact FP32 value}``: the master, or the parameter itself without one."""
+        return {id(p): self.master_for(p).detach() for p in self.model_params}
+
     def grad_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(model grad, master grad)`` for each separate master whose parameter has a gradient."""
         return [
@@ -246,8 +270,7 @@ def fp32_model_state_dict(module: nn.Module, master_weights: Sequence[MasterWeig
     """
     masters: dict[int, torch.Tensor] = {}
     for weights in master_weights:
-        for p in weights.model_params:
-            masters[id(p)] = weights.master_for(p)
+        masters.update(weights.exact_fp32())  # collective for sharded masters
     state = module.state_dict()
     for name, p in module.named_parameters(remove_duplicate=False):
         if name in state:

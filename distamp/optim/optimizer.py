@@ -94,9 +94,8 @@ class AmpOptimizer(torch.optim.Optimizer):
         self.strategy = strategy
         self.amp_enabled: bool = bool(strategy.amp)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.precision: FullPrecision = precision_for(strategy, params)
-        if self.precision.master_weights.enabled:
-            self._swap_params_for_masters()
+        self.precision: FullPrecision = precision_for(strategy, params, data_parallel_group(process_group))
+        self.precision.master_weights.install(optimizer)  # masters (or this rank's slices) replace the params
         self.merge = GradientMerge.from_strategy(strategy)
         self._watch = GradWatch(self.precision.master_weights.model_params)
         self._process_group = process_group
@@ -286,7 +285,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         if self._found_inf:
             device = grads_owner[0].device if grads_owner else torch.device("cpu")
             return torch.full((), math.inf, device=device)
-        return torch.nn.utils.clip_grad_norm_(
+        return self.precision.clip_grad_norm_(
             grads_owner, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
         )
 
@@ -354,7 +353,7 @@ class AmpOptimizer(torch.optim.Optimizer):
         group = dict(param_group)
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        group["params"] = self.master_weights.add(params) if self.master_weights.enabled else params
+        group["params"] = self.master_weights.add(params)
         self.inner_opt.add_param_group(group)
         self._watch.track(params)
 
@@ -366,7 +365,9 @@ class AmpOptimizer(torch.optim.Optimizer):
         Loadable with ``torch.load(path, weights_only=True)``.
         """
         precision = self.precision.state_dict()
+        sharding = {"sharding": precision["sharding"]} if "sharding" in precision else {}
         return {
+            **sharding,
             "format": _STATE_FORMAT,
             "inner": self.inner_opt.state_dict(),
             "master_weights": precision.get("master_weights", []),
@@ -427,21 +428,6 @@ class AmpOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------
     # internals
-    def _swap_params_for_masters(self) -> None:
-        """Put the masters in the inner optimizer where the model params were."""
-        master_for = self.master_weights.master_for
-        old_state = dict(self.inner_opt.state)
-        for group in self.inner_opt.param_groups:
-            # Mutate in place: some optimizers keep a reference to the list.
-            group["params"][:] = [master_for(p) for p in group["params"]]
-        if old_state:
-            self.inner_opt.state.clear()
-            for p, s in old_state.items():
-                self.inner_opt.state[master_for(p)] = {
-                    k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
-                    for k, v in s.items()
-                }
-
     def _unscale_and_check(self) -> None:
         self._watch.before_unscale()
         group = data_parallel_group(self._process_group) if self.sync_found_inf else None

@@ -13,7 +13,8 @@ as Lightning's precision plugins do:
   gradients are copied into the masters before the same check, and applied
   masters are copied back.
 
-:func:`precision_for` picks one from a strategy.
+:func:`precision_for` picks one from a strategy (with ``strategy.sharding``,
+:class:`~distamp.optim.sharded_precision.ShardedPrecision`).
 """
 
 from __future__ import annotations
@@ -70,6 +71,12 @@ class FullPrecision:
 
     def after_backward(self, window_open: bool) -> None:
         """After each ``backward``; ``window_open``: a gradient-merge window continues after it."""
+
+    def clip_grad_norm_(self, grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the unscaled ``grads`` the inner optimizer applies; returns their total norm."""
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type,
+                                              error_if_nonfinite=error_if_nonfinite)
 
     def expose_unscaled_grads(self) -> None:
         """After ``unscale_()``: make the model's ``.grad`` hold what ``step()`` will apply."""
@@ -246,8 +253,15 @@ class PureLowPrecision(MixedPrecision):
         return {**super().state_dict(), "master_weights": self.master_weights.state_dict()}
 
 
-def precision_for(strategy: DistributedStrategy, params: Sequence[nn.Parameter]) -> FullPrecision:
-    """The plugin ``strategy`` asks for: AMP off, O1 or O2."""
+def precision_for(
+    strategy: DistributedStrategy, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None = None
+) -> FullPrecision:
+    """The plugin ``strategy`` asks for: AMP off, O1 or O2, sharded over ``group`` with ``strategy.sharding``."""
+    if strategy.sharding:
+        # Imported here: the sharded plugin builds on the classes of this module.
+        from distamp.optim.sharded_precision import ShardedPrecision
+
+        return ShardedPrecision(params, strategy, group)
     config = strategy.amp_config
     if not strategy.amp:
         return FullPrecision(params, config)
