@@ -11,6 +11,11 @@ gradient-merge window communicates.
 The model is prepared once, in :meth:`DataParallel.prepare`, at its first
 forward: by then every optimizer built on it is attached, and parameter
 dtypes are final, so DDP (whose buckets are per dtype) is built exactly once.
+
+With ``strategy.sharding`` stage 2 the comm hook reduce-scatters instead of
+all-reducing (:mod:`distamp.distributed.reduce_scatter`), and every
+backward communicates, gradient merge's micro-batches included: each is
+summed into the owners' FP32 gradient slices.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from distamp.amp.black_modules import keep_in_fp32
 from distamp.amp.fp32_parameters import fp32_parameters
 from distamp.distributed.comm_hooks import CommStats, LowPrecisionAllReduce
 from distamp.distributed.groups import group_size
+from distamp.distributed.reduce_scatter import ShardedGradReduce
 from distamp.optim.grad_accumulator import PendingFp32Grads
 from distamp.optim.master_weights import fp32_model_state_dict
 from distamp.strategy import DistributedStrategy
@@ -57,7 +63,7 @@ class _Runtime:
 
     def __init__(self) -> None:
         self.ddp: DistributedDataParallel | None = None
-        self.comm_hook: LowPrecisionAllReduce | None = None
+        self.comm_hook: LowPrecisionAllReduce | ShardedGradReduce | None = None
         self.optimizers: list[AmpOptimizer] = []
         self.optimizer_sync: dict[int, bool] = {}
         self.sync_enabled = True
@@ -138,7 +144,7 @@ class DataParallel(nn.Module):
 
     @property
     def comm_stats(self) -> CommStats | None:
-        """Calls and bytes of the 16-bit all-reduce hook (``None`` without AMP/DDP)."""
+        """Calls and bytes of the gradient comm hook (``None`` without a hook: no DDP, or AMP off unsharded)."""
         hook = self._runtime.comm_hook
         return hook.stats if hook is not None else None
 
@@ -207,6 +213,7 @@ class DataParallel(nn.Module):
         runtime.prepared = True
         if not self.distributed:
             return
+        reduce_scatter = self._check_sharding()
         # 1. Every rank takes rank 0's FP32 masters; the 16-bit parameters follow from them.
         for opt in runtime.optimizers:
             if opt.master_weights.enabled:
@@ -222,14 +229,50 @@ class DataParallel(nn.Module):
             gradient_as_bucket_view=True,
             **self._ddp_kwargs,
         )
-        if self.strategy.amp:
-            cfg = self.strategy.amp_config
+        cfg = self.strategy.amp_config
+        pending = PendingFp32Grads(runtime.optimizers)
+        wire = cfg.comm_torch_dtype if self.strategy.amp else torch.float32
+        if reduce_scatter:
+            shards = [opt.master_weights for opt in runtime.optimizers]
+            runtime.comm_hook = ShardedGradReduce(shards, wire, self._process_group, pending)
+        elif self.strategy.amp:
             runtime.comm_hook = LowPrecisionAllReduce(
-                cfg.comm_torch_dtype, cfg.gradient_predivide_factor, self._process_group,
-                PendingFp32Grads(runtime.optimizers),
+                cfg.comm_torch_dtype, cfg.gradient_predivide_factor, self._process_group, pending
             )
+        if runtime.comm_hook is not None:
             runtime.comm_hook.register(ddp)
         runtime.ddp = ddp
+
+    def _check_sharding(self) -> bool:
+        """Whether gradients are reduce-scattered (sharding stage 2); raises before any collective on a mismatch.
+
+        Raises:
+            RuntimeError: the model's strategy and an attached optimizer's
+                disagree on stage 2, or a parameter that gets a gradient
+                belongs to no stage-2 optimizer (nobody would own its sum).
+        """
+        strategy = self.strategy
+        model_stage = strategy.sharding_config.stage if strategy.sharding else 0
+        for opt in self._runtime.optimizers:
+            opt_stage = getattr(opt.precision, "stage", 0)
+            if (opt_stage == 2) != (model_stage == 2):
+                raise RuntimeError(
+                    f"the optimizer's strategy has sharding stage {opt_stage or 'off'} but the model's "
+                    f"(fleet.distributed_model) has stage {model_stage or 'off'}; stage 2 changes how the model "
+                    "communicates gradients, so both must use it. Pass the same strategy to both calls"
+                )
+        if model_stage != 2:
+            return False
+        owned = {id(p) for opt in self._runtime.optimizers for p in opt.master_weights.model_params}
+        missing = [name for name, p in self.module.named_parameters() if p.requires_grad and id(p) not in owned]
+        if missing:
+            raise RuntimeError(
+                f"sharding stage 2 reduce-scatters each gradient to the optimizer slice that owns it, but "
+                f"{missing[:5]} (of {len(missing)}) belong to no optimizer built with fleet.distributed_optimizer "
+                "for this model. Give every trainable parameter to such an optimizer, or set "
+                "requires_grad=False on the others"
+            )
+        return True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module (through DDP when distributed)."""
@@ -239,7 +282,11 @@ class DataParallel(nn.Module):
         ddp = runtime.ddp
         if ddp is None:
             return self.module(*args, **kwargs)
-        ddp.require_backward_grad_sync = runtime.sync_enabled and all(runtime.optimizer_sync.values())
+        # Stage 2 reduce-scatters every micro-batch: the owners sum them in FP32 slices.
+        reduce_scatter = isinstance(runtime.comm_hook, ShardedGradReduce)
+        ddp.require_backward_grad_sync = runtime.sync_enabled and (
+            reduce_scatter or all(runtime.optimizer_sync.values())
+        )
         ddp.training = self.training
         return ddp(*args, **kwargs)
 
