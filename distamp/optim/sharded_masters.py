@@ -81,7 +81,7 @@ class ShardedMasters:
         self.device = self.model_params[0].device if self.model_params else torch.device("cpu")
         self.grads = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=self.device)
         self.values: torch.Tensor | None = None
-        self.pending: torch.Tensor | None = None  # O2, several ranks: FP32 start values until the broadcast
+        self.pending: list[torch.Tensor] | None = None  # O2, several ranks: the start values until the broadcast
         self.grads_reduced = False  # set by the stage-2 hook: self.grads already holds the reduced sum
         self._index = {id(p): i for i, p in enumerate(self.model_params)}
         self.groups: list[list[int]] = [list(range(len(self.model_params)))]  # set by install()
@@ -95,12 +95,14 @@ class ShardedMasters:
 
     # ------------------------------------------------------------------ construction
     def _build_masters(self, world_size: int) -> None:
-        flat = torch.cat([p.detach().reshape(-1).float() for p in self.model_params]) if self.model_params else (
-            torch.zeros(0))
-        self.values = flat[self.lo : self.hi].clone()
-        # Every rank must start from rank 0's exact FP32 values, but after the conversion to
-        # 16 bits only this rank's slice is left in FP32; keep all of them until the broadcast.
-        self.pending = flat if world_size > 1 else None
+        originals = [p.detach() for p in self.model_params]
+        self.values = torch.empty(self.hi - self.lo, dtype=torch.float32, device=self.device)
+        for piece in self.pieces:
+            start = piece.offset - self.lo
+            self.values[start : start + piece.length].copy_(originals[piece.param].reshape(-1)[piece.start : piece.stop])
+        # Every rank must start from rank 0's exact values, but after the conversion to 16 bits only this
+        # rank's slice is left in FP32: keep the original tensors (no copy) until the start-up broadcast.
+        self.pending = originals if world_size > 1 else None
 
     def _make_piece(self, piece: Piece) -> nn.Parameter:
         model_p = self.model_params[piece.param]
@@ -202,9 +204,10 @@ class ShardedMasters:
 
     def _exact_values(self, indices: Sequence[int]) -> dict[int, torch.Tensor]:
         """Exact FP32 values of parameters ``indices``, flattened (collective when gathered)."""
-        if self.pending is not None or self.world_size == 1:
-            flat = self.pending if self.pending is not None else self.values
-            return {i: flat[slice(*self.layout.param_range(i))] for i in indices}
+        if self.pending is not None:
+            return {i: self.pending[i].reshape(-1).float() for i in indices}
+        if self.world_size == 1:
+            return {i: self.values[slice(*self.layout.param_range(i))] for i in indices}
         out = {i: torch.empty(self.layout.numels[i], dtype=torch.float32, device=self.device) for i in indices}
         self.gather.run(self.masters, out.__getitem__, params=list(indices))
         return out
@@ -223,11 +226,13 @@ class ShardedMasters:
         """
         if self.pending is None:
             return
-        dist.broadcast(self.pending, src=src, group=group if group is not None else self.group)
-        self.values.copy_(self.pending[self.lo : self.hi])
+        for original in self.pending:  # one tensor at a time: no flat copy of the whole model
+            dist.broadcast(original, src=src, group=group if group is not None else self.group)
         with torch.no_grad():
-            for i, p in enumerate(self.model_params):
-                p.data.view(-1).copy_(self.pending[slice(*self.layout.param_range(i))])
+            for piece, master in zip(self.pieces, self.masters):
+                master.copy_(self.pending[piece.param].reshape(-1)[piece.start : piece.stop])
+            for p, original in zip(self.model_params, self.pending):
+                p.data.copy_(original.view_as(p))
         self.pending = None
 
     # ------------------------------------------------------------------ gradients
