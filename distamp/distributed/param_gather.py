@@ -125,7 +125,7 @@ class SliceAllGather:
     def _launch(
         self, entries: list[_Entry], mine: dict[int, torch.Tensor], start: int, chunk: int,
         dtype: torch.dtype, device: torch.device,
-    ) -> tuple[torch.Tensor, object, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor, object, int]:
         """Pack this rank's window ``[start, start + chunk)`` and start the gather of that round."""
         send = torch.zeros(chunk, dtype=dtype, device=device)
         for entry, first, last in _overlap(entries, start, start + chunk):
@@ -134,15 +134,15 @@ class SliceAllGather:
         out = torch.empty(chunk * self.layout.world_size, dtype=dtype, device=device)
         self.stats.calls += 1
         self.stats.bytes += send.numel() * send.element_size()
-        if self.group is None:
+        if self.group is None:  # one rank
             out.copy_(send)
-            return out, None, start
+            return out, send, None, start
         work = _all_gather(out, send, group=self.group, async_op=True)
-        return out, work, start
+        return out, send, work, start
 
     def _unpack(
         self, plan: list[list[_Entry]], dest: Callable[[int], torch.Tensor],
-        out: torch.Tensor, work: object, start: int, chunk: int,
+        out: torch.Tensor, send: torch.Tensor, work: object, start: int, chunk: int,
     ) -> None:
         """Wait for one round and copy each rank's window into the destinations."""
         if work is not None:
@@ -156,6 +156,10 @@ class SliceAllGather:
                 values.append(out[base + entry.position + first : base + entry.position + last])
         if targets:
             torch._foreach_copy_(targets, values)
+        # Free the round's buffers now, on this thread: the communication thread may hold them a
+        # moment longer, and would then free them where torch.profiler's memory events do not look.
+        for tensor in (out, send):
+            tensor.untyped_storage().resize_(0)
 
 
 def _overlap(entries: list[_Entry], start: int, stop: int):

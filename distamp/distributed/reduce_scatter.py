@@ -7,11 +7,16 @@ the elements of the bucket that rank owns in the flat parameter space
 (:mod:`distamp.optim.flat_layout`): one ``all_to_all_single`` of 16-bit
 chunks with per-rank split sizes (gloo and NCCL both take split sizes), so
 each element crosses the wire once, where an all-reduce sends it twice.
-Each rank then sums the W received copies of its elements in FP32, divides
-by W, and adds the result into its FP32 gradient slice
-(``ShardedMasters.grads``), where several backward passes (and gradient
+Each rank then adds the W received copies of its elements, divided by W,
+in FP32 into its FP32 gradient slice (``ShardedMasters.grads``), where
+several backward passes (and gradient
 merge's micro-batches) accumulate without 16-bit rounding. No pre-division
-is needed: the sum is FP32, so it cannot overflow.
+is needed: the sum is FP32, so it cannot overflow. That work runs on the
+backward thread: each hook first finishes the exchanges already done, and
+the last bucket's hook waits for the rest, so DDP finds every future done.
+At most :data:`MAX_IN_FLIGHT` buckets are in flight: when the wire is slower
+than backward, a hook waits for the oldest exchange rather than let the
+exchange buffers of every bucket pile up.
 
 DDP lists a bucket's parameters in whatever order it chose (the first
 iteration uses one order, later ones the order gradients became ready), so
@@ -36,7 +41,10 @@ from distamp.distributed.comm_hooks import CommStats, Pending, with_pending_fp32
 if TYPE_CHECKING:
     from distamp.optim.sharded_masters import ShardedMasters
 
-__all__ = ["ShardedGradReduce", "reduce_scatter_hook"]
+__all__ = ["MAX_IN_FLIGHT", "ShardedGradReduce", "reduce_scatter_hook"]
+
+MAX_IN_FLIGHT = 2
+"""Buckets exchanged at once: each holds a packed copy of its bucket and W received copies of its slice."""
 
 
 @dataclass(frozen=True)
@@ -85,8 +93,21 @@ class ShardedGradReduce:
         self.rank = dist.get_rank(process_group)
         self.pending = pending
         self.stats = CommStats()
+        self.in_flight: list[_Exchange] = []
         self._owner = {id(p): (shard, i) for shard in shards for i, p in enumerate(shard.model_params)}
         self._plans: dict[tuple[int, ...], _BucketPlan] = {}
+
+    def finish_completed(self, wait: bool) -> None:
+        """Finish the exchanges that are done (all of them with ``wait``), in launch order.
+
+        Finishing happens here, on the thread that runs backward, not in a
+        callback on the communication thread: the received copies are summed
+        and freed as soon as a later bucket's hook finds them done, and
+        every allocation and free is seen by ``torch.profiler``'s memory
+        events, which only record the profiled thread.
+        """
+        while self.in_flight and (wait or self.in_flight[0].work.is_completed()):
+            self.in_flight.pop(0).finish(self.world_size)
 
     def owns(self, param: torch.Tensor) -> bool:
         """Whether some attached optimizer owns ``param`` (and so can take its reduced gradient)."""
@@ -127,6 +148,9 @@ class ShardedGradReduce:
 # No ``from __future__ import annotations`` here: DDP checks this hook's annotations as objects.
 def reduce_scatter_hook(state: ShardedGradReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook body for :class:`ShardedGradReduce` (``state`` is the instance)."""
+    state.finish_completed(wait=False)
+    while len(state.in_flight) >= MAX_IN_FLIGHT:  # bound the exchange buffers when the wire is slower than backward
+        state.in_flight.pop(0).finish(state.world_size)
     buffer = bucket.buffer()
     params = bucket.parameters()
     plan = state.plan(params)
@@ -144,22 +168,39 @@ def reduce_scatter_hook(state: ShardedGradReduce, bucket: dist.GradBucket) -> to
     work = dist.all_to_all_single(
         received, send, [plan.received] * world, list(plan.input_splits), group=state.process_group, async_op=True
     )
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    state.in_flight.append(_Exchange(work, plan, send, received, buffer, done))
+    if bucket.is_last():
+        state.finish_completed(wait=True)  # DDP waits for every bucket's future right after this hook
+    return done
 
-    def finish(fut: torch.futures.Future) -> torch.Tensor:
-        fut.value()  # re-raises a communication error
-        del fut
+
+@dataclass
+class _Exchange:
+    """One bucket's all-to-all in flight, and what to do once it is done."""
+
+    work: dist.Work
+    plan: _BucketPlan
+    send: torch.Tensor  # kept alive until the exchange is done
+    received: torch.Tensor
+    buffer: torch.Tensor
+    done: torch.futures.Future
+
+    def finish(self, world: int) -> None:
+        """Sum the received copies in FP32 into the owners' slices, zero the bucket, complete the future."""
+        self.work.wait()
+        plan = self.plan
         if plan.received:
-            n = plan.received
-            total = received[:n].float()
-            for r in range(1, world):
-                total.add_(received[r * n : (r + 1) * n])
-            total.div_(world)
+            # Each rank's 16-bit copy, divided by W, added in FP32 straight into the owners' FP32 slices
+            # (no FP32 temporary): exact for a power-of-two W, where dividing is exact.
+            n, lengths = plan.received, [length for _, _, length in plan.dest]
             targets = [shard.grads[start : start + length] for shard, start, length in plan.dest]
-            torch._foreach_add_(targets, list(total.split([length for _, _, length in plan.dest])))
-        if send is not buffer:
-            send.untyped_storage()  # keep the send buffer alive until the exchange is done
-        buffer.zero_()
-        return buffer
-
-    return work.get_future().then(finish)
-
+            for r in range(world):
+                torch._foreach_add_(targets, list(self.received[r * n : (r + 1) * n].split(lengths)), alpha=1 / world)
+        # Free the exchange buffers here and now: the communication thread may still hold them a moment
+        # (and would then free them where the profiler does not look).
+        for tensor in (self.send, self.received):
+            if tensor.data_ptr() != self.buffer.data_ptr():
+                tensor.untyped_storage().resize_(0)
+        self.buffer.zero_()
+        self.done.set_result(self.buffer)
