@@ -84,13 +84,16 @@ def _run(rank, world, strategy, inject=False, clip=False, minimize=False):
         if not opt.is_accumulating:
             applied.append(done)
     gather = getattr(opt.master_weights, "gather", None)
+    gather_bytes = gather.stats.bytes if gather is not None else None
+    exported = opt.fp32_state_dict(wrapped)  # collective under sharding: the FP32 masters all-gathered
     return {
         "params": _flat(model),
+        "fp32": torch.cat([v.reshape(-1) for v in exported.values()]),
         "applied": applied,
         "scale": opt.get_loss_scaling(),
         "lr": [g["lr"] for g in opt.param_groups],
         "wire_bytes": wrapped.comm_stats.bytes if wrapped.comm_stats is not None else None,
-        "gather_bytes": gather.stats.bytes if gather is not None else None,
+        "gather_bytes": gather_bytes,
         "grads_zero": grads_zero_after_backward,
         "n16": sum(p.numel() for p in model.parameters() if p.dtype != torch.float32),
         "n32": sum(p.numel() for p in model.parameters() if p.dtype == torch.float32),
@@ -153,6 +156,7 @@ def test_two_ranks_o2_bf16_adamw_sharded_like_unsharded_and_one_inf_skips_everyw
             assert torch.equal(result["params"], out[0][stage]["params"]), (stage, rank)
             assert result["lr"] == out[0][0]["lr"]  # the scheduler stepped on applied steps only
     assert torch.equal(out[0][1]["params"], out[0][0]["params"])
+    assert torch.equal(out[1][1]["fp32"], out[0][0]["fp32"])  # whole FP32 masters, gathered from the slices
     assert not torch.equal(out[0][2]["params"], out[0][0]["params"])
     assert_within_bf16_rounding(out[0][2]["params"], out[0][0]["params"])
 

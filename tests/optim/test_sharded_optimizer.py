@@ -154,3 +154,22 @@ def test_state_dict_resumes_bitwise_and_fp32_export_on_one_rank():
                                                  {"params": list(_model().parameters())[2:]}]), strategy)
     with pytest.raises(ValueError, match="different number of parameter groups"):
         two_groups.load_state_dict(state)
+
+
+def test_stuck_scale_still_raises_under_sharding():
+    param = nn.Parameter(torch.ones(4))
+    strategy = _strategy(True, use_pure_fp16=True, dtype="float16", init_loss_scaling=1.0,
+                         min_loss_scaling=1.0, stuck_scale_patience=2)
+    opt = AmpOptimizer(torch.optim.SGD([param], lr=0.1), strategy)
+    opt.backward(param.float().sum() * float("inf"))
+    assert opt.step() is False
+    opt.zero_grad()
+    opt.backward(param.float().sum() * float("inf"))
+    with pytest.raises(RuntimeError, match=r"the loss scale is stuck at 1: 2 consecutive steps overflowed.*bfloat16"):
+        opt.step()
+
+
+def test_non_contiguous_parameter_is_refused():
+    weight = nn.Parameter(torch.ones(3, 4).t())
+    with pytest.raises(ValueError, match=r"parameter 0 \(shape \(4, 3\)\) is not contiguous"):
+        AmpOptimizer(torch.optim.SGD([weight], lr=0.1), _strategy(True))
