@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "LowPrecisionAllReduce", "low_precision_allreduce_hook", "with_pending_fp32"]
+__all__ = ["CommStats", "LowPrecisionAllReduce", "add_pending_fp32", "low_precision_allreduce_hook"]
 
 Pending = Callable[[Sequence[torch.Tensor]], "list[torch.Tensor | None] | None"]
 
@@ -102,10 +102,8 @@ def low_precision_allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook body for :class:`LowPrecisionAllReduce` (``state`` is the instance)."""
     buffer = bucket.buffer()
-    total = with_pending_fp32(buffer, bucket.parameters(), state.pending)
-    if total is not buffer:
-        wire = total.div_(state.predivide_factor).to(state.wire_dtype)
-    elif buffer.dtype == state.wire_dtype:
+    add_pending_fp32(buffer, bucket.parameters(), state.pending)
+    if buffer.dtype == state.wire_dtype:
         wire = buffer.div_(state.predivide_factor)
     else:
         wire = buffer.to(state.wire_dtype).div_(state.predivide_factor)
@@ -125,20 +123,23 @@ def low_precision_allreduce_hook(
     return work.get_future().then(finish)
 
 
-def with_pending_fp32(buffer: torch.Tensor, params: Sequence[torch.Tensor], pending: Pending | None) -> torch.Tensor:
-    """``buffer`` plus the FP32 sums ``pending`` has for its parameters, in FP32; ``buffer`` itself without any.
+def add_pending_fp32(buffer: torch.Tensor, params: Sequence[torch.Tensor], pending: Pending | None) -> None:
+    """Add the FP32 sums ``pending`` has for the bucket's parameters into the bucket, rounding once.
 
-    Gradient merge in O2: the earlier micro-batches' FP32 sum joins the last
-    micro-batch's gradient in FP32, so the window is rounded to 16 bits
-    once, on the wire, instead of once per micro-batch.
+    Gradient merge in O2: the earlier micro-batches' FP32 sum (the
+    accumulator, consumed here) takes this micro-batch's gradient in FP32
+    and the total is rounded into the 16-bit bucket once, instead of once
+    per micro-batch; no buffer is allocated.
     """
     extra = pending(params) if pending is not None else None
-    if extra is None or all(e is None for e in extra):
-        return buffer
-    total = buffer.to(torch.float32, copy=True)
-    position = 0
+    if extra is None:
+        return
+    sums, grads, position = [], [], 0
     for p, e in zip(params, extra):
         if e is not None:
-            total[position : position + p.numel()].add_(e.reshape(-1))
+            sums.append(e.view(-1))
+            grads.append(buffer[position : position + p.numel()])
         position += p.numel()
-    return total
+    if sums:
+        torch._foreach_add_(sums, grads)
+        torch._foreach_copy_(grads, sums)

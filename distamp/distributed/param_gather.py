@@ -8,9 +8,8 @@ parameters (half the bytes of FP32), FP32 for parameters kept in FP32 (so
 their values stay exact).
 
 The gather goes in rounds of at most ``chunk_bytes`` received per rank
-(the strategy's bucket size), so the receive buffer never holds a second
-copy of the whole model; the next round is in flight while the previous
-one is unpacked.
+(the strategy's bucket size), one at a time, so the receive buffer never
+holds a second copy of the whole model. With one rank it is a copy.
 """
 
 from __future__ import annotations
@@ -79,8 +78,15 @@ class SliceAllGather:
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i in wanted:
             by_dtype.setdefault(dest(i).dtype, []).append(i)
-        offsets = (p.offset for p in self.layout.pieces(*self.layout.range_of(self.rank)))
-        mine = {offset: source.detach() for offset, source in zip(offsets, sources)}
+        pieces = self.layout.pieces(*self.layout.range_of(self.rank))
+        mine = {piece.offset: source.detach() for piece, source in zip(pieces, sources)}
+        if self.layout.world_size == 1:  # nothing to gather: copy (and round) in place, no buffers
+            wanted = set(wanted)
+            pairs = [(dest(p.param)[p.start : p.stop], mine[p.offset]) for p in pieces if p.param in wanted]
+            if pairs:
+                with torch.no_grad():
+                    torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs])
+            return
         with torch.no_grad():
             for dtype in sorted(by_dtype, key=str):  # the same order on every rank
                 self._gather_class(mine, dest, set(by_dtype[dtype]), dtype)
@@ -113,14 +119,8 @@ class SliceAllGather:
         element = torch.empty((), dtype=dtype).element_size()
         chunk = max(1, min(longest, self.chunk_bytes // (world * element)))
         device = dest(next(iter(members))).device
-        rounds = range(0, longest, chunk)
-        pending = None
-        for start in rounds:
-            launched = self._launch(plan[self.rank], mine, start, chunk, dtype, device)
-            if pending is not None:
-                self._unpack(plan, dest, *pending)
-            pending = (*launched, chunk)
-        self._unpack(plan, dest, *pending)
+        for start in range(0, longest, chunk):  # one round at a time: one receive buffer at a time
+            self._unpack(plan, dest, *self._launch(plan[self.rank], mine, start, chunk, dtype, device), chunk)
 
     def _launch(
         self, entries: list[_Entry], mine: dict[int, torch.Tensor], start: int, chunk: int,

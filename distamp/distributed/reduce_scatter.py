@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from distamp.distributed.comm_hooks import CommStats, Pending, with_pending_fp32
+from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
 
 if TYPE_CHECKING:
     from distamp.optim.sharded_masters import ShardedMasters
@@ -154,11 +154,11 @@ def reduce_scatter_hook(state: ShardedGradReduce, bucket: dist.GradBucket) -> to
     buffer = bucket.buffer()
     params = bucket.parameters()
     plan = state.plan(params)
-    source = with_pending_fp32(buffer, params, state.pending)
+    add_pending_fp32(buffer, params, state.pending)
     if plan.identity:
-        send = source if source.dtype == state.wire_dtype else source.to(state.wire_dtype)
+        send = buffer if buffer.dtype == state.wire_dtype else buffer.to(state.wire_dtype)
     else:
-        send = torch.cat([source[start : start + length] for start, length in plan.send]).to(state.wire_dtype)
+        send = torch.cat([buffer[start : start + length] for start, length in plan.send]).to(state.wire_dtype)
     world = state.world_size
     received = torch.empty(world * plan.received, dtype=state.wire_dtype, device=buffer.device)
     state.stats.calls += 1
