@@ -164,7 +164,7 @@ def reduce_scatter_hook(state: ShardedGradReduce, bucket: dist.GradBucket) -> to
     state.stats.calls += 1
     state.stats.bytes += send.numel() * send.element_size()
     for shard, _, _ in plan.dest:
-        shard.grads_reduced = True
+        shard.grads.reduced = True
     work = dist.all_to_all_single(
         received, send, [plan.received] * world, list(plan.input_splits), group=state.process_group, async_op=True
     )
@@ -194,7 +194,7 @@ class _Exchange:
             # Each rank's 16-bit copy, divided by W, added in FP32 straight into the owners' FP32 slices
             # (no FP32 temporary): exact for a power-of-two W, where dividing is exact.
             n, lengths = plan.received, [length for _, _, length in plan.dest]
-            targets = [shard.grads[start : start + length] for shard, start, length in plan.dest]
+            targets = [shard.grads.buffer[start : start + length] for shard, start, length in plan.dest]
             for r in range(world):
                 torch._foreach_add_(targets, list(self.received[r * n : (r + 1) * n].split(lengths)), alpha=1 / world)
         # Free the exchange buffers here and now: the communication thread may still hold them a moment

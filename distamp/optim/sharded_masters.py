@@ -8,8 +8,9 @@ slice only:
   (the masters), in O1 and with AMP off views of the FP32 model parameters
   themselves;
 * the FP32 gradient ("main grad", as Megatron-LM calls it): a flat buffer
-  filled from the model's ``.grad`` at step time (stage 1) or summed into by
-  the reduce-scatter hook during backward (stage 2);
+  (:class:`~distamp.optim.slice_grads.SliceGrads`) filled from the model's
+  ``.grad`` at step time (stage 1) or summed into by the reduce-scatter hook
+  during backward (stage 2);
 * one ``nn.Parameter`` per piece, a 1-D view of both, which is what the
   inner optimizer's param groups hold, so its state is the slice's too.
 
@@ -31,6 +32,7 @@ from torch import nn
 
 from distamp.distributed.param_gather import SliceAllGather
 from distamp.optim.flat_layout import FlatLayout, Piece
+from distamp.optim.slice_grads import SliceGrads
 
 __all__ = ["ShardedMasters"]
 
@@ -44,7 +46,7 @@ class ShardedMasters:
         inner = torch.optim.AdamW(model.parameters())
         masters.install(inner)           # inner's groups now hold this rank's pieces
         ...backward (gradients all-reduced)...
-        masters.collect_grads()          # my slice of the gradients, in FP32
+        masters.grads.collect()          # my slice of the gradients, in FP32
         inner.step()
         masters.refresh_model()          # all-gather: every rank's model is updated
 
@@ -79,16 +81,15 @@ class ShardedMasters:
         self.lo, self.hi = self.layout.range_of(rank)
         self.pieces: list[Piece] = self.layout.pieces(self.lo, self.hi)
         self.device = self.model_params[0].device if self.model_params else torch.device("cpu")
-        self.grads = torch.zeros(self.hi - self.lo, dtype=torch.float32, device=self.device)
         self.values: torch.Tensor | None = None
         self.pending: list[torch.Tensor] | None = None  # O2, several ranks: the start values until the broadcast
-        self.grads_reduced = False  # set by the stage-2 hook: self.grads already holds the reduced sum
         self._index = {id(p): i for i, p in enumerate(self.model_params)}
         self.groups: list[list[int]] = [list(range(len(self.model_params)))]  # set by install()
         self._keep_fp32: set[int] = set()
         if low_dtype is not None:
             self._build_masters(world_size)
         self.masters: list[nn.Parameter] = [self._make_piece(piece) for piece in self.pieces]
+        self.grads = SliceGrads(self.model_params, self.pieces, self.masters, self.lo, self.hi)
         self.gather = SliceAllGather(self.layout, rank, group, chunk_bytes)
         if low_dtype is not None:
             self.convert_model()
@@ -112,11 +113,6 @@ class ShardedMasters:
         else:
             data = model_p.detach().view(-1)[piece.start : piece.stop]
         return nn.Parameter(data, requires_grad=model_p.requires_grad)
-
-    def _grad_view(self, index: int) -> torch.Tensor:
-        piece = self.pieces[index]
-        start = piece.offset - self.lo
-        return self.grads[start : start + piece.length]
 
     # ------------------------------------------------------------------ MasterWeights surface
     @property
@@ -236,80 +232,15 @@ class ShardedMasters:
         self.pending = None
 
     # ------------------------------------------------------------------ gradients
-    def collect_grads(self, extra: dict[int, torch.Tensor] | None = None) -> None:
-        """Fill this rank's FP32 gradient slice and point each piece's ``.grad`` at it.
-
-        Unless the stage-2 hook already summed the reduced gradients into the
-        slice, it is copied from the model's (reduced) ``.grad``; ``extra``
-        (``{id(param): FP32 tensor}``, e.g. a gradient-merge accumulator the
-        communication did not take) is added. A piece whose parameter has no
-        gradient gets ``grad = None``, so the inner optimizer skips it.
-        """
-        dst, src = [], []
-        for j, (piece, master) in enumerate(zip(self.pieces, self.masters)):
-            model_grad = self.model_params[piece.param].grad
-            if model_grad is None:
-                master.grad = None
-                self._grad_view(j).zero_()  # nothing stale for the check and the norm to find
-                continue
-            master.grad = self._grad_view(j).view_as(master)
-            if not self.grads_reduced:
-                dst.append(master.grad)
-                src.append(model_grad.view(-1)[piece.start : piece.stop])
-        if dst:
-            torch._foreach_copy_(dst, src)
-        if extra:
-            for j, (piece, master) in enumerate(zip(self.pieces, self.masters)):
-                more = extra.get(id(self.model_params[piece.param]))
-                if more is not None and master.grad is not None:
-                    master.grad.add_(more.view(-1)[piece.start : piece.stop])
-
-    def grads_with_values(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(model grad, piece grad)`` for each piece of this rank with a gradient."""
-        return [
-            (self.model_params[piece.param].grad, master.grad)
-            for piece, master in zip(self.pieces, self.masters)
-            if master.grad is not None and self.model_params[piece.param].grad is not None
-        ]
-
-    def expose_grads(self) -> list[tuple[torch.Tensor, int]]:
-        """Write this rank's slice of the (unscaled) gradients into the model's ``.grad``, zeros elsewhere.
-
-        Returns each written ``.grad`` with its version counter, so changes the
-        user makes can be found (see :meth:`take_grad_changes`).
-        """
-        grads = [p.grad for p in self.model_params if p.grad is not None]
-        if grads:
-            torch._foreach_zero_(grads)
-        for piece, master in zip(self.pieces, self.masters):
-            model_grad = self.model_params[piece.param].grad
-            if model_grad is not None and master.grad is not None:
-                model_grad.view(-1)[piece.start : piece.stop].copy_(master.grad)
-        return [(g, g._version) for g in grads]
-
-    def take_grad_changes(self, changed: set[int]) -> None:
-        """Copy back this rank's slice of each model ``.grad`` whose ``id`` is in ``changed``."""
-        for piece, master in zip(self.pieces, self.masters):
-            model_grad = self.model_params[piece.param].grad
-            if model_grad is not None and master.grad is not None and id(model_grad) in changed:
-                master.grad.copy_(model_grad.view(-1)[piece.start : piece.stop])
-
     def zero_master_grads(self) -> None:
         """Clear the FP32 gradient slice (what the next backward sums into)."""
-        self.grads.zero_()
-        self.grads_reduced = False
-        for master in self.masters:
-            master.grad = None
+        self.grads.zero()
 
     # ------------------------------------------------------------------ parameters
     def refresh_model(self) -> None:
         """All-gather every rank's updated slice into the model parameters (collective)."""
         self.pending = None
         self.gather.run(self.masters, lambda i: self.model_params[i].data.view(-1))
-
-    def copy_masters_to_model(self) -> None:
-        """Same as :meth:`refresh_model` (the name MasterWeights uses)."""
-        self.refresh_model()
 
     def state_dict(self) -> list[torch.Tensor]:
         """O2: ``[this rank's FP32 slice]``; O1 and AMP off: ``[]`` (the model holds the values)."""

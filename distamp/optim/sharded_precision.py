@@ -82,7 +82,7 @@ class ShardedPrecision(MixedPrecision):
     def after_backward(self, window_open: bool) -> None:
         """O2, inside a gradient-merge window, when the gradients were not reduce-scattered: sum them in FP32."""
         masters = self.master_weights
-        if window_open and masters.low_dtype is not None and not masters.grads_reduced:
+        if window_open and masters.low_dtype is not None and not masters.grads.reduced:
             if self.grad_accumulator is None:
                 self.grad_accumulator = Fp32GradAccumulator(masters.model_params)
             self.grad_accumulator.add_and_zero()
@@ -101,10 +101,10 @@ class ShardedPrecision(MixedPrecision):
         if self.grad_accumulator is not None:
             extra = self.grad_accumulator.take()
             self.grad_accumulator.reset()
-        masters.collect_grads(extra)
+        masters.grads.collect(extra)
         if self.scaler is None:
             return False, None  # AMP off: applied as they are, as without sharding
-        grads = masters.grads
+        grads = masters.grads.buffer
         flags = torch.zeros(2, dtype=torch.float32, device=grads.device)
         if grads.numel():
             found = torch.zeros(1, dtype=torch.float32, device=grads.device)
@@ -119,7 +119,7 @@ class ShardedPrecision(MixedPrecision):
 
     def expose_unscaled_grads(self) -> None:
         """Make the model's ``.grad`` hold this rank's slice of the unscaled gradients and zeros elsewhere."""
-        self._exposed = self.master_weights.expose_grads()
+        self._exposed = self.master_weights.grads.expose()
 
     def take_user_grad_changes(self) -> None:
         """Copy back this rank's slice of the model gradients changed since :meth:`expose_unscaled_grads`."""
@@ -128,7 +128,7 @@ class ShardedPrecision(MixedPrecision):
         changed = {id(g) for g, version in self._exposed if g._version != version}
         self._exposed = None
         if changed:
-            self.master_weights.take_grad_changes(changed)
+            self.master_weights.grads.take_changes(changed)
 
     def after_applied_step(self) -> None:
         """All-gather the updated slices into every rank's model (16-bit on the wire in O2)."""
@@ -149,7 +149,7 @@ class ShardedPrecision(MixedPrecision):
         Raises:
             RuntimeError: ``error_if_nonfinite`` and the norm is inf or NaN.
         """
-        flat = self.master_weights.grads
+        flat = self.master_weights.grads.buffer
         norm_type = float(norm_type)
         local = torch.zeros(1, dtype=torch.float32, device=flat.device)
         if flat.numel():
