@@ -205,13 +205,27 @@ class _Source:
         )
         self.piece_starts = [entry[0] for entry in self.pieces]
 
-    def state_at(self, flat: int) -> dict:
-        """``{"keys": [...], "scalars": {...}}`` of the saved piece holding flat element ``flat``."""
-        i = bisect.bisect_right(self.piece_starts, flat) - 1
-        if i < 0 or not self.pieces[i][0] <= flat < self.pieces[i][1]:
-            raise ValueError(f"the checkpoint's shard parts do not cover flat element {flat}")
-        _, _, part, j = self.pieces[i]
-        return part["piece_state"][j]
+    def state_at(self, flat_lo: int, flat_hi: int) -> dict:
+        """``{"keys": [...], "scalars": {...}}`` of the saved piece holding flat element ``flat_lo``.
+
+        Raises:
+            ValueError: a state tensor that is neither per-element nor a
+                scalar (e.g. factored moments), asked for another range than
+                the one it was saved for: it cannot be re-sliced.
+        """
+        i = bisect.bisect_right(self.piece_starts, flat_lo) - 1
+        if i < 0 or not self.pieces[i][0] <= flat_lo < self.pieces[i][1]:
+            raise ValueError(f"the checkpoint's shard parts do not cover flat element {flat_lo}")
+        start, stop, part, j = self.pieces[i]
+        saved = part["piece_state"][j]
+        shaped = [k for k, v in saved["scalars"].items() if torch.is_tensor(v) and v.dim() > 0]
+        if shaped and (start, stop) != (flat_lo, flat_hi):
+            raise ValueError(
+                f"optimizer state {shaped} of flat elements [{start}, {stop}) is neither per-element nor a "
+                f"scalar, so it cannot be re-sliced to [{flat_lo}, {flat_hi}); resume with the world size and "
+                "sharding it was saved with"
+            )
+        return saved
 
     def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of ``masters`` (name None) or per-element state ``name``, concatenated."""
@@ -231,7 +245,7 @@ class _Source:
 
     def piece_state(self, flat_lo: int, flat_hi: int, shape: tuple[int, ...]) -> dict | None:
         """A piece's optimizer state over ``[flat_lo, flat_hi)``, shaped ``shape`` (None: it had none)."""
-        saved = self.state_at(flat_lo)
+        saved = self.state_at(flat_lo, flat_hi)
         if not saved["keys"] and not saved["scalars"]:
             return None
         state = {key: self.read(key, flat_lo, flat_hi).view(shape) for key in saved["keys"]}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,3 +89,17 @@ def test_join_refuses_other_parameters_other_groups_and_another_mode():
         flat_state.join(common, {0: shard}, o1)
     with pytest.raises(ValueError, match="load it into fleet.distributed_optimizer's optimizer"):
         flat_state.parts_needed(common, None)
+
+
+def test_state_that_is_not_per_element_cannot_be_re_sliced():
+    opt = _trained()
+    target = flat_state.describe(opt)
+    state = copy.deepcopy(opt.state_dict())  # the inner state dicts are the optimizer's own
+    state["inner"]["state"][2]["factored"] = torch.ones(2)  # e.g. Adafactor's row statistics of the 2x7 weight
+    whole = flat_state.join(state, {}, _target(target, 2, 1))  # rank 1 holds that weight whole: kept as it is
+    assert torch.equal(whole["inner"]["state"][2]["factored"], torch.ones(2))  # rank 1's third piece
+    state = copy.deepcopy(opt.state_dict())
+    state["inner"]["state"][0]["factored"] = torch.ones(7)  # the 7x5 weight, cut between ranks 0 and 1
+    with pytest.raises(ValueError, match=r"\['factored'\] of flat elements \[0, 35\) is neither per-element nor a "
+                                         r"scalar, so it cannot be re-sliced to \[0, 30\)"):
+        flat_state.join(state, {}, _target(target, 2, 0))
