@@ -30,7 +30,14 @@ import torch
 
 from distamp.suggest import did_you_mean
 
-__all__ = ["AmpConfig", "DistributedStrategy", "GradientMergeConfig", "validate_dtype", "validate_op_lists"]
+__all__ = [
+    "AmpConfig",
+    "DistributedStrategy",
+    "GradientMergeConfig",
+    "ShardingConfig",
+    "validate_dtype",
+    "validate_op_lists",
+]
 
 _INT64_MAX = 2**63 - 1  # counters and patience may live in int64 tensors
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # the scale is a float32 tensor
@@ -426,8 +433,39 @@ class GradientMergeConfig(_Config):
         object.__setattr__(self, "avg", _as_bool(self._OWNER, "avg", self.avg))
 
 
+@dataclass(frozen=True)
+class ShardingConfig(_Config):
+    """Sharded optimizer state (ZeRO): the typed form of ``strategy.sharding_configs``.
+
+    Each rank owns a balanced contiguous slice of the flat parameter space
+    and keeps the FP32 masters, the FP32 gradients and the inner optimizer's
+    state of that slice only (ZeRO, https://arxiv.org/abs/1910.02054).
+
+    Example::
+
+        cfg = ShardingConfig.from_dict({"stage": 2})
+        cfg.stage                            # 2
+    """
+
+    _OWNER: ClassVar[str] = "sharding_configs"
+    _STAGES: ClassVar[tuple[int, ...]] = (1, 2)
+
+    stage: int = 1
+    """1: optimizer state, FP32 masters and FP32 gradients sharded, gradients all-reduced;
+    2: gradients reduce-scattered instead (16-bit on the wire, summed in FP32)."""
+
+    def __post_init__(self) -> None:
+        value = self.stage
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) not in self._STAGES:
+            hint = " Stage 3 (sharded parameters) is not implemented; stage 2 saves the most memory." if (
+                not isinstance(value, bool) and value == 3) else ""
+            _fail(self._OWNER, "stage", value, "one of " + ", ".join(str(s) for s in self._STAGES), hint)
+        object.__setattr__(self, "stage", int(value))
+
+
 # --------------------------------------------------------------------------
-# Read-only views returned by strategy.amp_configs / gradient_merge_configs.
+# Read-only views returned by strategy.amp_configs, gradient_merge_configs and
+# sharding_configs.
 # Writing into them would be silently lost (the typed config is the source
 # of truth), so every mutation raises and says how to do it instead.
 # --------------------------------------------------------------------------
@@ -497,9 +535,10 @@ class _ConfigView(dict):
 # The strategy.
 # --------------------------------------------------------------------------
 
-_ATTRS = ("amp", "amp_configs", "gradient_merge", "gradient_merge_configs", "find_unused_parameters",
-          "fuse_grad_size_in_MB")
-_DEFAULTS = {"amp": False, "gradient_merge": False, "find_unused_parameters": False, "fuse_grad_size_in_MB": 25}
+_ATTRS = ("amp", "amp_configs", "gradient_merge", "gradient_merge_configs", "sharding", "sharding_configs",
+          "find_unused_parameters", "fuse_grad_size_in_MB")
+_DEFAULTS = {"amp": False, "gradient_merge": False, "sharding": False, "find_unused_parameters": False,
+             "fuse_grad_size_in_MB": 25}
 
 
 def _restore_strategy(state: tuple) -> DistributedStrategy:
@@ -524,10 +563,14 @@ class DistributedStrategy:
       ``s.amp_configs = {**s.amp_configs, "incr_ratio": 4.0}``.
     * ``gradient_merge`` (bool, False) and ``gradient_merge_configs``
       (dict): see :class:`GradientMergeConfig`; same rules as amp_configs.
+    * ``sharding`` (bool, False) and ``sharding_configs`` (dict): shard the
+      optimizer state over the data-parallel ranks (ZeRO stage 1 or 2); see
+      :class:`ShardingConfig`; same rules as amp_configs.
     * ``find_unused_parameters`` (bool, False): passed to DDP.
     * ``fuse_grad_size_in_MB`` (number > 0, 25): DDP's gradient bucket size.
 
-    ``amp_config`` and ``gradient_merge_config`` return the typed configs.
+    ``amp_config``, ``gradient_merge_config`` and ``sharding_config`` return
+    the typed configs.
 
     Example::
 
@@ -550,6 +593,8 @@ class DistributedStrategy:
         "_fuse_grad_size_in_MB",
         "_gradient_merge",
         "_gradient_merge_config",
+        "_sharding",
+        "_sharding_config",
     )
     __hash__ = None  # mutable
 
@@ -558,6 +603,8 @@ class DistributedStrategy:
         object.__setattr__(self, "_amp_config", AmpConfig())
         object.__setattr__(self, "_gradient_merge", False)
         object.__setattr__(self, "_gradient_merge_config", GradientMergeConfig())
+        object.__setattr__(self, "_sharding", False)
+        object.__setattr__(self, "_sharding_config", ShardingConfig())
         object.__setattr__(self, "_find_unused_parameters", False)
         object.__setattr__(self, "_fuse_grad_size_in_MB", _DEFAULTS["fuse_grad_size_in_MB"])
         for name, value in attributes.items():
@@ -567,7 +614,7 @@ class DistributedStrategy:
         if name in _ATTRS:
             object.__setattr__(self, name, value)  # goes through the property setter
             return
-        if name in ("amp_config", "gradient_merge_config"):
+        if name in ("amp_config", "gradient_merge_config", "sharding_config"):
             raise ValueError(
                 f"DistributedStrategy.{name} is read-only; assign a dict to {name}s instead, "
                 f"e.g. strategy.{name}s = {{...}}."
@@ -575,7 +622,7 @@ class DistributedStrategy:
         raise ValueError(
             f"DistributedStrategy has no attribute {name!r}.{did_you_mean(name, _ATTRS)} "
             f"distamp supports only: {', '.join(_ATTRS)}. Paddle Fleet's other strategy flags "
-            f"(recompute, sharding, pipeline, dgc, ...) are not implemented by distamp."
+            f"(recompute, pipeline, dgc, ...) are not implemented by distamp."
         )
 
     # -- flags ---------------------------------------------------------------
@@ -597,6 +644,15 @@ class DistributedStrategy:
     @gradient_merge.setter
     def gradient_merge(self, value: bool) -> None:
         object.__setattr__(self, "_gradient_merge", _as_bool("strategy", "gradient_merge", value))
+
+    @property
+    def sharding(self) -> bool:
+        """Shard the optimizer state over the data-parallel ranks as sharding_configs says (bool, default False)."""
+        return self._sharding
+
+    @sharding.setter
+    def sharding(self, value: bool) -> None:
+        object.__setattr__(self, "_sharding", _as_bool("strategy", "sharding", value))
 
     @property
     def find_unused_parameters(self) -> bool:
@@ -650,6 +706,20 @@ class DistributedStrategy:
         """The typed gradient-merge config (read-only)."""
         return self._gradient_merge_config
 
+    @property
+    def sharding_configs(self) -> dict:
+        """The full effective sharding config as a read-only dict; assign a dict to replace it."""
+        return _ConfigView(self._sharding_config)
+
+    @sharding_configs.setter
+    def sharding_configs(self, value: Mapping) -> None:
+        object.__setattr__(self, "_sharding_config", ShardingConfig.from_dict(value))
+
+    @property
+    def sharding_config(self) -> ShardingConfig:
+        """The typed sharding config (read-only)."""
+        return self._sharding_config
+
     # -- conversion ------------------------------------------------------------
 
     def to_dict(self) -> dict:
@@ -659,6 +729,8 @@ class DistributedStrategy:
             "amp_configs": self.amp_config.to_dict(),
             "gradient_merge": self.gradient_merge,
             "gradient_merge_configs": self.gradient_merge_config.to_dict(),
+            "sharding": self.sharding,
+            "sharding_configs": self.sharding_config.to_dict(),
             "find_unused_parameters": self.find_unused_parameters,
             "fuse_grad_size_in_MB": self.fuse_grad_size_in_MB,
         }

@@ -6,6 +6,7 @@ The README's main job::
     distrun --nproc_per_node 2 examples/train_digits.py --pure_fp16
     distrun --nproc_per_node 2 examples/train_digits.py --dtype bfloat16
     distrun --nproc_per_node 2 examples/train_digits.py --no_amp   # FP32 baseline
+    distrun --nproc_per_node 2 examples/train_digits.py --pure_fp16 --sharding_stage 2   # ZeRO-2
 
 The data (1,797 8x8 images) ships inside scikit-learn, so nothing is
 downloaded. Every rank splits it with the same seed, trains on its
@@ -108,6 +109,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     amp.add_argument("--no_amp", action="store_true", help="FP32 baseline, AMP off")
     amp.add_argument("--init_loss_scaling", type=float, default=32768.0,
                      help="first loss scale for float16 (default: %(default)s)")
+    amp.add_argument("--sharding_stage", type=int, choices=(0, 1, 2), default=0,
+                     help="shard the optimizer state over the ranks (ZeRO stage 1 or 2; 0: off, the default)")
     train = p.add_argument_group("training")
     train.add_argument("--epochs", type=int, default=20, help="default: %(default)s")
     train.add_argument("--max_steps", type=int, default=None,
@@ -163,6 +166,9 @@ def build_strategy(args: argparse.Namespace) -> fleet.DistributedStrategy:
     """The distamp strategy the command line asks for."""
     strategy = fleet.DistributedStrategy()
     strategy.amp = not args.no_amp
+    if args.sharding_stage:
+        strategy.sharding = True
+        strategy.sharding_configs = {"stage": args.sharding_stage}
     if strategy.amp:
         strategy.amp_configs = {
             "init_loss_scaling": args.init_loss_scaling,
@@ -296,7 +302,8 @@ def main(argv: Sequence[str] | None = None) -> float:
     history = train(model, optimizer, loader, sampler, args, resume)
     accuracy = evaluate(model, test_set)
     if fleet.is_first_worker():
-        summary = {"precision": precision_name(args), "world_size": fleet.worker_num(),
+        summary = {"precision": precision_name(args), "sharding_stage": args.sharding_stage,
+                   "world_size": fleet.worker_num(),
                    "epochs": args.epochs, "max_steps": args.max_steps, "lr": args.lr,
                    "seed": args.seed, "batch_size_per_rank": args.batch_size,
                    "skipped_steps": sum(history.skipped), "test_accuracy": accuracy}

@@ -34,9 +34,10 @@ from distamp.launcher.cli import main, parse_plan
 from distamp.launcher.plan import LaunchPlan, UsageError
 from distamp.strategy import AmpConfig, DistributedStrategy, GradientMergeConfig
 
-ATTRS = ["amp", "amp_configs", "gradient_merge", "gradient_merge_configs", "find_unused_parameters",
-         "fuse_grad_size_in_MB"]
-PADDLE_ONLY = ["recompute", "sharding", "pipeline", "dgc", "lars", "a_sync", "amp_config", "gradient_merge_config"]
+ATTRS = ["amp", "amp_configs", "gradient_merge", "gradient_merge_configs", "sharding", "sharding_configs",
+         "find_unused_parameters", "fuse_grad_size_in_MB"]
+PADDLE_ONLY = ["recompute", "pipeline", "dgc", "lars", "a_sync", "amp_config", "gradient_merge_config",
+               "sharding_config"]
 
 _scalars = st.one_of(
     st.none(),
@@ -84,6 +85,7 @@ def _names_one_of(message: str, candidates) -> bool:
 def _assert_well_formed(strategy: DistributedStrategy) -> None:
     """An accepted strategy is typed, JSON-clean and round-trips through from_dict."""
     assert isinstance(strategy.amp, bool) and isinstance(strategy.gradient_merge, bool)
+    assert isinstance(strategy.sharding, bool) and strategy.sharding_config.stage in (1, 2)
     assert isinstance(strategy.find_unused_parameters, bool)
     assert 0 < strategy.fuse_grad_size_in_MB and math.isfinite(strategy.fuse_grad_size_in_MB)
     assert isinstance(strategy.amp_config, AmpConfig)
@@ -135,6 +137,7 @@ def test_random_constructor_keywords_are_accepted_or_name_the_attribute(kwargs):
     st.fixed_dictionaries({}, optional={
         "amp": _values, "amp_configs": st.dictionaries(st.sampled_from(list(AmpConfig().to_dict())), _values, max_size=3),
         "gradient_merge_configs": st.dictionaries(st.sampled_from(["k_steps", "avg", "k_step"]), _values, max_size=2),
+        "sharding_configs": st.dictionaries(st.sampled_from(["stage", "stag"]), _values, max_size=2),
         "fuse_grad_size_in_MB": _values,
     }),
     _values,

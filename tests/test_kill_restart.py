@@ -2,7 +2,9 @@
 
 The digits example runs twice on 2 CPU ranks in O2 FP16 with checkpoints:
 once uninterrupted, once with rank 1 killed after the step-60 checkpoint
-under ``--max_restarts 1``. The final parameters must be identical.
+under ``--max_restarts 1``. The final parameters must be identical. The
+sharded variant (ZeRO stage 2: each rank saves and reloads its own slice of
+the optimizer state) runs a shorter job.
 """
 
 from __future__ import annotations
@@ -21,15 +23,20 @@ from tests.processes import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_digits.py"
-STEPS, EVERY, KILL_AFTER = 120, 20, 60
+JOBS = {  # sharding stage: (steps, checkpoint every, kill after the checkpoint of)
+    0: (120, 20, 60),
+    2: (60, 20, 40),
+}
 
 
-def command(run_dir: Path, *extra: str) -> list[str]:
+def command(run_dir: Path, *extra: str, stage: int = 0) -> list[str]:
+    steps, every, _ = JOBS[stage]
     return [
         sys.executable, "-m", "distamp.launcher", "--nproc_per_node", "2",
         "--log_dir", str(run_dir / "log"), *extra,
-        str(EXAMPLE), "--pure_fp16", "--dtype", "float16", "--max_steps", str(STEPS),
-        "--checkpoint_dir", str(run_dir / "ckpt"), "--checkpoint_every", str(EVERY),
+        str(EXAMPLE), "--pure_fp16", "--dtype", "float16", "--max_steps", str(steps),
+        "--sharding_stage", str(stage),
+        "--checkpoint_dir", str(run_dir / "ckpt"), "--checkpoint_every", str(every),
         "--save_params", str(run_dir / "final.pt"), "--out_dir", str(run_dir / "out"), "--no_progress",
     ]
 
@@ -52,22 +59,24 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(300)
-def test_sigkilled_worker_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("stage", sorted(JOBS))
+def test_sigkilled_worker_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path, stage):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     clean = tmp_path / "clean"
-    done = subprocess.run(command(clean), env=env, capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(command(clean, stage=stage), env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
     assert done.returncode == 0, done.stderr[-3000:]
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(
-        command(killed, "--max_restarts", "1"), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    proc = subprocess.Popen(command(killed, "--max_restarts", "1", stage=stage), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    kill_after = JOBS[stage][2]
     try:
-        marker = killed / "ckpt" / f"step-{KILL_AFTER:08d}.json"
+        marker = killed / "ckpt" / f"step-{kill_after:08d}.json"
         deadline = time.monotonic() + 100
         while not marker.exists():
             assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the step-60 checkpoint never appeared"
+            assert time.monotonic() < deadline, f"the step-{kill_after} checkpoint never appeared"
             time.sleep(0.05)
         victim = training_worker(proc.pid, rank=1)
         assert victim is not None, "rank 1's training process not found"
@@ -81,6 +90,9 @@ def test_sigkilled_worker_restarts_resumes_and_matches_an_uninterrupted_run(tmp_
 
     log = (killed / "log" / "workerlog.1").read_text()
     assert log.count("===== distrun:") == 2, "rank 1 was not restarted exactly once"
+    if stage:  # every rank wrote its own slice of the optimizer state
+        assert sorted(p.name.split(".")[1] for p in (killed / "ckpt").glob(f"step-{kill_after:08d}.*.pt")) == [
+            "common", "rank-00000", "rank-00001"]
     reference, resumed = final_params(clean), final_params(killed)
     assert reference.keys() == resumed.keys()
     for name in reference:

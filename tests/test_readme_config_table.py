@@ -1,7 +1,7 @@
-"""The README's amp_configs table and AmpConfig must agree: same keys, same defaults.
+"""The README's config tables and the config dataclasses must agree: same keys, same defaults.
 
-AmpConfig is the one source of truth for defaults (STYLE.md, house rule 2);
-this test keeps the documentation from drifting away from it.
+AmpConfig and ShardingConfig are the one source of truth for their defaults
+(house rule 2); this test keeps the documentation from drifting away from them.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from distamp.strategy import AmpConfig
+from distamp.strategy import AmpConfig, ShardingConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 HEADER = ["key", "type, range", "default", "meaning"]
@@ -53,10 +53,15 @@ def _unquote_code(cell: str) -> str:
 
 def parse_amp_configs_table(markdown: str) -> dict:
     """``{key: default}`` from the first key/type/default/meaning table under an amp_configs heading."""
+    return parse_config_table(markdown, "amp_configs")
+
+
+def parse_config_table(markdown: str, name: str) -> dict:
+    """``{key: default}`` from the first key/type/default/meaning table under a heading naming ``name``."""
     lines = markdown.splitlines()
-    headings = [i for i, line in enumerate(lines) if line.lstrip().startswith("#") and "amp_configs" in line]
+    headings = [i for i, line in enumerate(lines) if line.lstrip().startswith("#") and name in line]
     if not headings:
-        raise AssertionError("no Markdown heading containing 'amp_configs'")
+        raise AssertionError(f"no Markdown heading containing {name!r}")
     start = headings[0] + 1
     header = next(
         (i for i in range(start, len(lines))
@@ -64,7 +69,7 @@ def parse_amp_configs_table(markdown: str) -> dict:
         None,
     )
     if header is None:
-        raise AssertionError(f"no table with header | {' | '.join(HEADER)} | after the amp_configs heading")
+        raise AssertionError(f"no table with header | {' | '.join(HEADER)} | after the {name} heading")
     defaults: dict = {}
     for line in lines[header + 2:]:  # skip the | --- | separator
         if not line.lstrip().startswith("|"):
@@ -121,14 +126,15 @@ After the table.
         parse_amp_configs_table("# amp_configs\n\nno table here\n")
 
 
-def test_readme_amp_configs_table_matches_amp_config():
-    assert README.is_file(), f"{README} is missing; it must document amp_configs in a table"
-    documented = parse_amp_configs_table(README.read_text(encoding="utf-8"))
-    actual = AmpConfig().to_dict()
+@pytest.mark.parametrize("name,config", [("amp_configs", AmpConfig), ("sharding_configs", ShardingConfig)])
+def test_readme_config_table_matches_the_dataclass(name, config):
+    assert README.is_file(), f"{README} is missing; it must document {name} in a table"
+    documented = parse_config_table(README.read_text(encoding="utf-8"), name)
+    actual = config().to_dict()
     assert set(documented) == set(actual), (
         f"README lacks {sorted(set(actual) - set(documented))}, "
         f"documents unknown {sorted(set(documented) - set(actual))}"
     )
     wrong = {k: (documented[k], actual[k]) for k in actual
              if documented[k] != actual[k] or (type(documented[k]) is bool) != (type(actual[k]) is bool)}
-    assert not wrong, f"README default differs from AmpConfig (README, AmpConfig): {wrong}"
+    assert not wrong, f"README default differs from {config.__name__} (README, {config.__name__}): {wrong}"

@@ -1,4 +1,4 @@
-"""DistributedStrategy, AmpConfig and GradientMergeConfig: defaults, validation, views, round trips."""
+"""DistributedStrategy, AmpConfig, GradientMergeConfig and ShardingConfig: defaults, validation, views, round trips."""
 
 from __future__ import annotations
 
@@ -20,7 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from distamp.amp.op_lists import known_op_names
-from distamp.strategy import AmpConfig, DistributedStrategy, GradientMergeConfig
+from distamp.strategy import (
+    AmpConfig,
+    DistributedStrategy,
+    GradientMergeConfig,
+    ShardingConfig,
+)
 from distamp.suggest import did_you_mean
 
 # The contract's defaults (README's amp_configs table), copied by hand so a changed default fails here.
@@ -509,7 +514,7 @@ _values = st.recursive(
     lambda inner: st.one_of(st.lists(inner, max_size=3), st.tuples(inner), st.dictionaries(st.text(max_size=4), inner, max_size=2)),
     max_leaves=4,
 )
-_keys = st.one_of(st.sampled_from(AMP_KEYS + ["k_steps", "avg"]), st.text(max_size=20), st.none(), st.integers(), st.binary(max_size=4))
+_keys = st.one_of(st.sampled_from(AMP_KEYS + ["k_steps", "avg", "stage"]), st.text(max_size=20), st.none(), st.integers(), st.binary(max_size=4))
 
 
 def _names_an_offending_key(message: str, config: dict) -> bool:
@@ -519,7 +524,7 @@ def _names_an_offending_key(message: str, config: dict) -> bool:
 @settings(max_examples=200, deadline=None)
 @given(config=st.one_of(st.dictionaries(_keys, _values, max_size=4), _values))
 def test_fuzz_configs_accept_or_raise_value_error_naming_the_key(config):
-    for attr in ("amp_configs", "gradient_merge_configs"):
+    for attr in ("amp_configs", "gradient_merge_configs", "sharding_configs"):
         s = DistributedStrategy()
         try:
             with warnings.catch_warnings():
@@ -572,3 +577,44 @@ def test_fuzz_known_keys_with_random_values(amp, merge):
             defaults = AmpConfig().to_dict() if attr == "amp_configs" else GradientMergeConfig().to_dict()
             for key, value in getattr(s, attr).items():
                 assert isinstance(value, type(defaults[key])) or value is None or defaults[key] is None
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+def test_sharding_configs_defaults_round_trip_and_view():
+    s = DistributedStrategy()
+    assert s.sharding is False and s.sharding_configs == {"stage": 1}
+    s.sharding = True
+    s.sharding_configs = {"stage": 2}
+    assert s.sharding_config == ShardingConfig(stage=2) and s.sharding_config.stage == 2
+    assert repr(s) == "DistributedStrategy(sharding=True, sharding_configs={'stage': 2})"
+    assert repr(ShardingConfig(stage=2)) == "ShardingConfig(stage=2)"
+    assert ShardingConfig.from_dict({"stage": 2}).to_dict() == {"stage": 2}
+    back = DistributedStrategy.from_dict(json.loads(json.dumps(s.to_dict())))
+    assert back == s and copy.deepcopy(s) == s and pickle.loads(pickle.dumps(s)) == s
+    with pytest.raises(TypeError, match=re.escape("strategy.sharding_configs = {**strategy.sharding_configs, 'stage'")):
+        s.sharding_configs["stage"] = 1
+    with pytest.raises(ValueError, match=r"sharding_config is read-only; assign a dict to sharding_configs"):
+        s.sharding_config = ShardingConfig()
+    s.sharding_configs = {}
+    assert s.sharding_configs == {"stage": 1}  # assigning replaces: unset keys go back to defaults
+
+
+def test_sharding_configs_typo_suggests_stage():
+    with pytest.raises(ValueError, match=r"sharding_configs has no key 'stag'\. Did you mean 'stage'\? Valid keys: stage\."):
+        DistributedStrategy().sharding_configs = {"stag": 1}
+
+
+@pytest.mark.parametrize("value", [3, 0, True, "1", 1.0, None])
+def test_sharding_stage_must_be_1_or_2(value):
+    with pytest.raises(ValueError, match=re.escape(f"sharding_configs['stage'] must be one of 1, 2; got {value!r}.")):
+        DistributedStrategy().sharding_configs = {"stage": value}
+    if value == 3:
+        with pytest.raises(ValueError, match="Stage 3 \\(sharded parameters\\) is not implemented"):
+            ShardingConfig(stage=3)
+
+
+def test_sharding_flag_must_be_a_bool():
+    with pytest.raises(ValueError, match=re.escape("strategy.sharding must be a bool (True or False); got 1.")):
+        DistributedStrategy().sharding = 1

@@ -42,11 +42,15 @@ rename commits the checkpoint. Only then are older checkpoints beyond
 point, even while the same step is saved again, leaves the previous
 committed checkpoint intact; a save that fails removes what it wrote.
 
-Today a checkpoint has one payload, part ``common``, written by rank 0.
-The format also holds one ``rank-<R>`` part per rank (e.g.
-``step-00000200.rank-00003.<hash>.pt``), each written by its rank and all
-listed in the one manifest committed last, and a reader verifies and loads
-only the parts it needs; sharded optimizer state is meant to use that.
+Every checkpoint has the part ``common``, written by rank 0. With
+``strategy.sharding`` each rank also writes its slice of the optimizer
+state as its own part ``rank-<R>`` (e.g.
+``step-00000200.rank-00003.<hash>.pt``), with the slice's range in the flat
+parameter space; rank 0 commits one manifest listing every part once all
+are written, and nothing is gathered to rank 0. A reader verifies and
+loads only the parts it needs: the common one and the saved slices that
+overlap its own, so any world size, sharded or not, can resume any
+checkpoint (:mod:`distamp.optim.flat_state` re-slices).
 Manifests of format ``distamp.checkpoint/1`` (``step-<N>.pt`` payloads) are
 still read.
 
@@ -56,7 +60,7 @@ cannot be read is skipped, on every rank, with a warning naming the file
 and the reason, in favour of the next older one; one that reads but does
 not fit the model or optimizer raises on every rank.
 
-Rank 0 writes; every rank reads, so on several nodes ``directory`` must be
+Rank 0 writes (and each rank its optimizer slice); every rank reads, so on several nodes ``directory`` must be
 on a file system every node sees (NFS, Lustre, ...). Both functions are
 collective when ``torch.distributed`` is initialised: call them on every
 rank, at the same point of the loop. The ranks wait for each other on the

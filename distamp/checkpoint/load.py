@@ -11,10 +11,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from distamp.optim import flat_state
+
 from . import rng, storage
 from .collective import Coordinator, check_timeout
-from .manifest import COMMON, CheckpointCorrupt, Manifest, manifest_name
-from .state import UnusablePayload, check_objects, check_payload, restore
+from .manifest import COMMON, CheckpointCorrupt, Manifest, manifest_name, rank_part
+from .state import (
+    UnusablePayload,
+    check_objects,
+    check_payload,
+    check_shard_payload,
+    restore,
+)
 
 __all__ = ["CheckpointInfo", "load_latest_checkpoint"]
 
@@ -72,6 +80,12 @@ def load_latest_checkpoint(
     - one that rank 0 reads intact but another rank cannot raises too (on
       several nodes, the directory must be shared).
 
+    Sharded optimizer state (``strategy.sharding``): each rank reads, besides
+    the common payload, only the ranks' parts that overlap its own slice of
+    the flat parameter space, and the state is re-sliced for its layout, so
+    a checkpoint saved sharded or not, at any world size, loads sharded or
+    not, at any world size.
+
     Different world size: model, optimizer, scheduler and ``extra`` are
     restored exactly (data parallelism keeps them identical on every rank),
     but the RNG states are not, since the saved per-rank streams do not map
@@ -104,11 +118,12 @@ def load_latest_checkpoint(
     """
     path = storage.check_directory(directory)
     check_objects(model, optimizer, scheduler)
+    target = flat_state.describe(optimizer)
     coordinator = Coordinator("load", check_timeout(timeout))
     candidates, failure = coordinator.broadcast(_list(path) if coordinator.rank == 0 else None)
     if failure is not None:
         raise RuntimeError(f"rank 0 could not list checkpoints in {path!r}: {failure}")
-    manifest, payload, skipped = _choose(coordinator, path, candidates)
+    manifest, payload, shards, skipped = _choose(coordinator, path, candidates, target)
     if manifest is None:
         if skipped:
             warnings.warn(f"no intact checkpoint in {path!r}; starting from scratch", stacklevel=2)
@@ -117,7 +132,7 @@ def load_latest_checkpoint(
     payload_path = os.path.join(path, manifest.file(COMMON).name)
     error = None
     try:
-        restore(payload, model, optimizer, scheduler)
+        restore(payload, model, optimizer, scheduler, shards)
     except Exception as exc:  # noqa: BLE001 - made collective below
         error = f"rank {coordinator.rank}: {type(exc).__name__}: {exc}"
     errors = coordinator.decide(error, lambda found: [e for e in found if e is not None])
@@ -142,26 +157,28 @@ def _list(path: str) -> tuple[list[int], str | None]:
         return [], f"{type(exc).__name__}: {exc}"
 
 
-def _choose(coordinator: Coordinator, path: str, candidates: list[int]) -> tuple[Manifest | None, Any, list[str]]:
-    """The newest checkpoint every rank read intact: ``(manifest, payload, skipped reasons)``."""
+def _choose(
+    coordinator: Coordinator, path: str, candidates: list[int], target: flat_state.Target | None
+) -> tuple[Manifest | None, Any, dict[int, dict], list[str]]:
+    """The newest checkpoint every rank read intact: ``(manifest, payload, shards, skipped reasons)``."""
     skipped: list[str] = []
     for step in candidates:
-        manifest, payload, outcome = None, None, ("ok", None)
+        manifest, payload, shards, outcome = None, None, {}, ("ok", None)
         try:
-            manifest, payload = _read(path, step)
+            manifest, payload, shards = _read(path, step, target)
         except CheckpointCorrupt as exc:
             outcome = ("bad", str(exc))
         except Exception as exc:  # noqa: BLE001 - made collective below
             outcome = ("error", f"{type(exc).__name__}: {exc}")
         verdict, message = coordinator.decide(outcome, _verdict)
         if verdict == "use":
-            return manifest, payload, skipped
+            return manifest, payload, shards, skipped
         if verdict == "skip":
             warnings.warn(f"skipping bad checkpoint {message}; falling back to an older one", stacklevel=3)
             skipped.append(message)
             continue
         raise RuntimeError(f"could not resume from {os.path.join(path, manifest_name(step))}: {message}")
-    return None, None, skipped
+    return None, None, {}, skipped
 
 
 def _verdict(outcomes: list[tuple[str, str | None]]) -> tuple[str, str | None]:
@@ -182,11 +199,24 @@ def _verdict(outcomes: list[tuple[str, str | None]]) -> tuple[str, str | None]:
     return "use", None
 
 
-def _read(path: str, step: int) -> tuple[Manifest, dict]:
-    """Manifest and common payload of checkpoint ``step``; ``CheckpointCorrupt`` if unusable."""
+def _read(path: str, step: int, target: flat_state.Target | None) -> tuple[Manifest, dict, dict[int, dict]]:
+    """Manifest, common payload and the shard parts this rank needs; ``CheckpointCorrupt`` if unusable."""
     manifest = storage.read_manifest(path, step)
     storage.verify(path, manifest, [COMMON])
-    file = os.path.join(path, manifest.file(COMMON).name)
+    payload = _load(path, manifest, COMMON, lambda p: check_payload(p, step))
+    # ValueError when it does not fit the optimizer: raised on every rank, never skipped.
+    needed = flat_state.parts_needed(payload["optimizer"], target)
+    storage.verify(path, manifest, [rank_part(r) for r in needed])
+    shards = {
+        r: _load(path, manifest, rank_part(r), lambda p, r=r: check_shard_payload(p, step, r))["optimizer_shard"]
+        for r in needed
+    }
+    return manifest, payload, shards
+
+
+def _load(path: str, manifest: Manifest, part: str, check: Any) -> dict:
+    """``torch.load(..., weights_only=True)`` of a verified part, then ``check(payload)``."""
+    file = os.path.join(path, manifest.file(part).name)
     try:
         payload = torch.load(file, map_location="cpu", weights_only=True)
     except MemoryError:
@@ -194,10 +224,10 @@ def _read(path: str, step: int) -> tuple[Manifest, dict]:
     except Exception as exc:  # any refusal makes the file unusable
         raise CheckpointCorrupt(file, f"torch.load(..., weights_only=True) refused it ({_gist(exc)})") from exc
     try:
-        check_payload(payload, step)
+        check(payload)
     except UnusablePayload as exc:
         raise CheckpointCorrupt(file, str(exc)) from exc
-    return manifest, payload
+    return payload
 
 
 def _gist(exc: Exception) -> str:

@@ -12,10 +12,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from distamp.optim import flat_state
+
 from . import rng, storage
 from .collective import Coordinator, check_timeout
-from .manifest import COMMON, Manifest
-from .state import build_payload, check_extra, check_objects, check_plain
+from .manifest import COMMON, Manifest, PayloadFile, rank_part
+from .state import (
+    build_payload,
+    build_shard_payload,
+    check_extra,
+    check_objects,
+    check_plain,
+)
 
 __all__ = ["save_checkpoint"]
 
@@ -56,6 +64,13 @@ def save_checkpoint(
     ``random``, NumPy, torch CPU and the rank's current CUDA device) and
     ``extra``.
 
+    With ``strategy.sharding`` each rank also writes its slice of the
+    optimizer state (FP32 masters and per-element state of its range of the
+    flat parameter space, with the range recorded) as its own part
+    ``rank-<R>``; nothing is gathered to rank 0, and the one manifest that
+    rank 0 commits lists every part. Any world size, sharded or not, can
+    load it (see :func:`~distamp.checkpoint.load_latest_checkpoint`).
+
     Example::
 
         save_checkpoint("ckpt", step, model=model, optimizer=optimizer,
@@ -86,25 +101,53 @@ def save_checkpoint(
     check_objects(model, optimizer, scheduler)
     extra = check_extra(extra)
     # Checked on every rank (the states are replicated), so all raise alike.
-    optimizer_state = optimizer.state_dict()
+    optimizer_state, shard = flat_state.split(optimizer.state_dict())
     scheduler_state = scheduler.state_dict() if scheduler is not None else None
     check_plain(optimizer_state, "optimizer.state_dict()")
+    check_plain(shard, "optimizer.state_dict()")
     check_plain(scheduler_state, "scheduler.state_dict()")
 
     coordinator = Coordinator(f"save step {step}", wait)
-    rng_states = coordinator.gather(rng.get_rng_state())
+    part = _write_part(path, step, coordinator.rank, shard) if shard is not None else None
+    gathered = coordinator.gather((rng.get_rng_state(), part))
     outcome, failure = None, None
     if coordinator.rank == 0:
         try:
+            parts = _part_files(gathered)
             payload = build_payload(step, coordinator.world_size, model, type(optimizer).__name__,
-                                    optimizer_state, scheduler_state, rng_states, extra)
-            outcome = ("saved", _write(path, step, payload, keep))
+                                    optimizer_state, scheduler_state, [g[0] for g in gathered], extra)
+            outcome = ("saved", _write(path, step, payload, keep, parts))
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             outcome, failure = ("failed", f"{type(exc).__name__}: {exc}"), exc
     kind, detail = coordinator.broadcast(outcome)
     if kind == "failed":
+        if part is not None and part[0] == "ok":
+            storage.discard(path, step, [part[1][1]])
         raise RuntimeError(f"rank 0 could not save checkpoint {step} in {path!r}: {detail}") from failure
     return os.path.join(path, detail)
+
+
+def _write_part(path: str, step: int, rank: int, shard: dict) -> tuple[str, Any]:
+    """Write this rank's optimizer shard; ``("ok", (part, name, size, sha256))`` or ``("failed", why)``."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        payload = build_shard_payload(step, rank, shard)
+        written = storage.write_payload(path, step, rank_part(rank), lambda f: torch.save(payload, f))
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the save everywhere
+        return "failed", f"rank {rank} could not write its optimizer shard: {type(exc).__name__}: {exc}"
+    return "ok", (written.part, written.name, written.size, written.sha256)
+
+
+def _part_files(gathered: list[tuple[dict, Any]]) -> list[PayloadFile]:
+    """The ranks' shard files, in rank order; raises when one failed or the ranks disagree on sharding."""
+    parts = [g[1] for g in gathered]
+    failed = [p[1] for p in parts if p is not None and p[0] == "failed"]
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    if any(p is None for p in parts) and any(p is not None for p in parts):
+        sharded = [r for r, p in enumerate(parts) if p is not None]
+        raise RuntimeError(f"only ranks {sharded} have sharded optimizer state; every rank must use the same strategy")
+    return [PayloadFile(*p[1]) for p in parts if p is not None]
 
 
 def _check_count(value: Any, name: str, minimum: int, why: str) -> int:
@@ -115,8 +158,8 @@ def _check_count(value: Any, name: str, minimum: int, why: str) -> int:
     return int(value)
 
 
-def _write(directory: str, step: int, payload: dict, keep: int) -> str:
-    """Write and commit checkpoint ``step``, then rotate; returns the payload's file name.
+def _write(directory: str, step: int, payload: dict, keep: int, parts: list[PayloadFile]) -> str:
+    """Write the common payload, commit checkpoint ``step`` with it and ``parts``, rotate; returns its name.
 
     A failure before the commit removes the payload it wrote (a full disk
     stays no fuller) and leaves every committed checkpoint as it was.
@@ -126,7 +169,8 @@ def _write(directory: str, step: int, payload: dict, keep: int) -> str:
     try:
         common = storage.write_payload(directory, step, COMMON, lambda f: torch.save(payload, f))
         written.append(common.name)
-        storage.commit(directory, Manifest(step=step, world_size=payload["world_size"], files=(common,)))
+        files = (common, *parts)
+        storage.commit(directory, Manifest(step=step, world_size=payload["world_size"], files=files))
     except BaseException:
         storage.discard(directory, step, written)
         raise

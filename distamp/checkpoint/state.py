@@ -16,15 +16,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from distamp.optim import flat_state
+
 from .manifest import FORMAT, LEGACY_FORMAT
 
 __all__ = [
     "UnusablePayload",
     "build_payload",
+    "build_shard_payload",
     "check_extra",
     "check_objects",
     "check_payload",
     "check_plain",
+    "check_shard_payload",
     "restore",
     "unwrap",
 ]
@@ -136,6 +140,23 @@ def build_payload(
     }
 
 
+def build_shard_payload(step: int, rank: int, shard: dict) -> dict[str, Any]:
+    """A rank's part: its slice of the sharded optimizer state (see :mod:`distamp.optim.flat_state`)."""
+    return {"format": FORMAT, "step": step, "rank": rank, "optimizer_shard": shard}
+
+
+def check_shard_payload(payload: Any, step: int, rank: int) -> None:
+    """``UnusablePayload`` unless ``payload`` is rank ``rank``'s part of checkpoint ``step``."""
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
+        raise UnusablePayload(f"not a {FORMAT} shard payload (found {found!r})")
+    if payload.get("step") != step or payload.get("rank") != rank or not isinstance(payload.get("optimizer_shard"),
+                                                                                    dict):
+        raise UnusablePayload(
+            f"payload is for step {payload.get('step')!r} rank {payload.get('rank')!r}; expected step {step} rank {rank}"
+        )
+
+
 def check_payload(payload: Any, step: int) -> None:
     """``UnusablePayload`` unless ``payload`` is a common payload of checkpoint ``step``."""
     if not isinstance(payload, dict) or payload.get("format") not in (FORMAT, LEGACY_FORMAT):
@@ -150,8 +171,15 @@ def check_payload(payload: Any, step: int) -> None:
         raise UnusablePayload(f"payload of {payload['world_size']!r} rank(s) lacks their RNG states")
 
 
-def restore(payload: Mapping, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
-    """Load model, optimizer and scheduler state; ``ValueError`` (or torch's error) on a mismatch."""
+def restore(
+    payload: Mapping, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, shards: Mapping | None = None
+) -> None:
+    """Load model, optimizer and scheduler state; ``ValueError`` (or torch's error) on a mismatch.
+
+    ``shards`` maps saving ranks to the optimizer shard parts this rank
+    needs (sharded checkpoints); the optimizer state is re-sliced for this
+    optimizer's own layout.
+    """
     saved_opt = payload["optimizer_type"]
     if saved_opt != type(optimizer).__name__:
         raise ValueError(
@@ -169,6 +197,7 @@ def restore(payload: Mapping, model: nn.Module, optimizer: torch.optim.Optimizer
         )
     # Model first: in O2 the optimizer then overwrites the 16-bit weights from its exact masters.
     unwrap(model).load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
+    target = flat_state.describe(optimizer)
+    optimizer.load_state_dict(flat_state.join(payload["optimizer"], dict(shards or {}), target))
     if scheduler is not None:
         scheduler.load_state_dict(payload["scheduler"])

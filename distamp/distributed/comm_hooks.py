@@ -8,12 +8,15 @@ and benchmarks can check "one all-reduce per bucket" and "half the bytes of
 FP32".
 """
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "LowPrecisionAllReduce", "low_precision_allreduce_hook"]
+__all__ = ["CommStats", "LowPrecisionAllReduce", "add_pending_fp32", "low_precision_allreduce_hook"]
+
+Pending = Callable[[Sequence[torch.Tensor]], "list[torch.Tensor | None] | None"]
 
 
 @dataclass
@@ -58,6 +61,10 @@ class LowPrecisionAllReduce:
             ``world_size / predivide_factor`` after; ``None`` divides by the
             whole world size before (safest against FP16 overflow).
         process_group: the data-parallel group; ``None`` means the world.
+        pending: returns, for a bucket's parameters, FP32 sums to add to the
+            bucket before the wire cast (gradient merge's earlier
+            micro-batches in O2, see
+            :class:`~distamp.optim.grad_accumulator.PendingFp32Grads`), or None.
     """
 
     def __init__(
@@ -65,6 +72,7 @@ class LowPrecisionAllReduce:
         wire_dtype: torch.dtype,
         predivide_factor: float | None = None,
         process_group: dist.ProcessGroup | None = None,
+        pending: Pending | None = None,
     ) -> None:
         if wire_dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(
@@ -83,6 +91,7 @@ class LowPrecisionAllReduce:
             )
         self.predivide_factor = float(predivide_factor)
         self.postdivide_factor = world_size / self.predivide_factor
+        self.pending = pending
         self.stats = CommStats()
 
     def register(self, ddp: "torch.nn.parallel.DistributedDataParallel") -> None:
@@ -95,6 +104,7 @@ def low_precision_allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook body for :class:`LowPrecisionAllReduce` (``state`` is the instance)."""
     buffer = bucket.buffer()
+    add_pending_fp32(buffer, bucket.parameters(), state.pending)
     # Divide in the bucket's own dtype before casting: an FP32 (O1) gradient
     # in [65504, 65504 * world_size) is finite once divided but inf if cast
     # first. Dividing the bucket in place is fine: the result overwrites it.
@@ -115,3 +125,25 @@ def low_precision_allreduce_hook(
         return buffer
 
     return work.get_future().then(finish)
+
+
+def add_pending_fp32(buffer: torch.Tensor, params: Sequence[torch.Tensor], pending: Pending | None) -> None:
+    """Add the FP32 sums ``pending`` has for the bucket's parameters into the bucket, rounding once.
+
+    Gradient merge in O2: the earlier micro-batches' FP32 sum (the
+    accumulator, consumed here) takes this micro-batch's gradient in FP32
+    and the total is rounded into the 16-bit bucket once, instead of once
+    per micro-batch; no buffer is allocated.
+    """
+    extra = pending(params) if pending is not None else None
+    if extra is None:
+        return
+    sums, grads, position = [], [], 0
+    for p, e in zip(params, extra):
+        if e is not None:
+            sums.append(e.view(-1))
+            grads.append(buffer[position : position + p.numel()])
+        position += p.numel()
+    if sums:
+        torch._foreach_add_(sums, grads)
+        torch._foreach_copy_(grads, sums)

@@ -14,6 +14,11 @@ first optimizer is attached (whichever of ``fleet.distributed_optimizer`` and
 optimizer comes. By then parameter dtypes are final, so DDP (whose buckets
 are per dtype) is built exactly once, and outside any ``torch.compile``d
 region.
+
+With ``strategy.sharding`` stage 2 the comm hook reduce-scatters instead of
+all-reducing (:mod:`distamp.distributed.reduce_scatter`), and every
+backward communicates, gradient merge's micro-batches included: each is
+summed into the owners' FP32 gradient slices.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from distamp.amp.fp32_parameters import fp32_parameters
 from distamp.distributed.comm_hooks import CommStats, LowPrecisionAllReduce
 from distamp.distributed.fingerprint import check_ranks_agree
 from distamp.distributed.groups import group_size
+from distamp.distributed.reduce_scatter import ShardedGradReduce
 from distamp.distributed.timeouts import named_collective
+from distamp.optim.grad_accumulator import PendingFp32Grads
 from distamp.optim.master_weights import fp32_model_state_dict
 from distamp.strategy import DistributedStrategy
 
@@ -61,10 +68,11 @@ class _Runtime:
 
     def __init__(self) -> None:
         self.ddp: DistributedDataParallel | None = None
-        self.comm_hook: LowPrecisionAllReduce | None = None
+        self.comm_hook: LowPrecisionAllReduce | ShardedGradReduce | None = None
         self.optimizers: list[AmpOptimizer] = []
         self.optimizer_sync: dict[int, bool] = {}
         self.merge_sync = True  # all(optimizer_sync): a plain bool for forward (torch.compile guards on it)
+        self.reduce_scatter = False  # sharding stage 2: every micro-batch communicates
         self.sync_enabled = True
         self.prepared = False
 
@@ -168,7 +176,7 @@ class DataParallel(nn.Module):
 
     @property
     def comm_stats(self) -> CommStats | None:
-        """Calls and bytes of the 16-bit all-reduce hook (``None`` without AMP/DDP)."""
+        """Calls and bytes of the gradient comm hook (``None`` without a hook: no DDP, or AMP off unsharded)."""
         hook = self._runtime.comm_hook
         return hook.stats if hook is not None else None
 
@@ -248,6 +256,7 @@ class DataParallel(nn.Module):
         runtime.prepared = True
         if not self.distributed:
             return
+        reduce_scatter = self._check_sharding()
         # 0. Ranks that disagree on the strategy or the model fail here, naming the difference,
         #    instead of summing FP16 with BF16 bit patterns or hanging in mismatched collectives.
         check_ranks_agree(self.strategy, self.module)
@@ -269,13 +278,51 @@ class DataParallel(nn.Module):
                 gradient_as_bucket_view=True,
                 **self._ddp_kwargs,
             )
-        if self.strategy.amp:
-            cfg = self.strategy.amp_config
+        cfg = self.strategy.amp_config
+        pending = PendingFp32Grads(runtime.optimizers)
+        wire = cfg.comm_torch_dtype if self.strategy.amp else torch.float32
+        if reduce_scatter:
+            shards = [opt.master_weights for opt in runtime.optimizers]
+            runtime.comm_hook = ShardedGradReduce(shards, wire, self._process_group, pending)
+            runtime.reduce_scatter = True
+        elif self.strategy.amp:
             runtime.comm_hook = LowPrecisionAllReduce(
-                cfg.comm_torch_dtype, cfg.gradient_predivide_factor, self._process_group
+                cfg.comm_torch_dtype, cfg.gradient_predivide_factor, self._process_group, pending
             )
+        if runtime.comm_hook is not None:
             runtime.comm_hook.register(ddp)
         runtime.ddp = ddp
+
+    def _check_sharding(self) -> bool:
+        """Whether gradients are reduce-scattered (sharding stage 2); raises before any collective on a mismatch.
+
+        Raises:
+            RuntimeError: the model's strategy and an attached optimizer's
+                disagree on stage 2, or a parameter that gets a gradient
+                belongs to no stage-2 optimizer (nobody would own its sum).
+        """
+        strategy = self.strategy
+        model_stage = strategy.sharding_config.stage if strategy.sharding else 0
+        for opt in self._runtime.optimizers:
+            opt_stage = getattr(opt.precision, "stage", 0)
+            if (opt_stage == 2) != (model_stage == 2):
+                raise RuntimeError(
+                    f"the optimizer's strategy has sharding stage {opt_stage or 'off'} but the model's "
+                    f"(fleet.distributed_model) has stage {model_stage or 'off'}; stage 2 changes how the model "
+                    "communicates gradients, so both must use it. Pass the same strategy to both calls"
+                )
+        if model_stage != 2:
+            return False
+        owned = {id(p) for opt in self._runtime.optimizers for p in opt.master_weights.model_params}
+        missing = [name for name, p in self.module.named_parameters() if p.requires_grad and id(p) not in owned]
+        if missing:
+            raise RuntimeError(
+                f"sharding stage 2 reduce-scatters each gradient to the optimizer slice that owns it, but "
+                f"{missing[:5]} (of {len(missing)}) belong to no optimizer built with fleet.distributed_optimizer "
+                "for this model. Give every trainable parameter to such an optimizer, or set "
+                "requires_grad=False on the others"
+            )
+        return True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module (through DDP when distributed)."""
@@ -286,7 +333,8 @@ class DataParallel(nn.Module):
         try:
             if ddp is None:
                 return self.module(*args, **kwargs)
-            ddp.require_backward_grad_sync = runtime.sync_enabled and runtime.merge_sync
+            # Stage 2 reduce-scatters every micro-batch: the owners sum them in FP32 slices.
+            ddp.require_backward_grad_sync = runtime.sync_enabled and (runtime.reduce_scatter or runtime.merge_sync)
             ddp.training = self.training
             return ddp(*args, **kwargs)
         except RuntimeError as exc:

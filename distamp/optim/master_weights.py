@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["MasterWeights", "fp32_model_state_dict"]
+__all__ = ["MasterWeights", "clear_grads", "fp32_model_state_dict"]
 
 
 @dataclass
@@ -113,6 +113,26 @@ class MasterWeights:
         """The tensors the inner optimizer updates, in model-parameter order."""
         return [self._master_of[id(p)] for p in self.model_params]
 
+    def install(self, optimizer: torch.optim.Optimizer) -> None:
+        """Put the masters in ``optimizer`` where the model parameters were (a no-op without masters).
+
+        State the optimizer already has moves to the masters, floating
+        tensors (but ``step``) in FP32.
+        """
+        if not self.enabled:
+            return
+        old_state = dict(optimizer.state)
+        for group in optimizer.param_groups:
+            # Mutate in place: some optimizers keep a reference to the list.
+            group["params"][:] = [self.master_for(p) for p in group["params"]]
+        if old_state:
+            optimizer.state.clear()
+            for p, s in old_state.items():
+                optimizer.state[self.master_for(p)] = {
+                    k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
+                    for k, v in s.items()
+                }
+
     def master_for(self, param: nn.Parameter) -> nn.Parameter:
         """The master of ``param`` (``param`` itself when it has none)."""
         try:
@@ -179,6 +199,17 @@ class MasterWeights:
         if dst:
             torch._foreach_copy_(dst, src)
 
+    def add_to_master_grads(self, extra: dict[int, torch.Tensor]) -> None:
+        """Add ``extra[id(param)]`` (FP32) to the master gradient of each param that has one."""
+        pairs = [(master.grad, extra[id(model_p)]) for model_p, master, _ in self._pairs
+                 if master.grad is not None and id(model_p) in extra]
+        if pairs:
+            torch._foreach_add_([g for g, _ in pairs], [e.view_as(g) for g, e in pairs])
+
+    def exact_fp32(self) -> dict[int, torch.Tensor]:
+        """``{id(param): its exact FP32 value}``: the master, or the parameter itself without one."""
+        return {id(p): self.master_for(p).detach() for p in self.model_params}
+
     def grad_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(model grad, master grad)`` for each separate master whose parameter has a gradient."""
         return [
@@ -204,38 +235,8 @@ class MasterWeights:
 
     def zero_grads(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (freed, or zeroed in place) and drop the masters'."""
-        grads = []
-        for p in self.model_params:
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-                continue
-            if p.grad.grad_fn is not None:
-                p.grad.detach_()
-            else:
-                p.grad.requires_grad_(False)
-            grads.append(p.grad)
-        if grads:
-            torch._foreach_zero_(grads)
+        clear_grads(self.model_params, set_to_none)
         self.zero_master_grads()
-
-    def swap_into(self, optimizer: torch.optim.Optimizer) -> None:
-        """Put the masters in ``optimizer``'s param groups where the model parameters were.
-
-        State the optimizer already holds moves to the masters, in FP32.
-        """
-        old_state = dict(optimizer.state)
-        for group in optimizer.param_groups:
-            # Mutate in place: some optimizers keep a reference to the list.
-            group["params"][:] = [self.master_for(p) for p in group["params"]]
-        if old_state:
-            optimizer.state.clear()
-            for p, s in old_state.items():
-                optimizer.state[self.master_for(p)] = {
-                    k: v.float() if torch.is_tensor(v) and v.is_floating_point() and k != "step" else v
-                    for k, v in s.items()
-                }
 
     def broadcast(self, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
         """Make every rank's masters (and model copies) equal to rank ``src``'s."""
@@ -274,11 +275,28 @@ def fp32_model_state_dict(module: nn.Module, master_weights: Sequence[MasterWeig
     """
     masters: dict[int, torch.Tensor] = {}
     for weights in master_weights:
-        for p in weights.model_params:
-            masters[id(p)] = weights.master_for(p)
+        masters.update(weights.exact_fp32())  # collective for sharded masters
     state = module.state_dict()
     for name, p in module.named_parameters(remove_duplicate=False):
         if name in state:
             source = masters.get(id(p), p).detach()
             state[name] = source.float().clone() if source.is_floating_point() else source.clone()
     return state
+
+
+def clear_grads(params: Iterable[nn.Parameter], set_to_none: bool = True) -> None:
+    """``Optimizer.zero_grad`` for ``params``: free each ``.grad``, or zero it in place, detached."""
+    grads = []
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+            continue
+        if p.grad.grad_fn is not None:
+            p.grad.detach_()
+        else:
+            p.grad.requires_grad_(False)
+        grads.append(p.grad)
+    if grads:
+        torch._foreach_zero_(grads)

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.distributed.groups import data_parallel_group
 from distamp.distributed.timeouts import named_collective
 from distamp.optim.accumulation import GradientMerge
 from distamp.optim.delegating import DelegatingOptimizer
@@ -88,9 +89,8 @@ class AmpOptimizer(DelegatingOptimizer):
         self.strategy = strategy
         self.amp_enabled: bool = bool(strategy.amp)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.precision: FullPrecision = precision_for(strategy, params)
-        if self.master_weights.enabled:
-            self.master_weights.swap_into(optimizer)
+        self.precision: FullPrecision = precision_for(strategy, params, data_parallel_group(process_group))
+        self.precision.master_weights.install(optimizer)  # masters (or this rank's slices) replace the params
         self.merge = GradientMerge.from_strategy(strategy)
         self.binding = ModelBinding(self.master_weights, strategy.amp_config, self.amp_enabled,
                                     lambda: self.policy.step_number + 1)
@@ -212,6 +212,7 @@ class AmpOptimizer(DelegatingOptimizer):
             loss = loss / self.merge.loss_divisor
         with named_collective(f"the gradient all-reduce of step {self.policy.step_number + 1} (in backward)"):
             self.precision.scale_loss(loss).backward(**kwargs)
+        self.precision.after_backward(window_open=self.merge.is_accumulating)
         self._watch.after_backward(self.precision.loss_scale)
         self.merge.publish()
 
@@ -259,7 +260,7 @@ class AmpOptimizer(DelegatingOptimizer):
         if self.policy.found_inf:
             device = grads_owner[0].device if grads_owner else torch.device("cpu")
             return torch.full((), math.inf, device=device)
-        norm = torch.nn.utils.clip_grad_norm_(
+        norm = self.precision.clip_grad_norm_(
             grads_owner, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
         )
         self.last_grad_norm = float(norm)
@@ -303,7 +304,7 @@ class AmpOptimizer(DelegatingOptimizer):
         group = dict(param_group)
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        group["params"] = self.master_weights.add(params) if self.master_weights.enabled else params
+        group["params"] = self.master_weights.add(params)
         self.inner_opt.add_param_group(group)
         self._watch.track(params)
 

@@ -13,7 +13,8 @@ as Lightning's precision plugins do:
   gradients are copied into the masters before the same check, and applied
   masters are copied back.
 
-:func:`precision_for` picks one from a strategy.
+:func:`precision_for` picks one from a strategy (with ``strategy.sharding``,
+:class:`~distamp.optim.sharded_precision.ShardedPrecision`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.distributed.flag_sync import all_reduce_max
+from distamp.optim.grad_accumulator import Fp32GradAccumulator
 from distamp.optim.loss_scaler import LossScaler, build_loss_scaler
 from distamp.optim.master_weights import MasterWeights
 from distamp.strategy import AmpConfig, DistributedStrategy
@@ -67,6 +69,15 @@ class FullPrecision:
         ``group`` is the group to agree over; ``None``: decide locally.
         """
         return False, None
+
+    def after_backward(self, window_open: bool) -> None:
+        """After each ``backward``; ``window_open``: a gradient-merge window continues after it."""
+
+    def clip_grad_norm_(self, grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the unscaled ``grads`` the inner optimizer applies; returns their total norm."""
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type,
+                                              error_if_nonfinite=error_if_nonfinite)
 
     def expose_unscaled_grads(self) -> None:
         """After ``unscale_()``: make the model's ``.grad`` hold what ``step()`` will apply."""
@@ -191,6 +202,9 @@ class PureLowPrecision(MixedPrecision):
     The model parameters are converted to the low dtype right away; those
     that must stay FP32 (normalization layers, ``custom_black_varnames``)
     are given back their exact FP32 values once the model is known.
+
+    Gradient merge sums the micro-batches in FP32
+    (:mod:`distamp.optim.grad_accumulator`), not in the 16-bit ``.grad``.
     """
 
     mode = "O2"
@@ -201,9 +215,22 @@ class PureLowPrecision(MixedPrecision):
         self.master_weights.convert_model()
         self.scaler = build_loss_scaler(config)
         self._exposed_versions: list[tuple[torch.Tensor, int]] | None = None
+        self.grad_accumulator: Fp32GradAccumulator | None = None
+
+    def after_backward(self, window_open: bool) -> None:
+        """Inside a gradient-merge window: move the 16-bit gradients into the FP32 sum."""
+        if window_open:
+            if self.grad_accumulator is None:
+                self.grad_accumulator = Fp32GradAccumulator(self.master_weights.model_params)
+            self.grad_accumulator.add_and_zero()
 
     def _grads_to_check(self) -> list[torch.Tensor]:
         self.master_weights.copy_grads_to_masters()
+        if self.grad_accumulator is not None:
+            extra = self.grad_accumulator.take()  # None when the comm hook already added it
+            self.grad_accumulator.reset()
+            if extra:
+                self.master_weights.add_to_master_grads(extra)
         return super()._grads_to_check()
 
     def expose_unscaled_grads(self) -> None:
@@ -237,8 +264,15 @@ class PureLowPrecision(MixedPrecision):
         return {**super().state_dict(), "master_weights": self.master_weights.state_dict()}
 
 
-def precision_for(strategy: DistributedStrategy, params: Sequence[nn.Parameter]) -> FullPrecision:
-    """The plugin ``strategy`` asks for: AMP off, O1 or O2."""
+def precision_for(
+    strategy: DistributedStrategy, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None = None
+) -> FullPrecision:
+    """The plugin ``strategy`` asks for: AMP off, O1 or O2, sharded over ``group`` with ``strategy.sharding``."""
+    if strategy.sharding:
+        # Imported here: the sharded plugin builds on the classes of this module.
+        from distamp.optim.sharded_precision import ShardedPrecision
+
+        return ShardedPrecision(params, strategy, group)
     config = strategy.amp_config
     if not strategy.amp:
         return FullPrecision(params, config)

@@ -21,7 +21,9 @@ STATE_FORMAT = "distamp.AmpOptimizer/1"
 def optimizer_state(opt: AmpOptimizer) -> dict:
     """``opt.state_dict()``: see the module docstring."""
     precision, policy = opt.precision.state_dict(), opt.policy
+    sharding = {"sharding": precision["sharding"]} if "sharding" in precision else {}
     return {
+        **sharding,
         "format": STATE_FORMAT,
         "inner": opt.inner_opt.state_dict(),
         "master_weights": precision.get("master_weights", []),

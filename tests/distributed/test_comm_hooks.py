@@ -21,6 +21,9 @@ class Bucket:
     def buffer(self) -> torch.Tensor:
         return self._buffer
 
+    def parameters(self) -> list[torch.Tensor]:
+        return []
+
 
 def _reduce_one_bucket(rank, world_size, values, bucket_dtype, wire_dtype):
     from distamp.distributed.comm_hooks import (

@@ -221,10 +221,10 @@ def test_o1_o2_fp16_bf16_sgd_adamw_bitwise_across_ranks_and_close_to_one_process
 # --------------------------------------------------------------------------- gradient merge
 
 
-def _gradient_merge(rank, world_size, k_steps):
+def _gradient_merge(rank, world_size, k_steps, pure=False):
     from distamp import fleet
 
-    strategy = make_strategy(dtype="bfloat16")
+    strategy = make_strategy(dtype="bfloat16", use_pure_fp16=pure)
     strategy.gradient_merge = True
     strategy.gradient_merge_configs = {"k_steps": k_steps, "avg": True}
     _, wrapped, opt = build(strategy)
@@ -241,10 +241,10 @@ def _gradient_merge(rank, world_size, k_steps):
     return results, calls, flat_params_masters(opt)
 
 
-def _one_big_batch(rank, world_size, k_steps):
+def _one_big_batch(rank, world_size, k_steps, pure=False):
     from distamp import fleet
 
-    strategy = make_strategy(dtype="bfloat16")
+    strategy = make_strategy(dtype="bfloat16", use_pure_fp16=pure)
     _, wrapped, opt = build(strategy)
     micro = global_batches(k_steps, world_size, per_rank=2)
     xs, ys = zip(*(shard(b, rank, world_size) for b in micro))
@@ -256,10 +256,12 @@ def _one_big_batch(rank, world_size, k_steps):
 
 
 @pytest.mark.timeout(120)
-def test_gradient_merge_communicates_once_per_window_and_equals_one_big_batch():
+@pytest.mark.parametrize("pure", [False, True])
+def test_gradient_merge_communicates_once_per_window_and_equals_one_big_batch(pure):
+    """O1, and O2 where the comm hook adds the FP32 sum of the earlier micro-batches before the wire cast."""
     k = 4
-    merged = run_workers(_gradient_merge, 2, k, timeout=100)
-    big = run_workers(_one_big_batch, 2, k, timeout=100)
+    merged = run_workers(_gradient_merge, 2, k, pure, timeout=100)
+    big = run_workers(_one_big_batch, 2, k, pure, timeout=100)
     for results, calls, masters in merged:
         assert results == [False, False, False, True]
         n_buckets = calls[-1]

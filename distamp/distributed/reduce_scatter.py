@@ -1,0 +1,206 @@
+"""ZeRO stage 2: a DDP comm hook that reduce-scatters each gradient bucket, 16-bit on the wire, summed in FP32.
+
+DDP's reducer still computes gradients into its buckets and calls the hook
+per bucket as soon as the bucket is ready (overlapped with the rest of
+backward). Instead of all-reducing the bucket, the hook sends every rank
+the elements of the bucket that rank owns in the flat parameter space
+(:mod:`distamp.optim.flat_layout`): one ``all_to_all_single`` of 16-bit
+chunks with per-rank split sizes (gloo and NCCL both take split sizes), so
+each element crosses the wire once, where an all-reduce sends it twice.
+Each rank then adds the W received copies of its elements, divided by W,
+in FP32 into its FP32 gradient slice (``ShardedMasters.grads``), where
+several backward passes (and gradient
+merge's micro-batches) accumulate without 16-bit rounding. No pre-division
+is needed: the sum is FP32, so it cannot overflow. That work runs on the
+backward thread: each hook first finishes the exchanges already done, and
+the last bucket's hook waits for the rest, so DDP finds every future done.
+At most :data:`MAX_IN_FLIGHT` buckets are in flight: when the wire is slower
+than backward, a hook waits for the oldest exchange rather than let the
+exchange buffers of every bucket pile up.
+
+DDP lists a bucket's parameters in whatever order it chose (the first
+iteration uses one order, later ones the order gradients became ready), so
+the hook takes them from ``bucket.parameters()`` every time and caches one
+plan per parameter order.
+
+What the model's ``.grad`` holds: the hook returns the bucket zeroed, so
+after ``backward`` the ``.grad`` of every parameter in a bucket is zero on
+every rank; the reduced gradient exists only as the owners' FP32 slices.
+"""
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
+
+if TYPE_CHECKING:
+    from distamp.optim.sharded_masters import ShardedMasters
+
+__all__ = ["MAX_IN_FLIGHT", "ShardedGradReduce", "reduce_scatter_hook"]
+
+MAX_IN_FLIGHT = 2
+"""Buckets exchanged at once: each holds a packed copy of its bucket and W received copies of its slice."""
+
+
+@dataclass(frozen=True)
+class _BucketPlan:
+    """Who gets which elements of one bucket (same on every rank), and where this rank's go."""
+
+    send: tuple[tuple[int, int], ...]  # (start, length) in the bucket, grouped by owning rank in rank order
+    identity: bool  # send is the bucket as it is: no packing copy needed
+    input_splits: tuple[int, ...]
+    received: int  # elements this rank owns in the bucket
+    dest: tuple[tuple["ShardedMasters", int, int], ...]  # (slice owner, start in its grad slice, length)
+
+
+class ShardedGradReduce:
+    """State of the stage-2 comm hook: the layouts it reduces for, the wire dtype, byte counters.
+
+    Example::
+
+        hook = ShardedGradReduce([optimizer.master_weights], torch.bfloat16, group)
+        hook.register(ddp_model)
+
+    Args:
+        shards: the sharded masters of every optimizer attached to the model;
+            together they must own every parameter DDP reduces.
+        wire_dtype: dtype of the gradients on the wire.
+        process_group: the data-parallel group (``None``: the world).
+        pending: returns gradient-merge FP32 sums to add before the wire cast
+            (see :class:`~distamp.optim.grad_accumulator.PendingFp32Grads`).
+
+    Raises:
+        TypeError: an unsupported ``wire_dtype``.
+    """
+
+    def __init__(
+        self,
+        shards: Sequence["ShardedMasters"],
+        wire_dtype: torch.dtype,
+        process_group: dist.ProcessGroup | None = None,
+        pending: Pending | None = None,
+    ) -> None:
+        if wire_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"wire_dtype={wire_dtype!r} is not supported; use torch.float16, bfloat16 or float32")
+        self.wire_dtype = wire_dtype
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.pending = pending
+        self.stats = CommStats()
+        self.in_flight: list[_Exchange] = []
+        self._owner = {id(p): (shard, i) for shard in shards for i, p in enumerate(shard.model_params)}
+        self._plans: dict[tuple[int, ...], _BucketPlan] = {}
+
+    def finish_completed(self, wait: bool) -> None:
+        """Finish the exchanges that are done (all of them with ``wait``), in launch order.
+
+        Finishing happens here, on the thread that runs backward, not in a
+        callback on the communication thread: the received copies are summed
+        and freed as soon as a later bucket's hook finds them done, and
+        every allocation and free is seen by ``torch.profiler``'s memory
+        events, which only record the profiled thread.
+        """
+        while self.in_flight and (wait or self.in_flight[0].work.is_completed()):
+            self.in_flight.pop(0).finish(self.world_size)
+
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether some attached optimizer owns ``param`` (and so can take its reduced gradient)."""
+        return id(param) in self._owner
+
+    def register(self, ddp: "torch.nn.parallel.DistributedDataParallel") -> None:
+        """Install this hook on ``ddp`` (once, before its first backward)."""
+        ddp.register_comm_hook(self, reduce_scatter_hook)
+
+    def plan(self, params: Sequence[torch.Tensor]) -> _BucketPlan:
+        """The plan for a bucket holding ``params`` in this order (cached)."""
+        key = tuple(id(p) for p in params)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._build(params)
+        return plan
+
+    def _build(self, params: Sequence[torch.Tensor]) -> _BucketPlan:
+        per_rank: list[list[tuple[int, int, ShardedMasters, int]]] = [[] for _ in range(self.world_size)]
+        position = 0
+        for p in params:
+            shard, index = self._owner[id(p)]
+            for rank, piece in shard.layout.owners(index):
+                per_rank[rank].append((position + piece.start, piece.length, shard, piece.offset - shard.lo))
+            position += p.numel()
+        send = tuple((start, length) for entries in per_rank for start, length, _, _ in entries)
+        identity = all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(send)) and (not send or send[0][0] == 0)
+        mine = per_rank[self.rank]
+        return _BucketPlan(
+            send=send,
+            identity=identity and sum(length for _, length in send) == position,
+            input_splits=tuple(sum(e[1] for e in entries) for entries in per_rank),
+            received=sum(e[1] for e in mine),
+            dest=tuple((shard, start, length) for _, length, shard, start in mine),
+        )
+
+
+# No ``from __future__ import annotations`` here: DDP checks this hook's annotations as objects.
+def reduce_scatter_hook(state: ShardedGradReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook body for :class:`ShardedGradReduce` (``state`` is the instance)."""
+    state.finish_completed(wait=False)
+    while len(state.in_flight) >= MAX_IN_FLIGHT:  # bound the exchange buffers when the wire is slower than backward
+        state.in_flight.pop(0).finish(state.world_size)
+    buffer = bucket.buffer()
+    params = bucket.parameters()
+    plan = state.plan(params)
+    add_pending_fp32(buffer, params, state.pending)
+    if plan.identity:
+        send = buffer if buffer.dtype == state.wire_dtype else buffer.to(state.wire_dtype)
+    else:
+        send = torch.cat([buffer[start : start + length] for start, length in plan.send]).to(state.wire_dtype)
+    world = state.world_size
+    received = torch.empty(world * plan.received, dtype=state.wire_dtype, device=buffer.device)
+    state.stats.calls += 1
+    state.stats.bytes += send.numel() * send.element_size()
+    for shard, _, _ in plan.dest:
+        shard.grads.reduced = True
+    work = dist.all_to_all_single(
+        received, send, [plan.received] * world, list(plan.input_splits), group=state.process_group, async_op=True
+    )
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    state.in_flight.append(_Exchange(work, plan, send, received, buffer, done))
+    if bucket.is_last():
+        state.finish_completed(wait=True)  # DDP waits for every bucket's future right after this hook
+    return done
+
+
+@dataclass
+class _Exchange:
+    """One bucket's all-to-all in flight, and what to do once it is done."""
+
+    work: dist.Work
+    plan: _BucketPlan
+    send: torch.Tensor  # kept alive until the exchange is done
+    received: torch.Tensor
+    buffer: torch.Tensor
+    done: torch.futures.Future
+
+    def finish(self, world: int) -> None:
+        """Sum the received copies in FP32 into the owners' slices, zero the bucket, complete the future."""
+        self.work.wait()
+        plan = self.plan
+        if plan.received:
+            # Each rank's 16-bit copy, divided by W, added in FP32 straight into the owners' FP32 slices
+            # (no FP32 temporary): exact for a power-of-two W, where dividing is exact.
+            n, lengths = plan.received, [length for _, _, length in plan.dest]
+            targets = [shard.grads.buffer[start : start + length] for shard, start, length in plan.dest]
+            for r in range(world):
+                torch._foreach_add_(targets, list(self.received[r * n : (r + 1) * n].split(lengths)), alpha=1 / world)
+        # Free the exchange buffers here and now: the communication thread may still hold them a moment
+        # (and would then free them where the profiler does not look).
+        for tensor in (self.send, self.received):
+            if tensor.data_ptr() != self.buffer.data_ptr():
+                tensor.untyped_storage().resize_(0)
+        self.buffer.zero_()
+        self.done.set_result(self.buffer)

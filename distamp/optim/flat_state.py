@@ -1,0 +1,322 @@
+"""Optimizer state in flat-space terms, so a checkpoint saved at one world size loads at another.
+
+A sharded :class:`~distamp.optim.optimizer.AmpOptimizer` holds, on each
+rank, the state of one slice ``[lo, hi)`` of the flat parameter space
+(:mod:`distamp.optim.flat_layout`). For a checkpoint that state is split in
+two (:func:`split`):
+
+* the *common* part, the same on every rank and written once by rank 0:
+  loss scaler, counters, param-group options, and the layout (parameter
+  sizes and shapes, group membership, the slice bounds of the saving run);
+* one *shard* part per rank, written by that rank: its slice's FP32 masters
+  (O2), every per-element state tensor (``exp_avg``, ``momentum_buffer``,
+  ...) as one flat tensor over ``[lo, hi)``, and per piece the non-element
+  state (``step``) and which keys it has.
+
+:func:`join` builds, from the common part and the shard parts covering the
+loading rank's slice, the ``state_dict`` the loading optimizer takes as
+its own: sharded or not, at any world size. An unsharded checkpoint is read
+as one part covering everything. Which parts a rank needs is
+:func:`parts_needed`: only those overlapping its slice.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from distamp.optim.flat_layout import FlatLayout, Piece
+
+__all__ = ["Target", "describe", "join", "parts_needed", "split"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a loading optimizer's own ``state_dict`` looks like.
+
+    Attributes:
+        numels: element count of each parameter, in flat order.
+        shapes: each parameter's shape.
+        groups: the flat indices of each param group's parameters.
+        pure: O2 (FP32 masters saved with the optimizer).
+        sharding: the sharded optimizer's layout state (world size, rank,
+            bounds, ...), or None for an unsharded one.
+    """
+
+    numels: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    groups: tuple[tuple[int, ...], ...]
+    pure: bool
+    sharding: dict | None
+
+    def range(self) -> tuple[int, int]:
+        """The flat range this optimizer holds state for."""
+        if self.sharding is None:
+            return 0, sum(self.numels)
+        rank = self.sharding["rank"]
+        return self.sharding["bounds"][rank], self.sharding["bounds"][rank + 1]
+
+
+def describe(optimizer: Any) -> Target | None:
+    """The :class:`Target` of a distamp ``AmpOptimizer`` (None for any other optimizer)."""
+    masters = getattr(getattr(optimizer, "precision", None), "master_weights", None)
+    if masters is None:
+        return None
+    params = masters.model_params
+    sharding = optimizer.precision.state_dict()["sharding"] if hasattr(masters, "layout") else None
+    if sharding is not None:
+        groups = sharding["groups"]
+    else:
+        index = {id(m): i for i, m in enumerate(masters.masters)}
+        groups = [[index[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    return Target(
+        numels=tuple(p.numel() for p in params),
+        shapes=tuple(tuple(p.shape) for p in params),
+        groups=tuple(tuple(g) for g in groups),
+        pure=masters.enabled,
+        sharding=sharding,
+    )
+
+
+# ----------------------------------------------------------------------------- saving
+
+
+def split(state: dict) -> tuple[dict, dict | None]:
+    """``(common, shard)`` of an ``AmpOptimizer.state_dict()``; ``shard`` is None when it is not sharded."""
+    layout = state.get("sharding")
+    if layout is None:
+        return state, None
+    flat = FlatLayout(layout["numels"], layout["world_size"])
+    lo, hi = flat.range_of(layout["rank"])
+    pieces = flat.pieces(lo, hi)
+    saved = state["inner"]["state"]
+    shard: dict[str, Any] = {
+        "lo": lo,
+        "hi": hi,
+        "masters": state["master_weights"][0] if state["master_weights"] else None,
+        "elementwise": {},
+        "pieces": [[p.param, p.start, p.stop] for p in pieces],
+        "piece_state": [],
+    }
+    for j, piece in enumerate(pieces):
+        keys, scalars = _sort_state(saved.get(j, {}), (piece.length,))
+        start = piece.offset - lo
+        for key in keys:
+            flat_state = _flat_for(shard["elementwise"], key, saved[j][key], hi - lo)
+            flat_state[start : start + piece.length] = saved[j][key]
+        shard["piece_state"].append({"keys": keys, "scalars": scalars})
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in state["inner"]["param_groups"]]
+    common = {**state, "inner": {"state": {}, "param_groups": groups}, "master_weights": []}
+    return common, shard
+
+
+def _sort_state(state: dict, shape: tuple[int, ...]) -> tuple[list[str], dict]:
+    """Split one parameter's state into per-element keys and everything else (``step``, None, ...)."""
+    keys, scalars = [], {}
+    for key, value in state.items():
+        if torch.is_tensor(value) and key != "step" and tuple(value.shape) == tuple(shape):
+            keys.append(key)
+        else:
+            scalars[key] = value
+    return keys, scalars
+
+
+def _flat_for(store: dict, key: str, like: torch.Tensor, length: int) -> torch.Tensor:
+    if key not in store:
+        store[key] = torch.zeros(length, dtype=like.dtype, device="cpu")
+    return store[key]
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def parts_needed(common: dict, target: Target | None) -> list[int]:
+    """Ranks whose shard parts the loading optimizer needs: those overlapping its slice.
+
+    Raises:
+        ValueError: the checkpoint's parameters differ from the target's, or
+            it is sharded and the optimizer is not a distamp AmpOptimizer.
+    """
+    layout = common.get("sharding") if isinstance(common, dict) else None
+    if layout is None:
+        return []
+    if target is None:
+        raise ValueError("this checkpoint holds sharded optimizer state; load it into fleet.distributed_optimizer's "
+                         "optimizer (a distamp AmpOptimizer)")
+    _check_same_parameters(layout["numels"], layout["shapes"], target)
+    lo, hi = target.range()
+    bounds = layout["bounds"]
+    return [r for r in range(layout["world_size"]) if bounds[r] < hi and bounds[r + 1] > lo and bounds[r + 1] > bounds[r]]
+
+
+def join(common: dict, parts: dict[int, dict], target: Target | None) -> dict:
+    """The ``state_dict`` the target optimizer loads as its own, from a checkpoint's optimizer state.
+
+    ``parts`` maps saving ranks to their shard parts (at least
+    :func:`parts_needed`'s). An unsharded checkpoint loaded by an unsharded
+    optimizer is returned as it is.
+
+    Raises:
+        ValueError: the checkpoint does not fit the target (parameters,
+            param groups, O1/O2).
+    """
+    saved_layout = common.get("sharding")
+    if target is None or (saved_layout is None and target.sharding is None):
+        return common
+    if saved_layout is None:  # the model's shapes were checked when its state_dict was loaded
+        saved_groups = [list(g["params"]) for g in common["inner"]["param_groups"]]
+        saved_pure = bool(common["master_weights"])
+        parts = {0: _part_from_unsharded(common, FlatLayout(target.numels, 1), target.shapes)}
+    else:
+        _check_same_parameters(saved_layout["numels"], saved_layout["shapes"], target)
+        saved_groups = saved_layout["groups"]
+        saved_pure = saved_layout["mode"] == "O2"
+    _check_groups(saved_groups, target)
+    if saved_pure != target.pure:
+        raise ValueError(
+            "checkpoint and optimizer disagree on use_pure_fp16 (O2 master weights "
+            f"{'present' if saved_pure else 'absent'} in the checkpoint); build the optimizer "
+            "with the strategy the checkpoint was saved with"
+        )
+    source = _Source(FlatLayout(target.numels, 1), parts)
+    options = [{k: v for k, v in g.items() if k != "params"} for g in common["inner"]["param_groups"]]
+    builder = _unsharded if target.sharding is None else _sharded
+    inner, masters = builder(source, target, options)
+    state = {k: v for k, v in common.items() if k != "sharding"}
+    if target.sharding is not None:
+        state["sharding"] = target.sharding
+    return {**state, "inner": inner, "master_weights": masters}
+
+
+class _Source:
+    """Reads flat ranges of the saved state across the shard parts."""
+
+    def __init__(self, layout: FlatLayout, parts: dict[int, dict]) -> None:
+        self.layout = layout
+        self.parts = sorted(parts.values(), key=lambda p: p["lo"])
+        self.starts = [p["lo"] for p in self.parts]
+        # (flat start, flat stop, part, piece index) for every saved piece, by flat start
+        self.pieces = sorted(
+            (layout.offsets[param] + start, layout.offsets[param] + stop, part, j)
+            for part in self.parts for j, (param, start, stop) in enumerate(part["pieces"])
+        )
+        self.piece_starts = [entry[0] for entry in self.pieces]
+
+    def state_at(self, flat_lo: int, flat_hi: int) -> dict:
+        """``{"keys": [...], "scalars": {...}}`` of the saved piece holding flat element ``flat_lo``.
+
+        Raises:
+            ValueError: a state tensor that is neither per-element nor a
+                scalar (e.g. factored moments), asked for another range than
+                the one it was saved for: it cannot be re-sliced.
+        """
+        i = bisect.bisect_right(self.piece_starts, flat_lo) - 1
+        if i < 0 or not self.pieces[i][0] <= flat_lo < self.pieces[i][1]:
+            raise ValueError(f"the checkpoint's shard parts do not cover flat element {flat_lo}")
+        start, stop, part, j = self.pieces[i]
+        saved = part["piece_state"][j]
+        shaped = [k for k, v in saved["scalars"].items() if torch.is_tensor(v) and v.dim() > 0]
+        if shaped and (start, stop) != (flat_lo, flat_hi):
+            raise ValueError(
+                f"optimizer state {shaped} of flat elements [{start}, {stop}) is neither per-element nor a "
+                f"scalar, so it cannot be re-sliced to [{flat_lo}, {flat_hi}); resume with the world size and "
+                "sharding it was saved with"
+            )
+        return saved
+
+    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of ``masters`` (name None) or per-element state ``name``, concatenated."""
+        chunks = []
+        i = max(0, bisect.bisect_right(self.starts, lo) - 1)
+        for part in self.parts[i:]:
+            if part["lo"] >= hi:
+                break
+            first, last = max(lo, part["lo"]), min(hi, part["hi"])
+            if last > first:
+                tensor = part["masters"] if name is None else part["elementwise"][name]
+                chunks.append(tensor.reshape(-1)[first - part["lo"] : last - part["lo"]])
+        out = torch.cat(chunks) if chunks else torch.zeros(0)
+        if out.numel() != hi - lo:
+            raise ValueError(f"the checkpoint's shard parts do not cover flat elements [{lo}, {hi})")
+        return out.clone()
+
+    def piece_state(self, flat_lo: int, flat_hi: int, shape: tuple[int, ...]) -> dict | None:
+        """A piece's optimizer state over ``[flat_lo, flat_hi)``, shaped ``shape`` (None: it had none)."""
+        saved = self.state_at(flat_lo, flat_hi)
+        if not saved["keys"] and not saved["scalars"]:
+            return None
+        state = {key: self.read(key, flat_lo, flat_hi).view(shape) for key in saved["keys"]}
+        return {**state, **saved["scalars"]}
+
+
+def _unsharded(source: _Source, target: Target, options: list[dict]) -> tuple[dict, list[torch.Tensor]]:
+    state, masters = {}, []
+    for i, shape in enumerate(target.shapes):
+        lo, hi = source.layout.param_range(i)
+        if hi > lo:
+            piece_state = source.piece_state(lo, hi, shape)
+            if piece_state is not None:
+                state[i] = piece_state
+        if target.pure:
+            masters.append(source.read(None, lo, hi).float().view(shape))
+    groups = [{**options[g], "params": list(members)} for g, members in enumerate(target.groups)]
+    return {"state": state, "param_groups": groups}, masters
+
+
+def _sharded(source: _Source, target: Target, options: list[dict]) -> tuple[dict, list[torch.Tensor]]:
+    lo, hi = target.range()
+    pieces: list[Piece] = source.layout.pieces(lo, hi)
+    group_of = {i: g for g, members in enumerate(target.groups) for i in members}
+    state, members = {}, [[] for _ in target.groups]
+    for j, piece in enumerate(pieces):
+        members[group_of[piece.param]].append(j)
+        piece_state = source.piece_state(piece.offset, piece.offset + piece.length, (piece.length,))
+        if piece_state is not None:
+            state[j] = piece_state
+    groups = [{**options[g], "params": m} for g, m in enumerate(members)]
+    masters = [source.read(None, lo, hi).float()] if target.pure else []
+    return {"state": state, "param_groups": groups}, masters
+
+
+def _part_from_unsharded(common: dict, layout: FlatLayout, shapes: tuple[tuple[int, ...], ...]) -> dict:
+    """An unsharded ``AmpOptimizer.state_dict()`` as one shard part covering the whole flat space."""
+    saved = common["inner"]["state"]
+    part: dict[str, Any] = {"lo": 0, "hi": layout.total, "elementwise": {}, "pieces": [], "piece_state": []}
+    masters = common["master_weights"]
+    part["masters"] = torch.cat([m.reshape(-1).float() for m in masters]) if masters else None
+    for i, shape in enumerate(shapes):
+        lo, hi = layout.param_range(i)
+        if hi == lo:
+            continue
+        keys, scalars = _sort_state(saved.get(i, {}), shape)
+        for key in keys:
+            _flat_for(part["elementwise"], key, saved[i][key], layout.total)[lo:hi] = saved[i][key].reshape(-1)
+        part["pieces"].append([i, 0, hi - lo])
+        part["piece_state"].append({"keys": keys, "scalars": scalars})
+    return part
+
+
+def _check_same_parameters(numels: Any, shapes: Any, target: Target) -> None:
+    if list(numels) != list(target.numels) or [list(s) for s in shapes] != [list(s) for s in target.shapes]:
+        raise ValueError(
+            f"the checkpoint's optimizer manages {len(numels)} parameters of shapes {_short(shapes)}, this one "
+            f"{len(target.numels)} of shapes {_short(target.shapes)}; build the model and optimizer as the "
+            "saving run did"
+        )
+
+
+def _check_groups(saved: list, target: Target) -> None:
+    if [list(g) for g in saved] != [list(g) for g in target.groups]:
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(saved)} param groups of sizes {[len(g) for g in saved]}, this "
+            f"one {len(target.groups)} of sizes {[len(g) for g in target.groups]}; build the optimizer with the "
+            "same param groups as the saving run"
+        )
+
+
+def _short(shapes: Any) -> str:
+    text = str([list(s) for s in shapes])
+    return text if len(text) <= 120 else text[:117] + "..."
