@@ -12,6 +12,9 @@ Every mode trains the same model on the same batch with SGD + momentum:
 - ``torch_bf16``: DDP + ``torch.autocast(bfloat16)`` + :func:`bf16_gloo_compress_hook`.
 - ``torch_fp16``: DDP + ``torch.autocast(float16)`` + ``GradScaler`` + torch's ``fp16_compress_hook``.
 - ``distamp_o{1,2}_{bf16,fp16}``: distamp's meta-optimizer and ``distributed_model``.
+- ``distamp_o2_bf16_stage{1,2}``: the same with ``strategy.sharding`` stage 1 or 2.
+- ``torch_bf16_zero``: ``torch_bf16`` with torch's ``ZeroRedundancyOptimizer`` (optimizer
+  state sharded by whole parameters), the torch-native counterpart of the stage modes.
 
 In a one-process world the torch-native modes use the bare model (no DDP),
 as distamp's ``DataParallel`` does, so neither side pays for a reducer that
@@ -32,10 +35,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 __all__ = [
     "COUNTERPART",
+    "DEFAULT_MODES",
     "FAMILIES",
     "MODES",
     "CNNFamily",
@@ -286,12 +291,15 @@ def family(name: str, **sizes: int) -> ModelFamily:
 
 # ----------------------------------------------------------------------------- modes
 
-MODES = ("fp32", "torch_bf16", "torch_fp16",
-         "distamp_o1_bf16", "distamp_o2_bf16", "distamp_o1_fp16", "distamp_o2_fp16")
+DEFAULT_MODES = ("fp32", "torch_bf16", "torch_fp16",
+                 "distamp_o1_bf16", "distamp_o2_bf16", "distamp_o1_fp16", "distamp_o2_fp16")
+SHARDING_MODES = ("torch_bf16_zero", "distamp_o2_bf16_stage1", "distamp_o2_bf16_stage2")
+MODES = DEFAULT_MODES + SHARDING_MODES
 
 # The torch-native way of doing what each distamp mode does.
 COUNTERPART = {"distamp_o1_bf16": "torch_bf16", "distamp_o2_bf16": "torch_bf16",
-               "distamp_o1_fp16": "torch_fp16", "distamp_o2_fp16": "torch_fp16"}
+               "distamp_o1_fp16": "torch_fp16", "distamp_o2_fp16": "torch_fp16",
+               "distamp_o2_bf16_stage1": "torch_bf16_zero", "distamp_o2_bf16_stage2": "torch_bf16_zero"}
 
 
 def bf16_gloo_compress_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -338,7 +346,8 @@ def _multi_rank() -> bool:
 
 def _torch_runner(mode: str, model: nn.Module, loss_fn: LossFn, device: torch.device, lr: float,
                   bucket_mb: float, compiled: bool) -> Runner:
-    dtype = {"fp32": None, "torch_bf16": torch.bfloat16, "torch_fp16": torch.float16}[mode]
+    dtype = {"fp32": None, "torch_bf16": torch.bfloat16, "torch_fp16": torch.float16,
+             "torch_bf16_zero": torch.bfloat16}[mode]
     ddp = None
     if _multi_rank():  # one process: the bare model, as distamp's DataParallel calls it
         ids = [device.index] if device.type == "cuda" else None
@@ -349,7 +358,10 @@ def _torch_runner(mode: str, model: nn.Module, loss_fn: LossFn, device: torch.de
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     net = ddp if ddp is not None else model
     forward = torch.compile(net) if compiled else net
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if mode.endswith("_zero") and _multi_rank():
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=lr, momentum=0.9)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     scaler = torch.amp.GradScaler(device.type) if dtype is torch.float16 else None
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -372,14 +384,17 @@ def _distamp_runner(mode: str, model: nn.Module, loss_fn: LossFn, lr: float, buc
                     compiled: bool) -> Runner:
     from distamp import fleet
 
-    _, level, short = mode.split("_")
+    _, level, short, *stage = mode.split("_")
     strategy = fleet.DistributedStrategy()
     strategy.amp = True
     strategy.amp_configs = {"use_pure_fp16": level == "o2",
                             "dtype": {"bf16": "bfloat16", "fp16": "float16"}[short]}
+    if stage:
+        strategy.sharding = True
+        strategy.sharding_configs = {"stage": int(stage[0].removeprefix("stage"))}
     strategy.fuse_grad_size_in_MB = bucket_mb
     optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), strategy)
-    wrapped = fleet.distributed_model(model)
+    wrapped = fleet.distributed_model(model, strategy)
     forward = torch.compile(wrapped) if compiled else wrapped
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -419,18 +434,30 @@ def _tensor_bytes(arg) -> int:
 
 
 class WireCounter:
-    """Counts the payload of every collective issued through ``ProcessGroup`` while active.
+    """Counts the bytes each rank sends in every collective issued through ``ProcessGroup`` while active.
 
     ``dist.all_reduce``, DDP comm hooks and torch's compression hooks all
     call these methods; DDP's built-in C++ all-reduce (no hook registered)
     does not, so a probe registers torch's ``allreduce_hook`` there, which
-    sends the same bytes. Counted is the input payload per rank (what a
-    ring all-reduce moves is 2(n-1)/n of it in each direction).
+    sends the same bytes. What a rank sends is derived from its input
+    payload S with W ranks, as bandwidth-optimal (ring / pairwise)
+    algorithms move it: all-reduce 2(W-1)/W x S (each element leaves twice,
+    once reduced), reduce-scatter and all-to-all (W-1)/W x S (each element
+    once, but the rank's own share), all-gather (W-1) x S (its slice to every
+    other rank), broadcast (W-1)/W x S (the root's S reaches W-1 ranks; every
+    rank calls it, so this is the mean over ranks). At W=2 an all-reduce
+    sends exactly its payload.
     """
 
-    # Which positional argument holds the input tensors of each method.
-    _INPUT_ARG: ClassVar[dict[str, int]] = {"allreduce": 0, "allreduce_coalesced": 0, "broadcast": 0, "allgather": 1,
-                  "_allgather_base": 1, "reduce_scatter": 1, "_reduce_scatter_base": 1}
+    # Per ProcessGroup method: the positional argument holding the input, and
+    # the bytes sent per input byte as a function of the world size.
+    _SENT: ClassVar[dict[str, tuple[int, Callable[[int], float]]]] = {
+        **dict.fromkeys(("allreduce", "allreduce_coalesced"), (0, lambda w: 2 * (w - 1) / w)),
+        "broadcast": (0, lambda w: (w - 1) / w),
+        **dict.fromkeys(("allgather", "_allgather_base", "all_gather_single"), (1, lambda w: float(w - 1))),
+        **dict.fromkeys(("reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single", "alltoall_base",
+                         "all_to_all_single"), (1, lambda w: (w - 1) / w)),
+    }
 
     def __init__(self) -> None:
         self.bytes: dict[str, int] = {}
@@ -438,16 +465,17 @@ class WireCounter:
         self._saved: dict[str, Callable] = {}
 
     def __enter__(self) -> Self:
-        for name, index in self._INPUT_ARG.items():
+        for name, (index, sent_per_byte) in self._SENT.items():
             original = getattr(dist.ProcessGroup, name, None)
             if original is None:
                 continue
             self._saved[name] = original
 
-            def counted(pg, *args, _original=original, _name=name, _index=index, **kwargs):
+            def counted(pg, *args, _original=original, _name=name, _index=index, _sent=sent_per_byte, **kwargs):
                 self.calls[_name] = self.calls.get(_name, 0) + 1
                 if len(args) > _index:
-                    self.bytes[_name] = self.bytes.get(_name, 0) + _tensor_bytes(args[_index])
+                    sent = round(_tensor_bytes(args[_index]) * _sent(pg.size()))
+                    self.bytes[_name] = self.bytes.get(_name, 0) + sent
                 return _original(pg, *args, **kwargs)
 
             setattr(dist.ProcessGroup, name, counted)
@@ -465,5 +493,5 @@ class WireCounter:
 
     @property
     def total_bytes(self) -> int:
-        """Payload bytes over all counted collectives."""
+        """Bytes this rank sent over all counted collectives."""
         return sum(self.bytes.values())

@@ -19,8 +19,8 @@ Two "hosts" joined by a 1 Gbit/s link (root; one rank per network namespace)::
 Repetitions interleave the modes (in a rotated order), so machine drift
 lands on every mode alike. Per mode it reports the median and interquartile
 range of the step time (each step's time is the slowest rank's), the ratio
-to FP32 DDP and to the torch-native counterpart, the collective payload per
-rank per step, and the peak tensor memory per rank (also as ratios to FP32
+to FP32 DDP and to the torch-native counterpart, the bytes each rank sends
+per step (see ``bench_modes.WireCounter``), and the peak tensor memory per rank (also as ratios to FP32
 and to the torch-native counterpart). Bytes and memory come
 from a probe run in a fresh process per mode and rank, so one mode's
 allocations cannot inflate another's: it counts every ``ProcessGroup``
@@ -73,8 +73,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     what.add_argument("--model", choices=list(bench_modes.FAMILIES), default="mlp",
                       help="model family, listed below (default: %(default)s)")
     what.add_argument("--batch", type=int, default=None, help="per rank (default: the family's, below)")
-    what.add_argument("--modes", default=",".join(bench_modes.MODES),
-                      help="comma-separated subset of %(default)s")
+    what.add_argument("--modes", default=",".join(bench_modes.DEFAULT_MODES),
+                      help=f"comma-separated, from {','.join(bench_modes.MODES)} (default: %(default)s)")
     what.add_argument("--lr", type=float, default=0.01, help="default: %(default)s")
     what.add_argument("--bucket_mb", type=float, default=25.0,
                       help="DDP bucket size for every mode (default: %(default)s)")
