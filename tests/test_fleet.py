@@ -189,7 +189,8 @@ def test_distributed_optimizer_alone_is_enough_in_one_process():
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
     assert model.weight.dtype == torch.bfloat16
     wrapped = fleet.distributed_model(model)
-    assert wrapped.ddp is None and wrapped.module is model
+    assert wrapped.ddp is None
+    assert wrapped.module is model
     with fleet.auto_cast():
         loss = F.mse_loss(wrapped(torch.randn(3, 4)), torch.randn(3, 2))
     assert opt.minimize(loss) is True

@@ -84,10 +84,13 @@ def _names_one_of(message: str, candidates) -> bool:
 
 def _assert_well_formed(strategy: DistributedStrategy) -> None:
     """An accepted strategy is typed, JSON-clean and round-trips through from_dict."""
-    assert isinstance(strategy.amp, bool) and isinstance(strategy.gradient_merge, bool)
-    assert isinstance(strategy.sharding, bool) and strategy.sharding_config.stage in (1, 2)
+    assert isinstance(strategy.amp, bool)
+    assert isinstance(strategy.gradient_merge, bool)
+    assert isinstance(strategy.sharding, bool)
+    assert strategy.sharding_config.stage in (1, 2)
     assert isinstance(strategy.find_unused_parameters, bool)
-    assert 0 < strategy.fuse_grad_size_in_MB and math.isfinite(strategy.fuse_grad_size_in_MB)
+    assert 0 < strategy.fuse_grad_size_in_MB
+    assert math.isfinite(strategy.fuse_grad_size_in_MB)
     assert isinstance(strategy.amp_config, AmpConfig)
     assert isinstance(strategy.gradient_merge_config, GradientMergeConfig)
     plain = json.loads(json.dumps(strategy.to_dict(), allow_nan=False))
@@ -306,7 +309,9 @@ def test_distrun_command_line_grammar(case, tmp_path_factory, monkeypatch, capsy
     capsys.readouterr()
     assert main(argv) == 2  # refused before anything starts
     err = capsys.readouterr().err
-    assert err.startswith("distrun: error: ") and token in err and "Traceback" not in err
+    assert err.startswith("distrun: error: ")
+    assert token in err
+    assert "Traceback" not in err
 
 
 def test_a_double_dash_right_after_the_script_reaches_the_script(tmp_path, monkeypatch):

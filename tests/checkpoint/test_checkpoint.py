@@ -115,7 +115,8 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     for key in ("params", "masters"):
         assert len(a[key]) == len(b[key])
         for x, y in zip(a[key], b[key]):
-            assert x.dtype == y.dtype and torch.equal(x, y), key
+            assert x.dtype == y.dtype, key
+            assert torch.equal(x, y), key
     for sa, sb in zip(a["inner"], b["inner"], strict=True):
         assert sa.keys() == sb.keys()
         for k in sa:
@@ -149,7 +150,8 @@ def uninterrupted_and_resumed(directory: str, total: int, save_at: int, distribu
 
 def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
     ref_applied, applied, reference, resumed, info = uninterrupted_and_resumed(str(tmp_path), 10, 6)
-    assert ref_applied[SKIP_AT] is False and ref_applied.count(False) == 1
+    assert ref_applied[SKIP_AT] is False
+    assert ref_applied.count(False) == 1
     assert applied == ref_applied
     assert info == CheckpointInfo(
         step=6, path=str(payload(tmp_path, 6)), extra={"next_step": 6}, world_size=1, rng_restored=True,
@@ -258,8 +260,10 @@ def test_a_bad_newest_checkpoint_falls_back_to_the_previous_with_a_warning(tmp_p
     model, opt, sched = build(3)
     with pytest.warns(UserWarning, match=f"skipping bad checkpoint {re.escape(str(bad_file))}.*{reason}"):
         info = load_latest_checkpoint(tmp_path, model=model, optimizer=opt, scheduler=sched)
-    assert info.step == 10 and info.extra == {"step": 10}
-    assert info.skipped and str(bad_file) in info.skipped[0]
+    assert info.step == 10
+    assert info.extra == {"step": 10}
+    assert info.skipped
+    assert str(bad_file) in info.skipped[0]
 
 
 def test_every_checkpoint_bad_starts_from_scratch_with_warnings(tmp_path):
@@ -437,8 +441,11 @@ def test_two_ranks_resume_bitwise_identically(tmp_path):
     out = run_workers(_resume_two_ranks, 2, str(tmp_path), timeout=100)
     for rank, (ref_applied, applied, reference, resumed, info) in enumerate(out):
         # The inf is injected on rank 0 only; the flag sync skips the step on both.
-        assert ref_applied[SKIP_AT] is False and applied == ref_applied
-        assert info.step == 6 and info.world_size == 2 and info.rng_restored
+        assert ref_applied[SKIP_AT] is False
+        assert applied == ref_applied
+        assert info.step == 6
+        assert info.world_size == 2
+        assert info.rng_restored
         assert_bitwise_equal(reference, resumed)
         assert_bitwise_equal(resumed, out[0][3])
     assert list_checkpoints(tmp_path) == [6]
@@ -471,7 +478,9 @@ def test_two_ranks_save_one_resumes(tmp_path):
     model, opt, sched = build(9)
     with pytest.warns(UserWarning, match=r"saved by 2 rank\(s\) and is resumed by 1: .*RNG states are not"):
         info = load_latest_checkpoint(tmp_path, model=model, optimizer=opt, scheduler=sched)
-    assert info.world_size == 2 and not info.rng_restored and info.extra == {"next_step": 4}
+    assert info.world_size == 2
+    assert not info.rng_restored
+    assert info.extra == {"next_step": 4}
     assert_bitwise_equal(snapshot(model, opt, sched), saved[0])
     train(model, opt, sched, 4, 6)
     assert all(torch.isfinite(p.float()).all() for p in model.parameters())
@@ -490,7 +499,9 @@ def test_one_rank_saves_two_resume_from_the_same_intact_checkpoint(tmp_path):
 
     out = run_workers(_load_and_continue, 2, str(tmp_path), timeout=100)
     for rank, (info, loaded, after, messages) in enumerate(out):
-        assert info.step == 4 and info.world_size == 1 and not info.rng_restored
+        assert info.step == 4
+        assert info.world_size == 1
+        assert not info.rng_restored
         assert_bitwise_equal(loaded, saved)
         assert_bitwise_equal(after, out[0][2])  # still in lockstep after two more steps
         assert any("step-00000005.common." in m and "corrupted" in m for m in messages)
@@ -514,5 +525,6 @@ def test_ranks_that_see_different_files_fail_together_instead_of_hanging(tmp_pat
     save_steps(tmp_path / "node1", [1])
     out = run_workers(_load_from_unshared_directories, 2, str(tmp_path), timeout=100)
     for message in out:
-        assert message is not None and "rank 1 sees a different file" in message
+        assert message is not None
+        assert "rank 1 sees a different file" in message
         assert "shared by every node" in message

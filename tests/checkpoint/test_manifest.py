@@ -43,7 +43,8 @@ def test_names():
 def test_round_trip_with_several_parts():
     manifest = make()
     meta = json.loads(manifest.to_bytes())
-    assert meta["format"] == FORMAT and len(meta["manifest_sha256"]) == 64
+    assert meta["format"] == FORMAT
+    assert len(meta["manifest_sha256"]) == 64
     again = Manifest.from_bytes(manifest.to_bytes(), "m.json")
     assert again == manifest
     assert again.file(rank_part(1)).sha256 == SHA_B

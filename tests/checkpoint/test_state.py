@@ -68,7 +68,8 @@ def make_payload(step=4):
 
 def test_build_payload_saves_the_unwrapped_model():
     model, payload = make_payload()
-    assert payload["format"] == FORMAT and payload["step"] == 4
+    assert payload["format"] == FORMAT
+    assert payload["step"] == 4
     assert set(payload["model"]) == {"weight", "bias"}
     assert unwrap(_Wrapper(model)) is model
     check_payload(payload, 4)

@@ -148,7 +148,8 @@ def _nan_in_forward_on_rank_1(rank, world_size):
 def test_nan_from_the_forward_pass_on_one_rank_skips_everywhere():
     out = run_workers(_nan_in_forward_on_rank_1, 2, timeout=100)
     for steps, skipped, params in out:
-        assert steps == [True, False, True] and skipped == 1
+        assert steps == [True, False, True]
+        assert skipped == 1
         assert torch.equal(params, out[0][2])
 
 
@@ -431,7 +432,8 @@ def test_no_sync_accumulation_communicates_once_and_steps_once():
     out = run_workers(_no_sync_accumulation, 2, timeout=100)
     for calls, updates, masters in out:
         n_buckets = calls[-1]
-        assert n_buckets >= 1 and calls == [0, 0, n_buckets]
+        assert n_buckets >= 1
+        assert calls == [0, 0, n_buckets]
         assert updates == 1  # one inf/NaN check and one scale update for the whole window
         assert torch.equal(masters, out[0][2])
 
@@ -472,5 +474,6 @@ def test_fp32_gradients_beyond_fp16_range_per_rank_are_averaged_not_overflowed()
     expected = torch.tensor([35000.0]).half().float() + torch.tensor([-30000.0])
     for applied, grad, weight in out:
         assert applied is True
-        assert torch.equal(grad, expected) and abs(grad.item() - 5000.0) <= 8
+        assert torch.equal(grad, expected)
+        assert abs(grad.item() - 5000.0) <= 8
         assert torch.equal(weight, torch.ones(1).add_(expected, alpha=-1e-4))  # what SGD computes

@@ -173,7 +173,9 @@ def test_valid_plans(script):
     plan = parse(["--nproc_per_node", "3", "--tee", "all", "train.py", "--lr", "0.1", "--nproc_per_node", "9"])
     assert plan.command == ("train.py", "--lr", "0.1", "--nproc_per_node", "9")
     assert (plan.nproc_per_node, plan.world_size, plan.tee) == (3, 3, frozenset({0, 1, 2}))
-    assert plan.local_rendezvous and plan.gpus is None and plan.log_dir == "log"
+    assert plan.local_rendezvous
+    assert plan.gpus is None
+    assert plan.log_dir == "log"
     plan = parse(["--nnodes", "2", "--node_rank", "1", "--master", "[::1]:29501", "train.py"])
     assert (plan.master_addr, plan.master_port, plan.node_rank, plan.world_size) == ("::1", 29501, 1, 2)
     plan = parse(["--ips", "127.0.0.1,192.0.2.250", "--nproc_per_node", "2", "--tee", "none", "train.py"])
@@ -199,12 +201,14 @@ def test_help_exits_0(capsys):
     out = capsys.readouterr().out
     for group in ("workers on this node", "several nodes", "logs and failures", "what to run"):
         assert group in out
-    assert "--allow_oversubscribe" in out and "4 per CPU" in out
+    assert "--allow_oversubscribe" in out
+    assert "4 per CPU" in out
 
 
 def test_parse_plan_never_starts_anything(script):
     plan = parse_plan(["--nproc_per_node", "2", "train.py"])
-    assert plan.nproc_per_node == 2 and not os.path.exists("log")
+    assert plan.nproc_per_node == 2
+    assert not os.path.exists("log")
 
 
 @pytest.mark.timeout(60)

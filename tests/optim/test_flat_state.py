@@ -57,12 +57,14 @@ def test_unsharded_state_survives_any_chain_of_re_slicing(pure, worlds):
     opt = _trained(pure)
     original = opt.state_dict()
     unsharded = flat_state.describe(opt)
-    assert unsharded.sharding is None and unsharded.groups == ((0, 1), (2, 3, 4))
+    assert unsharded.sharding is None
+    assert unsharded.groups == ((0, 1), (2, 3, 4))
     common, parts = original, {}
     for world in worlds:
         saved = [flat_state.split(flat_state.join(common, parts, _target(unsharded, world, r))) for r in range(world)]
         common, parts = saved[0][0], {r: shard for r, (_, shard) in enumerate(saved)}
-        assert common["inner"]["state"] == {} and common["master_weights"] == []
+        assert common["inner"]["state"] == {}
+        assert common["master_weights"] == []
         assert [(p["lo"], p["hi"]) for p in parts.values()] == [
             FlatLayout(unsharded.numels, world).range_of(r) for r in range(world)]
         for rank in range(world):

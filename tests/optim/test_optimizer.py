@@ -78,7 +78,8 @@ def test_o2_masters_come_from_the_original_fp32_values():
     opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy(use_pure_fp16=True))
     masters = [p for g in opt.param_groups for p in g["params"]]
     for p, m, o in zip(model.parameters(), masters, original):
-        assert p.dtype == torch.float16 and m.dtype == torch.float32
+        assert p.dtype == torch.float16
+        assert m.dtype == torch.float32
         assert torch.equal(m.detach(), o)  # not the rounded FP16 value
         assert torch.equal(p.detach(), o.half())
 
@@ -93,9 +94,11 @@ def test_o2_keeps_norm_layers_and_buffers_fp32_and_all_optimizer_state_fp32():
     opt.backward(loss)
     assert opt.step()
     bn = model[1]
-    assert bn.running_mean.dtype == torch.float32 and bn.running_var.dtype == torch.float32
+    assert bn.running_mean.dtype == torch.float32
+    assert bn.running_var.dtype == torch.float32
     # keep_norm_fp32 (default): the BatchNorm's affine parameters stay FP32, learned at the first forward.
-    assert bn.weight.dtype == torch.float32 and bn.bias.dtype == torch.float32
+    assert bn.weight.dtype == torch.float32
+    assert bn.bias.dtype == torch.float32
     assert all(p.dtype == torch.bfloat16 for m in (model[0], model[2]) for p in m.parameters())
     for state in opt.state.values():
         for key, value in state.items():
@@ -234,7 +237,8 @@ def test_nonfinite_gradient_skips_the_inner_step_and_backs_off():
 
     opt.zero_grad()
     opt.backward(F.mse_loss(model(x), y))
-    assert opt.step() is True and not opt.step_was_skipped
+    assert opt.step() is True
+    assert not opt.step_was_skipped
 
 
 def test_scale_stuck_at_minimum_raises_and_suggests_bfloat16():

@@ -134,7 +134,8 @@ def test_o1_is_bitwise_torch_autocast_and_grad_scaler(family, dtype, inner):
     if dtype == torch.bfloat16:
         # BF16 has no loss scaling; torch has no GradScaler for it, so skip the overflow there.
         expected_applied = [step != OVERFLOW_STEP for step in range(len(batches))]
-        assert applied == expected_applied and scale == 1.0
+        assert applied == expected_applied
+        assert scale == 1.0
         _torch_bf16_reference(theirs, batches, inner_cls)
     else:
         expected = _torch_run(theirs, batches, dtype, inner_cls, 1024.0)

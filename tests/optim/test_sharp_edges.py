@@ -45,7 +45,8 @@ def test_clip_grad_norm_and_unscale_work_in_every_mode(mode):
     opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), _strategy(mode))
     opt.backward(_forward_loss(model, opt))
     norm = opt.clip_grad_norm_(1.0)
-    assert torch.isfinite(norm) and norm > 1.0
+    assert torch.isfinite(norm)
+    assert norm > 1.0
     assert opt.stats()["grad_norm"] == pytest.approx(float(norm))
     masters = [m for m in opt.master_weights.masters if m.grad is not None]
     clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m.grad) for m in masters]))
@@ -115,7 +116,8 @@ def test_step_with_nothing_new_warns_once_and_is_not_counted(mode):
     assert opt.step()
     with pytest.warns(UserWarning, match="found no new gradients"):
         assert opt.step() is False
-    assert opt.steps_applied == 1 and opt.steps_skipped == 0
+    assert opt.steps_applied == 1
+    assert opt.steps_skipped == 0
 
 
 def test_plain_torch_loop_still_works_with_amp_off():
