@@ -7,6 +7,7 @@ name starts with :data:`TMP_PREFIX`, which the next save removes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -114,7 +115,5 @@ def sha256_of(path: str) -> tuple[str, int]:
 
 def unlink(path: str) -> None:
     """Remove ``path``; a file that is already gone is fine."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -79,7 +79,7 @@ class SliceAllGather:
         for i in wanted:
             by_dtype.setdefault(dest(i).dtype, []).append(i)
         pieces = self.layout.pieces(*self.layout.range_of(self.rank))
-        mine = {piece.offset: source.detach() for piece, source in zip(pieces, sources)}
+        mine = {piece.offset: source.detach() for piece, source in zip(pieces, sources, strict=True)}
         if self.layout.world_size == 1:  # nothing to gather: copy (and round) in place, no buffers
             wanted = set(wanted)
             pairs = [(dest(p.param)[p.start : p.stop], mine[p.offset]) for p in pieces if p.param in wanted]

@@ -13,6 +13,7 @@ caught the same way.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shlex
@@ -140,10 +141,8 @@ class Reaper:
                     continue
                 if info[2] == pid and not workers_done:
                     continue
-                try:
+                with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
 
     def _descendants(self) -> list[int]:
         children, out = _parents(), []
@@ -172,10 +171,8 @@ class Reaper:
             for pid in live:
                 if pid not in killed:
                     killed[pid] = None if _is_guardian(pid) else _command(pid)
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             # Killed processes' children are re-parented here; reaping lets
             # the next round see the tree as it now is.
             time.sleep(0.01)

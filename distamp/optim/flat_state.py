@@ -149,7 +149,9 @@ def parts_needed(common: dict, target: Target | None) -> list[int]:
     _check_same_parameters(layout["numels"], layout["shapes"], target)
     lo, hi = target.range()
     bounds = layout["bounds"]
-    return [r for r in range(layout["world_size"]) if bounds[r] < hi and bounds[r + 1] > lo and bounds[r + 1] > bounds[r]]
+    return [
+        r for r in range(layout["world_size"]) if bounds[r] < hi and bounds[r + 1] > lo and bounds[r + 1] > bounds[r]
+    ]
 
 
 def join(common: dict, parts: dict[int, dict], target: Target | None) -> dict:

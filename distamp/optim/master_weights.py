@@ -256,7 +256,7 @@ class MasterWeights:
                 f"{len(self.model_params)} parameters; was it saved from the same model?"
             )
         with torch.no_grad():
-            for i, (p, t) in enumerate(zip(self.model_params, tensors)):
+            for i, (p, t) in enumerate(zip(self.model_params, tensors, strict=True)):
                 master = self._master_of[id(p)]
                 if tuple(t.shape) != tuple(master.shape):
                     raise ValueError(

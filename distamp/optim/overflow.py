@@ -78,7 +78,8 @@ class OverflowLog:
         """One non-finite verdict at ``step``: remember it, log it, maybe suggest FP32 for a module."""
         self.overflows += 1
         self.last_overflow = {"step": step, "params": list(names)}
-        shown = ", ".join(names[:_SHOWN_NAMES]) + (f" and {len(names) - _SHOWN_NAMES} more" if len(names) > _SHOWN_NAMES else "")
+        more = len(names) - _SHOWN_NAMES
+        shown = ", ".join(names[:_SHOWN_NAMES]) + (f" and {more} more" if more > 0 else "")
         action = "retried at a lower loss scale" if retrying else "skipped"
         logger.warning(
             "step %d %s: non-finite gradients in %s (loss scale %g)", step, action, shown or "no parameter", loss_scale

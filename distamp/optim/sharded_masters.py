@@ -101,7 +101,8 @@ class ShardedMasters:
         self.values = torch.empty(self.hi - self.lo, dtype=torch.float32, device=self.device)
         for piece in self.pieces:
             start = piece.offset - self.lo
-            self.values[start : start + piece.length].copy_(originals[piece.param].reshape(-1)[piece.start : piece.stop])
+            source = originals[piece.param].reshape(-1)[piece.start : piece.stop]
+            self.values[start : start + piece.length].copy_(source)
         # Every rank must start from rank 0's exact values, but after the conversion to 16 bits only this
         # rank's slice is left in FP32: keep the original tensors (no copy) until the start-up broadcast.
         self.pending = originals if world_size > 1 else None
@@ -226,9 +227,9 @@ class ShardedMasters:
         for original in self.pending:  # one tensor at a time: no flat copy of the whole model
             dist.broadcast(original, src=src, group=group if group is not None else self.group)
         with torch.no_grad():
-            for piece, master in zip(self.pieces, self.masters):
+            for piece, master in zip(self.pieces, self.masters, strict=True):
                 master.copy_(self.pending[piece.param].reshape(-1)[piece.start : piece.stop])
-            for p, original in zip(self.model_params, self.pending):
+            for p, original in zip(self.model_params, self.pending, strict=True):
                 p.data.copy_(original.view_as(p))
         self.pending = None
 

@@ -153,7 +153,10 @@ class ShardedPrecision(MixedPrecision):
         norm_type = float(norm_type)
         local = torch.zeros(1, dtype=torch.float32, device=flat.device)
         if flat.numel():
-            local[0] = flat.abs().max() if math.isinf(norm_type) else torch.linalg.vector_norm(flat, norm_type) ** norm_type
+            if math.isinf(norm_type):
+                local[0] = flat.abs().max()
+            else:
+                local[0] = torch.linalg.vector_norm(flat, norm_type) ** norm_type
         parts = local.repeat(group_size(self.group))
         if self.group is not None and group_size(self.group) > 1:
             _all_gather(parts, local, group=self.group)
