@@ -81,7 +81,7 @@ def parse_config_table(markdown: str, name: str) -> dict:
         values = [cells[2]] if len(keys) == 1 else cells[2].split(" / ")
         if len(values) != len(keys):
             raise AssertionError(f"row names {len(keys)} keys but {len(values)} defaults: {line!r}")
-        for key, raw in zip(keys, values):
+        for key, raw in zip(keys, values, strict=True):
             if key in defaults:
                 raise AssertionError(f"key {key!r} appears twice in the table")
             try:

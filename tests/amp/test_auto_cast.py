@@ -54,7 +54,7 @@ def test_forward_and_gradients_are_bitwise_torch_autocast(dtype):
     assert torch.equal(out, expected)
     out.float().sum().backward()
     expected.float().sum().backward()
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert p.grad.dtype == torch.float32
         assert torch.equal(p.grad, q.grad)
 

@@ -114,7 +114,7 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for key in ("params", "masters"):
         assert len(a[key]) == len(b[key])
-        for x, y in zip(a[key], b[key]):
+        for x, y in zip(a[key], b[key], strict=True):
             assert x.dtype == y.dtype, key
             assert torch.equal(x, y), key
     for sa, sb in zip(a["inner"], b["inner"], strict=True):
@@ -355,7 +355,7 @@ def test_a_plain_torch_optimizer_and_no_scheduler_work(tmp_path):
     model2 = make_net(1)
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
     assert load_latest_checkpoint(tmp_path, model=model2, optimizer=opt2).step == 1
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
     assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], opt2.state_dict()["state"][0]["momentum_buffer"])
 
 

@@ -141,7 +141,7 @@ def test_o1_is_bitwise_torch_autocast_and_gradscaler(kind, dtype):
         for x, y in data:
             fleet_step(wrapped, opt, x, y)
 
-    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
         assert a.dtype == b.dtype, name
         assert torch.equal(a, b), name
     if fp16:
@@ -169,11 +169,11 @@ def test_bf16_o2_step_with_a_non_finite_gradient_is_skipped():
     assert opt.step() is False
     assert opt.step_was_skipped
     assert opt.get_loss_scaling() == 1.0
-    for before, p in zip(params, model.parameters()):
+    for before, p in zip(params, model.parameters(), strict=True):
         assert torch.equal(before, p)
-    for before, m in zip(masters, opt.master_weights.masters):
+    for before, m in zip(masters, opt.master_weights.masters, strict=True):
         assert torch.equal(before, m)
-    for before, s in zip(momenta, opt.state.values()):
+    for before, s in zip(momenta, opt.state.values(), strict=True):
         assert torch.equal(before, s["momentum_buffer"])
     assert fleet_step(wrapped, opt, x, y)[2] is True
 

@@ -112,7 +112,7 @@ def test_checkpoint_round_trip_restores_the_cuda_rng(tmp_path):
     assert info.rng_restored
     assert torch.equal(torch.cuda.get_rng_state(), rng_at_save)
     steps(3)
-    for a, b in zip(model.parameters(), expected):
+    for a, b in zip(model.parameters(), expected, strict=True):
         assert torch.equal(a, b)
 
 

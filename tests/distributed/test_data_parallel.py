@@ -248,7 +248,7 @@ def _one_big_batch(rank, world_size, k_steps, pure=False):
     strategy = make_strategy(dtype="bfloat16", use_pure_fp16=pure)
     _, wrapped, opt = build(strategy)
     micro = global_batches(k_steps, world_size, per_rank=2)
-    xs, ys = zip(*(shard(b, rank, world_size) for b in micro))
+    xs, ys = zip(*(shard(b, rank, world_size) for b in micro), strict=True)
     with fleet.auto_cast():
         loss = F.mse_loss(wrapped(torch.cat(xs)), torch.cat(ys))
     opt.backward(loss)
@@ -381,7 +381,7 @@ def _black_varnames(rank, world_size, model_first):
         opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
         wrapped = fleet.distributed_model(model)
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
-    exact = all(torch.equal(p.detach(), o) for p, o in zip(model.head.parameters(), original_head))
+    exact = all(torch.equal(p.detach(), o) for p, o in zip(model.head.parameters(), original_head, strict=True))
     x, y = shard(global_batches(1, world_size)[0], rank, world_size)
     with fleet.auto_cast():
         out = wrapped(x)

@@ -115,7 +115,7 @@ def pids_of(tmp_path, ranks):
     """{rank: (worker pid, child pid)} once every rank has written its file."""
     files = [tmp_path / f"pids.{r}" for r in ranks]
     assert wait_until(lambda: all(f.exists() for f in files), 60), "workers did not start"
-    return {r: tuple(int(x) for x in f.read_text().split()) for r, f in zip(ranks, files)}
+    return {r: tuple(int(x) for x in f.read_text().split()) for r, f in zip(ranks, files, strict=True)}
 
 
 def finish(proc, timeout=60):

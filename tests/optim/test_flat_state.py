@@ -48,7 +48,7 @@ def _assert_same_state(a: dict, b: dict) -> None:
         for key, value in state.items():
             assert torch.equal(value, b["inner"]["state"][index][key]), (index, key)
     assert len(a["master_weights"]) == len(b["master_weights"])
-    assert all(torch.equal(x, y) for x, y in zip(a["master_weights"], b["master_weights"]))
+    assert all(torch.equal(x, y) for x, y in zip(a["master_weights"], b["master_weights"], strict=True))
 
 
 @pytest.mark.parametrize("pure", [True, False])

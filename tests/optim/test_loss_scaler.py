@@ -217,7 +217,7 @@ def test_backoff_matches_torch_amp_update_scale(interval, growth, backoff_factor
     expected = _torch_trace(found, 32768.0, interval, growth, backoff_factor)
     scaler = BackoffLossScaler(32768.0, interval, 1, growth, backoff_factor, *bounds)
     changes = 0
-    for step, (flag, (scale, tracker)) in enumerate(zip(found, expected)):
+    for step, (flag, (scale, tracker)) in enumerate(zip(found, expected, strict=True)):
         # Below min or above max the two algorithms differ by design.
         assert bounds[0] <= scale <= bounds[1], f"trace leaves the shared regime at {step}"
         before = scaler.scale

@@ -77,7 +77,7 @@ def test_o2_masters_come_from_the_original_fp32_values():
     original = [p.detach().clone() for p in model.parameters()]
     opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy(use_pure_fp16=True))
     masters = [p for g in opt.param_groups for p in g["params"]]
-    for p, m, o in zip(model.parameters(), masters, original):
+    for p, m, o in zip(model.parameters(), masters, original, strict=True):
         assert p.dtype == torch.float16
         assert m.dtype == torch.float32
         assert torch.equal(m.detach(), o)  # not the rounded FP16 value
@@ -118,14 +118,14 @@ def manual_o2_reference(model, inner_cls, groups_fn, data, scale, dtype):
             loss = F.mse_loss(model(x), y)
         model.zero_grad(set_to_none=True)
         (loss.float() * scale).backward()
-        for p, m in zip(model.parameters(), masters):
+        for p, m in zip(model.parameters(), masters, strict=True):
             if p.grad is None or step % 3 == 2 and p is model[2].bias:
                 m.grad = None
                 continue
             m.grad = p.grad.float() * torch.tensor(1.0 / scale, dtype=torch.float32)
         inner.step()
         with torch.no_grad():
-            for p, m in zip(model.parameters(), masters):
+            for p, m in zip(model.parameters(), masters, strict=True):
                 p.copy_(m)
     return [p.detach().clone() for p in model.parameters()]
 
@@ -164,7 +164,7 @@ def test_o2_matches_a_manual_master_weight_loop_bitwise(inner_cls, kwargs):
         if step % 3 == 2:
             model[2].bias.grad = None  # no gradient for this parameter this step
         assert opt.step()
-    for got, want in zip(model.parameters(), reference):
+    for got, want in zip(model.parameters(), reference, strict=True):
         assert torch.equal(got.detach(), want)
 
 
@@ -230,7 +230,7 @@ def test_nonfinite_gradient_skips_the_inner_step_and_backs_off():
     assert opt.step_was_skipped
     assert opt.get_loss_scaling() == 4.0
     assert (opt.steps_applied, opt.steps_skipped) == (1, 1)
-    for p, before in zip(model.parameters(), params_before):
+    for p, before in zip(model.parameters(), params_before, strict=True):
         assert torch.equal(p.detach(), before)
     for k, v in enumerate(opt.state.values()):
         assert torch.equal(v["momentum_buffer"], momentum_before[k])
@@ -294,7 +294,7 @@ def test_amp_off_is_a_bitwise_pass_through():
     model = tiny_mlp()
     opt = AmpOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), make_strategy(amp=False, use_pure_fp16=True))
     train(model, opt, data, amp=False)
-    for a, b in zip(model.parameters(), ref_model.parameters()):
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
         assert a.dtype == torch.float32
         assert torch.equal(a, b)
 
@@ -324,7 +324,7 @@ def test_o1_matches_torch_autocast_and_gradscaler_bitwise(inner_cls, dtype):
         make_strategy(dtype=dtype, **(scaling if dtype == "float16" else {})),
     )
     train(model, opt, data, dtype=dtype)
-    for a, b in zip(model.parameters(), ref_model.parameters()):
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
         assert torch.equal(a, b)
     if dtype == "float16":
         assert opt.get_loss_scaling() == scaler.get_scale()
@@ -352,7 +352,7 @@ def test_gradient_accumulation_matches_gradscaler_accumulation_bitwise():
             loss = F.mse_loss(model(x), y)
         opt.backward(loss)
     assert opt.step()
-    for a, b in zip(model.parameters(), ref.parameters()):
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -368,13 +368,13 @@ def test_clip_grad_norm_clips_unscaled_gradients_once():
     opt.backward(F.mse_loss(model(x), y))
     norm = opt.clip_grad_norm_(0.1)
     torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
-    for p, g in zip(model.parameters(), ref_grads):
+    for p, g in zip(model.parameters(), ref_grads, strict=True):
         torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-9)
     with pytest.raises(RuntimeError, match="call step\\(\\) first"):
         opt.backward(F.mse_loss(model(x), y))
     before = [p.detach().clone() for p in model.parameters()]
     assert opt.step()
-    for p, b, g in zip(model.parameters(), before, ref_grads):
+    for p, b, g in zip(model.parameters(), before, ref_grads, strict=True):
         # step used the clipped, unscaled gradient (not unscaled twice)
         torch.testing.assert_close(p.detach(), b - 0.1 * g, rtol=1e-6, atol=1e-8)
 
@@ -432,7 +432,7 @@ def test_checkpoint_resume_is_bitwise_identical(dtype):
     assert opt2.get_loss_scaling() == opt.get_loss_scaling()
     assert (opt2.steps_applied, opt2.steps_skipped) == (opt.steps_applied, opt.steps_skipped)
     train(model2, opt2, data[5:], dtype=dtype)
-    for got, want in zip(model2.parameters(), uninterrupted):
+    for got, want in zip(model2.parameters(), uninterrupted, strict=True):
         assert torch.equal(got.detach(), want)
 
 

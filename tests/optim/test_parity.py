@@ -141,7 +141,7 @@ def test_o1_is_bitwise_torch_autocast_and_grad_scaler(family, dtype, inner):
         expected = _torch_run(theirs, batches, dtype, inner_cls, 1024.0)
         assert (applied, scale) == expected
         assert applied[OVERFLOW_STEP] is False
-    for (name, p), q in zip(ours.state_dict().items(), theirs.state_dict().values()):
+    for (name, p), q in zip(ours.state_dict().items(), theirs.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
 
 

@@ -145,7 +145,7 @@ def test_state_dict_resumes_bitwise_and_fp32_export_on_one_rank():
     resumed.load_state_dict(weights)
     again.load_state_dict(state)
     _steps(resumed, again, data[2:])
-    for a, b in zip(model.parameters(), resumed.parameters()):
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
     exported = again.fp32_state_dict(resumed)
     assert all(v.dtype == torch.float32 for v in exported.values())
