@@ -1,5 +1,6 @@
 """The examples run end to end on two real ranks under distrun; tiny configurations, no timings checked."""
 
+import contextlib
 import json
 import os
 import re
@@ -224,14 +225,10 @@ def _stop_group(proc: subprocess.Popen) -> None:
     """
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 

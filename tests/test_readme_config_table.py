@@ -126,7 +126,7 @@ After the table.
         parse_amp_configs_table("# amp_configs\n\nno table here\n")
 
 
-@pytest.mark.parametrize("name,config", [("amp_configs", AmpConfig), ("sharding_configs", ShardingConfig)])
+@pytest.mark.parametrize(("name", "config"), [("amp_configs", AmpConfig), ("sharding_configs", ShardingConfig)])
 def test_readme_config_table_matches_the_dataclass(name, config):
     assert README.is_file(), f"{README} is missing; it must document {name} in a table"
     documented = parse_config_table(README.read_text(encoding="utf-8"), name)

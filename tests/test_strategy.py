@@ -172,7 +172,7 @@ BAD_VALUES = [
 ]
 
 
-@pytest.mark.parametrize("key, value, allowed", BAD_VALUES, ids=[f"{k}={v!r}" for k, v, _ in BAD_VALUES])
+@pytest.mark.parametrize(("key", "value", "allowed"), BAD_VALUES, ids=[f"{k}={v!r}" for k, v, _ in BAD_VALUES])
 def test_bad_value_names_key_value_and_what_is_allowed(key, value, allowed):
     s = DistributedStrategy()
     with pytest.raises(ValueError, match=names(key, value)) as info:
@@ -266,7 +266,10 @@ def test_white_black_overlap_names_the_ops():
 
 def test_op_names_are_canonical_and_aliases_count_in_overlaps():
     s = DistributedStrategy()
-    s.amp_configs = {"custom_white_list": ["torch.matmul", "Tensor.__matmul__", "conv"], "custom_black_list": ["F.softmax"]}
+    s.amp_configs = {
+        "custom_white_list": ["torch.matmul", "Tensor.__matmul__", "conv"],
+        "custom_black_list": ["F.softmax"],
+    }
     assert s.amp_config.custom_white_list == ("matmul", "matmul", "conv")
     assert s.amp_config.custom_black_list == ("softmax",)
     with pytest.raises(ValueError, match=re.escape("both contain ['conv2d']")):
@@ -305,7 +308,9 @@ def test_unknown_keys():
 
 @pytest.mark.parametrize("value", [None, 5, 1.5, "k_steps", [("k_steps", 2)]])
 def test_gradient_merge_configs_must_be_a_dict(value):
-    with pytest.raises(ValueError, match=re.escape(f"gradient_merge_configs must be a dict of config keys; got {value!r}")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"gradient_merge_configs must be a dict of config keys; got {value!r}")
+    ):
         DistributedStrategy().gradient_merge_configs = value
 
 
@@ -359,14 +364,18 @@ def test_assignment_replaces_never_merges_or_appends():
 )
 def test_amp_configs_view_refuses_mutation(mutate):
     s = DistributedStrategy()
-    with pytest.raises(TypeError, match=r"read-only view .* assign a whole dict instead, e\.g\. strategy\.amp_configs = "):
+    with pytest.raises(
+        TypeError, match=r"read-only view .* assign a whole dict instead, e\.g\. strategy\.amp_configs = "
+    ):
         mutate(s.amp_configs)
     assert s.amp_config == AmpConfig()
 
 
 def test_gradient_merge_configs_view_refuses_mutation():
     s = DistributedStrategy()
-    with pytest.raises(TypeError, match=r"strategy\.gradient_merge_configs = \{\*\*strategy\.gradient_merge_configs, 'k_steps'"):
+    with pytest.raises(
+        TypeError, match=r"strategy\.gradient_merge_configs = \{\*\*strategy\.gradient_merge_configs, 'k_steps'"
+    ):
         s.gradient_merge_configs["k_steps"] = 4
 
 
@@ -400,7 +409,9 @@ def test_bool_flags_reject_non_bools(attr, value):
 
 @pytest.mark.parametrize("value", [0, -1, 0.0, math.nan, math.inf, True, "25", None, 2**20 + 1])
 def test_fuse_grad_size_rejects(value):
-    with pytest.raises(ValueError, match=re.escape(f"strategy.fuse_grad_size_in_MB must be a number in (0, 1048576]; got {value!r}")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"strategy.fuse_grad_size_in_MB must be a number in (0, 1048576]; got {value!r}")
+    ):
         DistributedStrategy().fuse_grad_size_in_MB = value
 
 
@@ -417,7 +428,9 @@ def test_unknown_attribute_lists_supported_ones():
     s = DistributedStrategy()
     with pytest.raises(ValueError, match=r"no attribute 'amp_config_s'\. Did you mean 'amp_configs'\?"):
         s.amp_config_s = {}
-    with pytest.raises(ValueError, match=r"'recompute'.*supports only: amp, amp_configs, .*fuse_grad_size_in_MB\. Paddle Fleet"):
+    with pytest.raises(
+        ValueError, match=r"'recompute'.*supports only: amp, amp_configs, .*fuse_grad_size_in_MB\. Paddle Fleet"
+    ):
         s.recompute = True
     with pytest.raises(ValueError, match=r"no attribute '_amp'"):
         s._amp = 3
@@ -433,7 +446,9 @@ def test_gradient_merge_config_validation():
         with pytest.raises(ValueError, match=re.escape("gradient_merge_configs['k_steps'] must be an int >= 1")):
             DistributedStrategy().gradient_merge_configs = {"k_steps": value}
     for value in (1, "yes", None):
-        with pytest.raises(ValueError, match=re.escape(f"gradient_merge_configs['avg'] must be a bool (True or False); got {value!r}")):
+        with pytest.raises(
+            ValueError, match=re.escape(f"gradient_merge_configs['avg'] must be a bool (True or False); got {value!r}")
+        ):
             DistributedStrategy().gradient_merge_configs = {"avg": value}
 
 
@@ -493,7 +508,7 @@ def test_from_dict_rejects_bad_input():
 
 def test_bf16_with_scaling_keys_warns_once_at_the_callers_line():
     s = DistributedStrategy()
-    with pytest.warns(UserWarning) as record:
+    with pytest.warns(UserWarning, match="fixed at 1.0") as record:
         s.amp_configs = {"dtype": "bfloat16", "init_loss_scaling": 1024.0, "incr_ratio": 4.0, "use_pure_fp16": True}
     assert len(record) == 1
     message = str(record[0].message)
@@ -527,14 +542,22 @@ _scalars = st.one_of(
     st.text(max_size=12),
     st.binary(max_size=6),
     st.sampled_from(["float16", "bfloat16", "float32", "backoff", "lognormal", torch.float16, torch.bfloat16]),
-    st.sampled_from(sorted(known_op_names()) + ["matmull", ""]),
+    st.sampled_from([*sorted(known_op_names()), "matmull", ""]),
 )
 _values = st.recursive(
     _scalars,
-    lambda inner: st.one_of(st.lists(inner, max_size=3), st.tuples(inner), st.dictionaries(st.text(max_size=4), inner, max_size=2)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.tuples(inner), st.dictionaries(st.text(max_size=4), inner, max_size=2)
+    ),
     max_leaves=4,
 )
-_keys = st.one_of(st.sampled_from(AMP_KEYS + ["k_steps", "avg", "stage"]), st.text(max_size=20), st.none(), st.integers(), st.binary(max_size=4))
+_keys = st.one_of(
+    st.sampled_from([*AMP_KEYS, "k_steps", "avg", "stage"]),
+    st.text(max_size=20),
+    st.none(),
+    st.integers(),
+    st.binary(max_size=4),
+)
 
 
 def _names_an_offending_key(message: str, config: dict) -> bool:
@@ -627,7 +650,9 @@ def test_sharding_configs_defaults_round_trip_and_view():
 
 
 def test_sharding_configs_typo_suggests_stage():
-    with pytest.raises(ValueError, match=r"sharding_configs has no key 'stag'\. Did you mean 'stage'\? Valid keys: stage\."):
+    with pytest.raises(
+        ValueError, match=r"sharding_configs has no key 'stag'\. Did you mean 'stage'\? Valid keys: stage\."
+    ):
         DistributedStrategy().sharding_configs = {"stag": 1}
 
 

@@ -246,7 +246,7 @@ def corrupt_garble_manifest(path):
 
 
 @pytest.mark.parametrize(
-    "corrupt, reason",
+    ("corrupt", "reason"),
     [
         (corrupt_truncate, "truncated"),
         (corrupt_flip_byte, "corrupted"),
@@ -271,7 +271,7 @@ def test_every_checkpoint_bad_starts_from_scratch_with_warnings(tmp_path):
     corrupt_flip_byte(payload(tmp_path, 10))
     corrupt_truncate(payload(tmp_path, 20))
     model, opt, sched = build(3)
-    with pytest.warns(UserWarning) as record:
+    with pytest.warns(UserWarning, match="no intact checkpoint") as record:
         assert load_latest_checkpoint(tmp_path, model=model, optimizer=opt, scheduler=sched) is None
     messages = [str(w.message) for w in record]
     assert any("step-00000020.common." in m and "truncated" in m for m in messages)
@@ -334,7 +334,9 @@ def test_a_crash_between_payload_and_manifest_is_an_incomplete_checkpoint(tmp_pa
     assert [n for n in layout(crashed) if not n.startswith(".tmp-")] == [
         "step-00000010.common.<hash>.pt", "step-00000010.json", "step-00000020.common.<hash>.pt"
     ]
-    with pytest.warns(UserWarning, match=r"step-00000020.json: no manifest \(the save did not finish; step-00000020.common"):
+    with pytest.warns(
+        UserWarning, match=r"step-00000020.json: no manifest \(the save did not finish; step-00000020.common"
+    ):
         info = load_latest_checkpoint(crashed, model=model, optimizer=opt, scheduler=sched)
     assert info.step == 10
 
@@ -356,7 +358,9 @@ def test_a_plain_torch_optimizer_and_no_scheduler_work(tmp_path):
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
     assert load_latest_checkpoint(tmp_path, model=model2, optimizer=opt2).step == 1
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
-    assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], opt2.state_dict()["state"][0]["momentum_buffer"])
+    assert torch.equal(
+        opt.state_dict()["state"][0]["momentum_buffer"], opt2.state_dict()["state"][0]["momentum_buffer"]
+    )
 
 
 # --------------------------------------------------------------------------- bad input
@@ -393,7 +397,9 @@ def test_bad_arguments_are_refused_clearly(tmp_path):
         save_checkpoint(tmp_path, 1, extra={"seen": collections.defaultdict(int)}, **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _Halve())
     # The NumPy factor reaches the optimizer's lr before the scheduler's own state.
-    with pytest.raises(TypeError, match=r"optimizer.state_dict\(\)\['inner'\]\['param_groups'\]\[0\]\['lr'\] is a float64"):
+    with pytest.raises(
+        TypeError, match=r"optimizer.state_dict\(\)\['inner'\]\['param_groups'\]\[0\]\['lr'\] is a float64"
+    ):
         save_checkpoint(tmp_path, 1, scheduler=sched, **kw)
     for group in opt.param_groups:
         group["lr"] = float(group["lr"])
@@ -419,10 +425,10 @@ def test_loading_into_a_different_setup_names_the_mismatch(tmp_path):
     with pytest.raises(RuntimeError, match=r"optimizer is a AmpOptimizer, this one is a AdamW"):
         load_latest_checkpoint(tmp_path, model=make_net(0), optimizer=plain, scheduler=sched)
     o1 = DistributedStrategy(amp=True, amp_configs={"use_pure_fp16": False})
+    other = make_net(0)
+    o1_opt = AmpOptimizer(torch.optim.AdamW(other.parameters()), o1)
+    o1_sched = torch.optim.lr_scheduler.StepLR(o1_opt, step_size=3)
     with pytest.raises(RuntimeError, match=r"disagree on use_pure_fp16"):
-        other = make_net(0)
-        o1_opt = AmpOptimizer(torch.optim.AdamW(other.parameters()), o1)
-        o1_sched = torch.optim.lr_scheduler.StepLR(o1_opt, step_size=3)
         load_latest_checkpoint(tmp_path, model=other, optimizer=o1_opt, scheduler=o1_sched)
 
 
@@ -439,7 +445,7 @@ def _resume_two_ranks(rank, world_size, directory):
 @pytest.mark.timeout(120)
 def test_two_ranks_resume_bitwise_identically(tmp_path):
     out = run_workers(_resume_two_ranks, 2, str(tmp_path), timeout=100)
-    for rank, (ref_applied, applied, reference, resumed, info) in enumerate(out):
+    for ref_applied, applied, reference, resumed, info in out:
         # The inf is injected on rank 0 only; the flag sync skips the step on both.
         assert ref_applied[SKIP_AT] is False
         assert applied == ref_applied

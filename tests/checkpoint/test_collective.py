@@ -114,7 +114,7 @@ def _slow_rank_zero(rank: int, world_size: int, directory: str, port: int) -> di
 @pytest.mark.timeout(120)
 def test_other_ranks_outwait_a_slow_rank_zero_and_share_its_failures(tmp_path):
     out = run_workers(_slow_rank_zero, 2, str(tmp_path), free_port(), timeout=100)
-    for rank, result in enumerate(out):
+    for result in out:
         assert result["all_reduce"] == 2.0
         assert result["listed"] == [3, 2]
         assert result["failure"] == out[0]["failure"]

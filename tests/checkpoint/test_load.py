@@ -82,7 +82,7 @@ def tamper(directory, step, recompute_checksum: bool):
 
 
 @pytest.mark.parametrize(
-    "recompute_checksum, reason",
+    ("recompute_checksum", "reason"),
     [(False, "manifest checksum mismatch"), (True, "whose name does not carry its SHA-256")],
 )
 def test_a_payload_changed_under_a_repaired_manifest_is_detected(tmp_path, recompute_checksum, reason):

@@ -76,7 +76,7 @@ def test_build_payload_saves_the_unwrapped_model():
 
 
 @pytest.mark.parametrize(
-    "change, message",
+    ("change", "message"),
     [
         (lambda p: [1, 2], r"not a distamp.checkpoint/2 payload \(found 'list'\)"),
         (lambda p: {**p, "format": "x/1"}, r"not a distamp.checkpoint/2 payload \(found 'x/1'\)"),

@@ -105,7 +105,7 @@ def flat_params_masters(opt) -> torch.Tensor:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size,pure", [(2, True), (4, False)])
+@pytest.mark.parametrize(("world_size", "pure"), [(2, True), (4, False)])
 def test_inf_on_one_rank_after_communication_skips_on_every_rank(world_size, pure):
     out = run_workers(_inf_after_backward_on_last_rank, world_size, True, pure, timeout=100)
     for steps, scale, params, masters in out:

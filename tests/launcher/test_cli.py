@@ -68,7 +68,8 @@ BAD_INPUT = [
     (["--nnodes", "2", "--master", "no-such-host.invalid:29500", "train.py"],
      r"--master 'no-such-host.invalid:29500': the master host 'no-such-host.invalid' cannot be resolved"),
     (["--nnodes", "2", "--master", "192.0.2.250:29500", "train.py"],
-     r"--master '192.0.2.250:29500': node rank 0 hosts the rendezvous, but the master '192.0.2.250' is not an address of this host"),
+     (r"--master '192.0.2.250:29500': node rank 0 hosts the rendezvous, "
+      r"but the master '192.0.2.250' is not an address of this host")),
     (["--nnodes", "2", "train.py"], r"--nnodes 2 needs a rendezvous address: add --master HOST:PORT"),
     (["--nnodes", "0", "train.py"], r"--nnodes 0 is invalid: it must be an integer >= 1"),
     (["--nnodes", "two", "train.py"], r"argument --nnodes: invalid int value: 'two'"),
@@ -100,7 +101,7 @@ BAD_INPUT = [
 ]
 
 
-@pytest.mark.parametrize("argv, message", BAD_INPUT, ids=[" ".join(a) or "<empty>" for a, _ in BAD_INPUT])
+@pytest.mark.parametrize(("argv", "message"), BAD_INPUT, ids=[" ".join(a) or "<empty>" for a, _ in BAD_INPUT])
 def test_bad_input_exits_2_with_message(argv, message, script, capsys, monkeypatch):
     # Should validation ever let one through, fail here instead of starting
     # (say) 100000 workers inside the test process.
@@ -155,7 +156,9 @@ def test_syntax_check_does_not_run_the_code(script, tmp_path):
 
 
 def test_gpus_not_visible_names_the_id(script):
-    with pytest.raises(UsageError, match=r"--gpus '0,3': GPU 3 is not visible; this process sees 2 GPU\(s\), ids 0 to 1"):
+    with pytest.raises(
+        UsageError, match=r"--gpus '0,3': GPU 3 is not visible; this process sees 2 GPU\(s\), ids 0 to 1"
+    ):
         parse(["--gpus", "0,3", "train.py"], gpus=2)
     with pytest.raises(UsageError, match=r"CUDA_VISIBLE_DEVICES='4,5'"):
         parse(["--gpus", "2", "train.py"], {"CUDA_VISIBLE_DEVICES": "4,5"}, gpus=2)
@@ -185,7 +188,7 @@ def test_valid_plans(script):
     assert plan.command == ("-m", "json.tool", "x")
 
 
-@pytest.mark.parametrize("argv, command", [
+@pytest.mark.parametrize(("argv", "command"), [
     (["train.py", "--", "--lr", "1"], ("train.py", "--", "--lr", "1")),
     (["--", "train.py", "--"], ("train.py", "--")),
     (["--nproc_per_node=2", "train.py", "--nproc_per_node", "5", "-m", "x"],

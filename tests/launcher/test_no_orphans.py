@@ -20,6 +20,7 @@ own start-up.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -97,10 +98,8 @@ def job(tmp_path):
     marker = uuid.uuid4().hex
     yield tmp_path, marker
     for pid in with_environ(MARK, marker):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def start(tmp_path, marker, *args, driver=None):

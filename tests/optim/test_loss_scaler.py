@@ -203,7 +203,7 @@ def _torch_trace(found, init, interval, growth, backoff_factor):
 
 
 @pytest.mark.parametrize(
-    "interval, growth, backoff_factor, p_inf, bounds",
+    ("interval", "growth", "backoff_factor", "p_inf", "bounds"),
     [
         (1000, 2.0, 0.5, 0.0004, (1.0, 2.0**24)),  # DESIGN defaults, decr_every=1
         (50, 2.0, 0.5, 0.01, (1.0, 2.0**60)),
@@ -417,7 +417,7 @@ def _counters(scaler):
 
 
 @pytest.mark.parametrize(
-    "make, events",
+    ("make", "events"),
     [
         (lambda: backoff(incr_every_n_steps=4), _backoff_events),
         (lambda: lognormal(), _lognormal_events),
@@ -451,7 +451,7 @@ def test_load_state_dict_accepts_tensors():
 
 
 @pytest.mark.parametrize(
-    "make, state, error, match",
+    ("make", "state", "error", "match"),
     [
         (backoff, {"scale": 8.0, "num_good_steps": 0}, ValueError, r"missing keys \['num_bad_steps'\]"),
         (backoff, {"scale": 8.0, "num_good_steps": 0, "num_bad_steps": 0, "x": 1},
@@ -507,7 +507,7 @@ def test_base_class_is_abstract():
 
 # ---------------------------------------------------------------- validation
 @pytest.mark.parametrize(
-    "make, match",
+    ("make", "match"),
     [
         (lambda: backoff(init_scale=0.0), r"init_scale must be a finite number > 0, got 0\.0"),
         (lambda: backoff(init_scale=float("inf")), "init_scale"),
@@ -573,7 +573,7 @@ def test_build_lognormal_static_and_unit():
 
 
 @pytest.mark.parametrize(
-    "overrides, error, match",
+    ("overrides", "error", "match"),
     [
         ({"dtype": "float32"}, ValueError, "dtype must be 'float16' or 'bfloat16', got 'float32'"),
         ({"loss_scaling_algorithm": "logmax"}, ValueError,

@@ -94,7 +94,10 @@ def _attribution_on_two_ranks(rank, world_size):
 def test_attribution_is_identical_on_every_rank():
     out = run_workers(_attribution_on_two_ranks, 2, timeout=100)
     for seen, params in out:
-        assert seen == [(False, {"step": 1, "params": ["body.bias"]}), (False, {"step": 2, "params": ["head.1.weight"]})]
+        assert seen == [
+            (False, {"step": 1, "params": ["body.bias"]}),
+            (False, {"step": 2, "params": ["head.1.weight"]}),
+        ]
         assert torch.equal(params, out[0][1])
 
 

@@ -87,7 +87,9 @@ def test_o2_masters_come_from_the_original_fp32_values():
 def test_o2_keeps_norm_layers_and_buffers_fp32_and_all_optimizer_state_fp32():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
-    opt = AmpOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), make_strategy(use_pure_fp16=True, dtype="bfloat16"))
+    opt = AmpOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-3), make_strategy(use_pure_fp16=True, dtype="bfloat16")
+    )
     x, y = torch.randn(8, 4), torch.randn(8, 2)
     with auto_cast(dtype="bfloat16"):
         loss = F.mse_loss(model(x), y)
@@ -119,7 +121,7 @@ def manual_o2_reference(model, inner_cls, groups_fn, data, scale, dtype):
         model.zero_grad(set_to_none=True)
         (loss.float() * scale).backward()
         for p, m in zip(model.parameters(), masters, strict=True):
-            if p.grad is None or step % 3 == 2 and p is model[2].bias:
+            if p.grad is None or (step % 3 == 2 and p is model[2].bias):
                 m.grad = None
                 continue
             m.grad = p.grad.float() * torch.tensor(1.0 / scale, dtype=torch.float32)
@@ -131,7 +133,7 @@ def manual_o2_reference(model, inner_cls, groups_fn, data, scale, dtype):
 
 
 @pytest.mark.parametrize(
-    "inner_cls,kwargs",
+    ("inner_cls", "kwargs"),
     [
         (torch.optim.SGD, {"lr": 0.05}),
         (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
@@ -247,11 +249,15 @@ def test_scale_stuck_at_minimum_raises_and_suggests_bfloat16():
         torch.optim.SGD([param], lr=0.1),
         make_strategy(init_loss_scaling=4.0, min_loss_scaling=1.0, decr_every_n_nan_or_inf=1, stuck_scale_patience=3),
     )
-    with pytest.raises(RuntimeError, match="bfloat16"):
+
+    def overflowing_steps():
         for _ in range(10):
             opt.zero_grad()
             opt.backward((param * float("inf")).sum())
             opt.step()
+
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        overflowing_steps()
     # 4 -> 2 -> 1, then three more overflows at the minimum
     assert opt.steps_skipped == 2 + 3
 
@@ -381,7 +387,9 @@ def test_clip_grad_norm_clips_unscaled_gradients_once():
 
 def test_lr_scheduler_works_without_warnings_and_can_skip_on_skipped_steps():
     param = nn.Parameter(torch.ones(2))
-    opt = AmpOptimizer(torch.optim.SGD([param], lr=1.0), make_strategy(init_loss_scaling=2.0, decr_every_n_nan_or_inf=1))
+    opt = AmpOptimizer(
+        torch.optim.SGD([param], lr=1.0), make_strategy(init_loss_scaling=2.0, decr_every_n_nan_or_inf=1)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -439,7 +447,7 @@ def test_checkpoint_resume_is_bitwise_identical(dtype):
 def test_load_state_dict_refuses_a_bare_torch_state_and_a_mismatched_mode():
     model = tiny_mlp()
     opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy(use_pure_fp16=True))
-    with pytest.raises(ValueError, match="inner_opt.load_state_dict"):
+    with pytest.raises(ValueError, match=r"inner_opt\.load_state_dict"):
         opt.load_state_dict(torch.optim.SGD(tiny_mlp().parameters(), lr=0.1).state_dict())
     o1 = AmpOptimizer(torch.optim.SGD(tiny_mlp().parameters(), lr=0.1), make_strategy())
     with pytest.raises(ValueError, match="use_pure_fp16"):
@@ -450,10 +458,10 @@ def test_load_state_dict_refuses_a_bare_torch_state_and_a_mismatched_mode():
 
 
 def test_bad_arguments_raise_clear_errors():
-    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
         AmpOptimizer(object(), make_strategy())
     opt = AmpOptimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1), make_strategy())
     with pytest.raises(TypeError, match="only once"):
         AmpOptimizer(opt, make_strategy())
-    with pytest.raises(TypeError, match="loss must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"loss must be a torch\.Tensor"):
         opt.backward(1.0)

@@ -50,7 +50,9 @@ class TinyGPT(nn.Module):
         h = self.tok(idx) + self.pos[:t]
         for blk in self.blocks:
             q, k, v = blk["qkv"](blk["ln1"](h)).view(b, t, 3, self.heads, -1).unbind(2)
-            att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            att = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            )
             h = h + blk["proj"](att.transpose(1, 2).reshape(b, t, -1))
             h = h + blk["down"](F.gelu(blk["up"](blk["ln2"](h))))
         return self.head(self.ln_f(h))
