@@ -13,7 +13,7 @@ import io
 import os
 import uuid
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 __all__ = ["TMP_PREFIX", "fsync_dir", "sha256_of", "unlink", "write_atomically"]
 
@@ -88,7 +88,7 @@ def write_atomically(
     try:
         with open(tmp, "wb") as raw:
             writer = _HashingWriter(raw)
-            write(writer)
+            write(cast(BinaryIO, writer))  # a binary file object to the writer, though not the typing class
             raw.flush()
             os.fsync(raw.fileno())
         sha = writer.sha256.hexdigest()

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 from distamp.launcher._bootstrap import GUARDIAN_NAME
 
 if TYPE_CHECKING:
-    from typing import Self
+    # typing.Self is Python 3.11+; mypy checks for 3.10 (setup.cfg).
+    import typing_extensions
 
 __all__ = ["Reaper"]
 
@@ -100,7 +101,7 @@ class Reaper:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> typing_extensions.Self:
         if not self._linux:
             return self
         libc = ctypes.CDLL(None, use_errno=True)

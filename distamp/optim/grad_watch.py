@@ -64,7 +64,7 @@ class GradWatch:
             if grad is None:
                 if seen is not None:
                     return False
-            elif seen is None or seen[0]() is not grad or seen[1] != grad._version:
+            elif seen is None or seen[1] != grad._version or seen[0]() is not grad:
                 return False
         return True
 

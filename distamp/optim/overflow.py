@@ -45,17 +45,16 @@ def nonfinite_parameters(
         names: their qualified names, in the same order.
         group: the data-parallel group (``None``: this rank only).
     """
-    with_grad = [i for i, p in enumerate(params) if p.grad is not None]
+    grads = {i: p.grad for i, p in enumerate(params) if p.grad is not None}  # in parameter order
     if not params:
         return []
-    device = params[with_grad[0]].grad.device if with_grad else params[0].device
+    device = next(iter(grads.values())).device if grads else params[0].device
     flags = torch.zeros(len(params), dtype=torch.float32, device=device)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i in with_grad:
-        grad = params[i].grad
+    for i, grad in grads.items():
         groups.setdefault((grad.device, grad.dtype), []).append(i)
     for indices in groups.values():
-        maxima = torch.stack(torch._foreach_norm([params[i].grad for i in indices], math.inf)).float()
+        maxima = torch.stack(torch._foreach_norm([grads[i] for i in indices], math.inf)).float()
         flags[torch.tensor(indices, device=device)] = (~torch.isfinite(maxima)).float().to(device)
     all_reduce_max(flags, group)
     return [names[i] for i in torch.nonzero(flags).flatten().tolist()]

@@ -198,14 +198,18 @@ class ShardedMasters:
         return len(changing)
 
     def _dtype_for(self, index: int) -> torch.dtype:
-        return torch.float32 if id(self.model_params[index]) in self._keep_fp32 else self.low_dtype
+        if id(self.model_params[index]) in self._keep_fp32 or self.low_dtype is None:
+            return torch.float32
+        return self.low_dtype
 
     def _exact_values(self, indices: Sequence[int]) -> dict[int, torch.Tensor]:
         """Exact FP32 values of parameters ``indices``, flattened (collective when gathered)."""
         if self.pending is not None:
             return {i: self.pending[i].reshape(-1).float() for i in indices}
         if self.world_size == 1:
-            return {i: self.values[slice(*self.layout.param_range(i))] for i in indices}
+            values = self.values
+            assert values is not None, "exact values are asked for only in O2, which has FP32 masters"
+            return {i: values[slice(*self.layout.param_range(i))] for i in indices}
         out = {i: torch.empty(self.layout.numels[i], dtype=torch.float32, device=self.device) for i in indices}
         self.gather.run(self.masters, out.__getitem__, params=list(indices))
         return out

@@ -53,6 +53,8 @@ class ShardedPrecision(MixedPrecision):
         wait forever in the all-gather of the others.
     """
 
+    master_weights: ShardedMasters
+
     def __init__(self, params: Sequence[nn.Parameter], strategy: DistributedStrategy,
                  group: dist.ProcessGroup | None) -> None:
         config = strategy.amp_config
@@ -139,7 +141,7 @@ class ShardedPrecision(MixedPrecision):
         if self.scaler is not None:
             super().update(found_inf, grad_max)
 
-    def clip_grad_norm_(self, grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+    def clip_grad_norm_(self, grads: Sequence[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip with one global norm: each rank's slice norm, gathered and combined in rank order.
 
