@@ -46,7 +46,8 @@ from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
 
 if TYPE_CHECKING:
-    from typing import Self
+    # typing.Self is Python 3.11+; mypy checks for 3.10 (setup.cfg).
+    import typing_extensions
 
 __all__ = [
     "DistributedStrategy",
@@ -202,7 +203,9 @@ def _attach_log_handler(rank: int) -> None:
 def _world() -> WorldInfo:
     if _state.world is None:
         init()
-    return _state.world
+    world = _state.world
+    assert world is not None, "fleet.init() sets the world"
+    return world
 
 
 def _strategy(strategy: DistributedStrategy | None) -> DistributedStrategy:
@@ -299,7 +302,7 @@ def auto_cast(enable: bool = True) -> contextlib.AbstractContextManager:
 class _NoOp(contextlib.ContextDecorator):
     """``auto_cast()`` with AMP off: nothing happens (also as a decorator)."""
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> typing_extensions.Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -254,7 +254,7 @@ def write_history(out_dir: str, history: History, summary: dict) -> tuple[str, s
     ax_scale.step(steps, history.loss_scale, where="post")
     ax_scale.set_ylabel("loss scale")
     ax_scale.set_yscale("log", base=2)
-    skipped = [s for s, skip in zip(steps, history.skipped) if skip]
+    skipped = [s for s, skip in zip(steps, history.skipped, strict=True) if skip]
     if skipped:
         ax_scale.plot(skipped, [history.loss_scale[s - 1] for s in skipped], "rx", label="skipped step")
         ax_scale.legend()

@@ -105,7 +105,7 @@ def run_workers(
                 if dead and len(values) + len(failures) < world_size:
                     # A worker died without reporting (e.g. killed by a signal).
                     codes = {i: procs[i].exitcode for i in dead}
-                    raise RuntimeError(f"worker(s) died without a result: {codes}")
+                    raise RuntimeError(f"worker(s) died without a result: {codes}") from None
                 continue
             if ok:
                 import torch

@@ -105,9 +105,11 @@ def test_commands_refer_to_what_the_package_provides(dockerfile):
     assert "examples" in setup["options.extras_require"]
 
     cmd = [json.loads(args) for keyword, args in instructions(dockerfile) if keyword == "CMD"]
-    assert len(cmd) == 1 and cmd[0][0] == "distrun"
+    assert len(cmd) == 1
+    assert cmd[0][0] == "distrun"
     scripts_used = [word for word in cmd[0] if word.endswith(".py")]
-    assert scripts_used and all(os.path.exists(os.path.join(ROOT, s)) for s in scripts_used)
+    assert scripts_used
+    assert all(os.path.exists(os.path.join(ROOT, s)) for s in scripts_used)
     assert any(keyword == "FROM" for keyword, _ in instructions(dockerfile))
 
 

@@ -1,5 +1,6 @@
 """The examples run end to end on two real ranks under distrun; tiny configurations, no timings checked."""
 
+import contextlib
 import json
 import os
 import re
@@ -39,14 +40,16 @@ def test_train_digits_writes_consistent_outputs(tmp_path):
     accuracy = re.findall(r"test_accuracy=(\d\.\d{4})$", done.stdout, re.MULTILINE)
     assert len(accuracy) == 1, done.stdout  # rank 0 only
     history = json.loads((tmp_path / "out" / "history.json").read_text())
-    assert history["precision"] == "float16-O2" and history["world_size"] == 2
+    assert history["precision"] == "float16-O2"
+    assert history["world_size"] == 2
     assert f"{history['test_accuracy']:.4f}" == accuracy[0]
     assert history["step"] == [1, 2, 3, 4, 5, 6]
     assert len(history["loss"]) == len(history["loss_scale"]) == len(history["skipped"]) == 6
     assert len(history["grad_norm"]) == len(history["overflows"]) == 6  # optimizer.stats() telemetry
     assert history["overflows"][-1] == history["skipped_steps"]
     assert history["skipped_steps"] == sum(history["skipped"])
-    assert all(s >= 1.0 for s in history["loss_scale"]) and history["loss_scale"][0] <= 32768.0
+    assert all(s >= 1.0 for s in history["loss_scale"])
+    assert history["loss_scale"][0] <= 32768.0
     assert (tmp_path / "out" / "history.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     params = torch.load(tmp_path / "params.pt", weights_only=True)
@@ -71,7 +74,9 @@ def test_benchmark_smoke_counts_half_the_bytes(tmp_path):
     # distamp: 16-bit gradients plus its small found-inf flag all-reduce.
     assert 2 * n <= rows["distamp_o2_bf16"]["wire_bytes_per_step"] <= 2 * n + 64
     for row in rows.values():
-        assert row["samples"] == 2 and row["median_s"] > 0 and row["iqr_s"] >= 0
+        assert row["samples"] == 2
+        assert row["median_s"] > 0
+        assert row["iqr_s"] >= 0
         assert len(row["peak_bytes_per_rank"]) == 2
     assert rows["fp32"]["vs_fp32"] == 1.0
     assert rows["distamp_o2_bf16"]["vs_torch_native"] == pytest.approx(
@@ -99,13 +104,16 @@ def test_benchmark_cnn_in_one_process(tmp_path):
     cfg, rows = result["config"], result["modes"]
     family = bench_modes.family("cnn", image_size=16)
     assert (cfg["world_size"], cfg["model"], cfg["batch_per_rank"], cfg["compile"]) == (1, "cnn", 2, False)
-    assert cfg["family"] == family.describe() and cfg["sizes"]["image_size"] == 16
-    assert f"({family.describe()};" in out and "batch 2 per rank, eager, 1 ranks" in out
+    assert cfg["family"] == family.describe()
+    assert cfg["sizes"]["image_size"] == 16
+    assert f"({family.describe()};" in out
+    assert "batch 2 per rank, eager, 1 ranks" in out
     assert "| peak x FP32 | peak x torch-native |" in out
     assert list(rows) == BF16_MODES.split(",")
     for mode, row in rows.items():
         # One process: no DDP on either side, so nothing at all goes through a collective.
-        assert row["wire_bytes_per_step"] == 0 and row["collective_calls_per_step"] == {}, mode
+        assert row["wire_bytes_per_step"] == 0, mode
+        assert row["collective_calls_per_step"] == {}, mode
         assert row["last_loss"] == pytest.approx(rows["fp32"]["last_loss"], rel=0.02), mode
     for mode in ("distamp_o1_bf16", "distamp_o2_bf16"):
         assert rows[mode]["peak_vs_torch_native"] == pytest.approx(
@@ -122,7 +130,8 @@ def test_benchmark_tiny_gpt_in_one_process(tmp_path):
     cfg, rows = result["config"], result["modes"]
     family = bench_modes.FAMILIES["tiny_gpt"]
     assert (cfg["world_size"], cfg["batch_per_rank"], cfg["threads_per_rank"]) == (1, family.default_batch, 1)
-    assert cfg["family"] == family.describe() and "eager, 1 ranks" in out
+    assert cfg["family"] == family.describe()
+    assert "eager, 1 ranks" in out
     assert list(rows) == BF16_MODES.split(",")
     for mode, row in rows.items():
         assert row["last_loss"] == pytest.approx(rows["fp32"]["last_loss"], rel=0.02), mode
@@ -140,7 +149,8 @@ def test_benchmark_compiled_runners_are_reused_without_recompiling(tmp_path):
                                   "--modes", modes, "--reps", "2", "--steps", "1", "--warmup", "1",
                                   "--probe_steps", "0", timeout=130)
 
-    assert result["config"]["compile"] is True and "torch.compile, 1 ranks" in out
+    assert result["config"]["compile"] is True
+    assert "torch.compile, 1 ranks" in out
     rows = result["modes"]
     assert list(rows) == modes.split(",")
     assert all(row["samples"] == 2 for row in rows.values())
@@ -156,7 +166,8 @@ def test_benchmark_gpt_on_two_ranks_counts_tied_weights_once(tmp_path):
                    *SMOKE, "--json", "bench.json", timeout=100)
 
     result = json.loads((tmp_path / "bench.json").read_text())
-    assert result["config"]["world_size"] == 2 and result["config"]["sizes"] == {**sizes}
+    assert result["config"]["world_size"] == 2
+    assert result["config"]["sizes"] == {**sizes}
     assert "2 ranks" in done.stdout
     # The output head shares the token embedding's weight: DDP and distamp send it once.
     n = sum(p.numel() for p in bench_modes.family("gpt", **sizes).build(0).parameters())
@@ -214,14 +225,10 @@ def _stop_group(proc: subprocess.Popen) -> None:
     """
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 
@@ -255,7 +262,8 @@ def test_link_mode_runs_one_rank_per_namespace_and_cleans_up(tmp_path, link_runs
         pytest.fail(f"benchmark.py --link_gbit did not finish in 240 s:\n{out}\n{err}")
     assert proc.returncode == 0, out + err
     result = json.loads((tmp_path / "link.json").read_text())
-    assert result["config"]["link_gbit"] == 1.0 and result["config"]["world_size"] == 2
+    assert result["config"]["link_gbit"] == 1.0
+    assert result["config"]["world_size"] == 2
     assert "1 Gbit/s link" in out
     # Its namespaces are named after its pid; other tests may create their
     # own meanwhile, so look only for these.

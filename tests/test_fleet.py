@@ -150,7 +150,7 @@ def test_paddle_arguments_are_accepted_or_refused_clearly():
     from distamp import fleet
 
     fleet.init(is_collective=True, strategy=fleet.DistributedStrategy())
-    with pytest.raises(ValueError, match="is_collective=False.*parameter-server"):
+    with pytest.raises(ValueError, match=r"is_collective=False.*parameter-server"):
         fleet.init(is_collective=False)
     with pytest.raises(ValueError, match="role_maker"):
         fleet.init(role_maker=object())
@@ -189,7 +189,8 @@ def test_distributed_optimizer_alone_is_enough_in_one_process():
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
     assert model.weight.dtype == torch.bfloat16
     wrapped = fleet.distributed_model(model)
-    assert wrapped.ddp is None and wrapped.module is model
+    assert wrapped.ddp is None
+    assert wrapped.module is model
     with fleet.auto_cast():
         loss = F.mse_loss(wrapped(torch.randn(3, 4)), torch.randn(3, 2))
     assert opt.minimize(loss) is True
@@ -200,13 +201,13 @@ def test_bad_models_and_optimizers_are_refused_with_the_fix():
 
     fleet.init()
     model = nn.Linear(2, 2)
-    with pytest.raises(TypeError, match="torch.nn.Module, got str"):
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module, got str"):
         fleet.distributed_model("model")
     with pytest.raises(ValueError, match=r"device_ids=\[0\] is set by distamp.*remove it"):
         fleet.distributed_model(model, device_ids=[0])
     with pytest.raises(TypeError, match="already wrapped in DataParallel; pass the bare model"):
         fleet.distributed_model(fleet.distributed_model(model))
-    with pytest.raises(TypeError, match="torch.optim.Optimizer, got list"):
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer, got list"):
         fleet.distributed_optimizer([p for p in model.parameters()])
     with pytest.raises(TypeError, match="DistributedStrategy, got dict"):
         fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), {"amp": True})

@@ -53,12 +53,17 @@ _values = st.recursive(
     lambda inner: st.one_of(
         st.lists(inner, max_size=3),
         st.tuples(inner, inner),
-        st.dictionaries(st.one_of(st.sampled_from(["k_steps", "avg", "dtype", "init_loss_scaling"]), st.text(max_size=6)),
-                        inner, max_size=3),
+        st.dictionaries(
+            st.one_of(st.sampled_from(["k_steps", "avg", "dtype", "init_loss_scaling"]), st.text(max_size=6)),
+            inner,
+            max_size=3,
+        ),
     ),
     max_leaves=5,
 )
-_attr_names = st.one_of(st.sampled_from(ATTRS + PADDLE_ONLY), st.from_regex(r"[a-z_][a-zA-Z0-9_]{0,20}", fullmatch=True))
+_attr_names = st.one_of(
+    st.sampled_from(ATTRS + PADDLE_ONLY), st.from_regex(r"[a-z_][a-zA-Z0-9_]{0,20}", fullmatch=True)
+)
 
 
 def _keys_of(value) -> list:
@@ -84,10 +89,13 @@ def _names_one_of(message: str, candidates) -> bool:
 
 def _assert_well_formed(strategy: DistributedStrategy) -> None:
     """An accepted strategy is typed, JSON-clean and round-trips through from_dict."""
-    assert isinstance(strategy.amp, bool) and isinstance(strategy.gradient_merge, bool)
-    assert isinstance(strategy.sharding, bool) and strategy.sharding_config.stage in (1, 2)
+    assert isinstance(strategy.amp, bool)
+    assert isinstance(strategy.gradient_merge, bool)
+    assert isinstance(strategy.sharding, bool)
+    assert strategy.sharding_config.stage in (1, 2)
     assert isinstance(strategy.find_unused_parameters, bool)
-    assert 0 < strategy.fuse_grad_size_in_MB and math.isfinite(strategy.fuse_grad_size_in_MB)
+    assert strategy.fuse_grad_size_in_MB > 0
+    assert math.isfinite(strategy.fuse_grad_size_in_MB)
     assert isinstance(strategy.amp_config, AmpConfig)
     assert isinstance(strategy.gradient_merge_config, GradientMergeConfig)
     plain = json.loads(json.dumps(strategy.to_dict(), allow_nan=False))
@@ -135,7 +143,8 @@ def test_random_constructor_keywords_are_accepted_or_name_the_attribute(kwargs):
 @given(data=st.one_of(
     st.dictionaries(st.one_of(_attr_names, st.integers(), st.none()), _values, max_size=4),
     st.fixed_dictionaries({}, optional={
-        "amp": _values, "amp_configs": st.dictionaries(st.sampled_from(list(AmpConfig().to_dict())), _values, max_size=3),
+        "amp": _values,
+        "amp_configs": st.dictionaries(st.sampled_from(list(AmpConfig().to_dict())), _values, max_size=3),
         "gradient_merge_configs": st.dictionaries(st.sampled_from(["k_steps", "avg", "k_step"]), _values, max_size=2),
         "sharding_configs": st.dictionaries(st.sampled_from(["stage", "stag"]), _values, max_size=2),
         "fuse_grad_size_in_MB": _values,
@@ -272,7 +281,9 @@ def command_lines(draw):
     argv = []
     for flag, value in order:
         argv += [f"{flag}={value}"] if draw(st.booleans()) else [flag, value]
-    script_args = draw(st.lists(st.sampled_from(["--lr", "0.1", "-m", "--nproc_per_node", "7", "--tee=x", "$x", "--"]), max_size=4))
+    script_args = draw(
+        st.lists(st.sampled_from(["--lr", "0.1", "-m", "--nproc_per_node", "7", "--tee=x", "$x", "--"]), max_size=4)
+    )
     if bad == "missing.py":
         argv += ["missing.py", *script_args]
     else:
@@ -306,7 +317,9 @@ def test_distrun_command_line_grammar(case, tmp_path_factory, monkeypatch, capsy
     capsys.readouterr()
     assert main(argv) == 2  # refused before anything starts
     err = capsys.readouterr().err
-    assert err.startswith("distrun: error: ") and token in err and "Traceback" not in err
+    assert err.startswith("distrun: error: ")
+    assert token in err
+    assert "Traceback" not in err
 
 
 def test_a_double_dash_right_after_the_script_reaches_the_script(tmp_path, monkeypatch):

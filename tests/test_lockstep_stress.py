@@ -118,10 +118,12 @@ def test_four_ranks_stay_in_lockstep_through_500_steps_of_injected_inf_and_nan()
     out = run_workers(_stress, WORLD_SIZE, seed, timeout=140)
     schedule = injection_schedule(seed, STEPS, WORLD_SIZE)
     kinds = {kind for _, kind in schedule.values()}
-    assert kinds == set(KINDS) and len({r for r, _ in schedule.values()}) == WORLD_SIZE
+    assert kinds == set(KINDS)
+    assert len({r for r, _ in schedule.values()}) == WORLD_SIZE
     for skipped_at, skipped, applied, hashes, scales in out:
         assert skipped_at == sorted(schedule)
-        assert skipped == len(schedule) and applied == STEPS - len(schedule)
+        assert skipped == len(schedule)
+        assert applied == STEPS - len(schedule)
         assert len(hashes) == STEPS // CHECK_EVERY
         for everyone in hashes:
             assert len(set(everyone)) == 1, everyone

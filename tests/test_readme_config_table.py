@@ -81,7 +81,7 @@ def parse_config_table(markdown: str, name: str) -> dict:
         values = [cells[2]] if len(keys) == 1 else cells[2].split(" / ")
         if len(values) != len(keys):
             raise AssertionError(f"row names {len(keys)} keys but {len(values)} defaults: {line!r}")
-        for key, raw in zip(keys, values):
+        for key, raw in zip(keys, values, strict=True):
             if key in defaults:
                 raise AssertionError(f"key {key!r} appears twice in the table")
             try:
@@ -126,7 +126,7 @@ After the table.
         parse_amp_configs_table("# amp_configs\n\nno table here\n")
 
 
-@pytest.mark.parametrize("name,config", [("amp_configs", AmpConfig), ("sharding_configs", ShardingConfig)])
+@pytest.mark.parametrize(("name", "config"), [("amp_configs", AmpConfig), ("sharding_configs", ShardingConfig)])
 def test_readme_config_table_matches_the_dataclass(name, config):
     assert README.is_file(), f"{README} is missing; it must document {name} in a table"
     documented = parse_config_table(README.read_text(encoding="utf-8"), name)

@@ -82,10 +82,13 @@ def test_defaults_match_design_table():
 
 def test_strategy_defaults():
     s = DistributedStrategy()
-    assert s.amp is False and s.gradient_merge is False and s.find_unused_parameters is False
+    assert s.amp is False
+    assert s.gradient_merge is False
+    assert s.find_unused_parameters is False
     assert s.fuse_grad_size_in_MB == 25
     assert s.gradient_merge_configs == {"k_steps": 1, "avg": True}
-    assert s.amp_config == AmpConfig() and s.gradient_merge_config == GradientMergeConfig()
+    assert s.amp_config == AmpConfig()
+    assert s.gradient_merge_config == GradientMergeConfig()
     assert s.amp_config.torch_dtype is torch.float16
     assert s.amp_config.comm_torch_dtype is torch.float16
 
@@ -95,7 +98,8 @@ def test_issue_done_when_command():
     proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("ValueError:") and "'init_loss_scale'" in last
+    assert last.startswith("ValueError:")
+    assert "'init_loss_scale'" in last
     assert "Did you mean 'init_loss_scaling'?" in last
 
 
@@ -168,7 +172,7 @@ BAD_VALUES = [
 ]
 
 
-@pytest.mark.parametrize("key, value, allowed", BAD_VALUES, ids=[f"{k}={v!r}" for k, v, _ in BAD_VALUES])
+@pytest.mark.parametrize(("key", "value", "allowed"), BAD_VALUES, ids=[f"{k}={v!r}" for k, v, _ in BAD_VALUES])
 def test_bad_value_names_key_value_and_what_is_allowed(key, value, allowed):
     s = DistributedStrategy()
     with pytest.raises(ValueError, match=names(key, value)) as info:
@@ -201,20 +205,28 @@ def test_accepted_values_are_normalised():
         "gradient_predivide_factor": 2,
     }
     cfg = s.amp_config
-    assert type(cfg.init_loss_scaling) is float and cfg.init_loss_scaling == 1024.0
-    assert type(cfg.incr_every_n_steps) is int and cfg.incr_every_n_steps == 7
-    assert type(cfg.decr_ratio) is float and cfg.decr_ratio == 0.25
-    assert type(cfg.incr_ratio) is float and cfg.incr_ratio == 3.0
-    assert cfg.custom_white_list == (WHITE_OP,) and cfg.custom_black_list == (BLACK_OP,)
+    assert type(cfg.init_loss_scaling) is float
+    assert cfg.init_loss_scaling == 1024.0
+    assert type(cfg.incr_every_n_steps) is int
+    assert cfg.incr_every_n_steps == 7
+    assert type(cfg.decr_ratio) is float
+    assert cfg.decr_ratio == 0.25
+    assert type(cfg.incr_ratio) is float
+    assert cfg.incr_ratio == 3.0
+    assert cfg.custom_white_list == (WHITE_OP,)
+    assert cfg.custom_black_list == (BLACK_OP,)
     assert cfg.custom_black_varnames == ("head", "encoder.*.norm")
-    assert cfg.dtype == "float16" and cfg.comm_dtype == "float32"
+    assert cfg.dtype == "float16"
+    assert cfg.comm_dtype == "float32"
     assert cfg.comm_torch_dtype is torch.float32
-    assert type(cfg.gradient_predivide_factor) is float and cfg.gradient_predivide_factor == 2.0
+    assert type(cfg.gradient_predivide_factor) is float
+    assert cfg.gradient_predivide_factor == 2.0
     assert s.amp_configs["custom_white_list"] == [WHITE_OP]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         s.amp_configs = {"dtype": torch.bfloat16}
-    assert s.amp_config.dtype == "bfloat16" and s.amp_config.torch_dtype is torch.bfloat16
+    assert s.amp_config.dtype == "bfloat16"
+    assert s.amp_config.torch_dtype is torch.bfloat16
 
 
 def test_amp_config_is_frozen():
@@ -254,7 +266,10 @@ def test_white_black_overlap_names_the_ops():
 
 def test_op_names_are_canonical_and_aliases_count_in_overlaps():
     s = DistributedStrategy()
-    s.amp_configs = {"custom_white_list": ["torch.matmul", "Tensor.__matmul__", "conv"], "custom_black_list": ["F.softmax"]}
+    s.amp_configs = {
+        "custom_white_list": ["torch.matmul", "Tensor.__matmul__", "conv"],
+        "custom_black_list": ["F.softmax"],
+    }
     assert s.amp_config.custom_white_list == ("matmul", "matmul", "conv")
     assert s.amp_config.custom_black_list == ("softmax",)
     with pytest.raises(ValueError, match=re.escape("both contain ['conv2d']")):
@@ -293,7 +308,9 @@ def test_unknown_keys():
 
 @pytest.mark.parametrize("value", [None, 5, 1.5, "k_steps", [("k_steps", 2)]])
 def test_gradient_merge_configs_must_be_a_dict(value):
-    with pytest.raises(ValueError, match=re.escape(f"gradient_merge_configs must be a dict of config keys; got {value!r}")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"gradient_merge_configs must be a dict of config keys; got {value!r}")
+    ):
         DistributedStrategy().gradient_merge_configs = value
 
 
@@ -307,7 +324,8 @@ def test_typed_config_can_be_assigned():
     s = DistributedStrategy()
     s.amp_configs = AmpConfig(incr_ratio=4.0)
     s.gradient_merge_configs = GradientMergeConfig(k_steps=3)
-    assert s.amp_config.incr_ratio == 4.0 and s.gradient_merge_config.k_steps == 3
+    assert s.amp_config.incr_ratio == 4.0
+    assert s.gradient_merge_config.k_steps == 3
 
 
 def test_assignment_replaces_never_merges_or_appends():
@@ -346,14 +364,18 @@ def test_assignment_replaces_never_merges_or_appends():
 )
 def test_amp_configs_view_refuses_mutation(mutate):
     s = DistributedStrategy()
-    with pytest.raises(TypeError, match=r"read-only view .* assign a whole dict instead, e\.g\. strategy\.amp_configs = "):
+    with pytest.raises(
+        TypeError, match=r"read-only view .* assign a whole dict instead, e\.g\. strategy\.amp_configs = "
+    ):
         mutate(s.amp_configs)
     assert s.amp_config == AmpConfig()
 
 
 def test_gradient_merge_configs_view_refuses_mutation():
     s = DistributedStrategy()
-    with pytest.raises(TypeError, match=r"strategy\.gradient_merge_configs = \{\*\*strategy\.gradient_merge_configs, 'k_steps'"):
+    with pytest.raises(
+        TypeError, match=r"strategy\.gradient_merge_configs = \{\*\*strategy\.gradient_merge_configs, 'k_steps'"
+    ):
         s.gradient_merge_configs["k_steps"] = 4
 
 
@@ -367,7 +389,8 @@ def test_view_copies_are_editable_and_assignable():
     s.amp_configs = edited
     assert s.amp_config == AmpConfig(incr_ratio=4.0, decr_ratio=0.25, custom_black_list=(BLACK_OP,))
     for clone in (copy.deepcopy(s.amp_configs), copy.copy(s.amp_configs), pickle.loads(pickle.dumps(s.amp_configs))):
-        assert type(clone) is dict and clone == s.amp_configs
+        assert type(clone) is dict
+        assert clone == s.amp_configs
         clone["custom_black_list"].append(WHITE_OP)
 
 
@@ -386,7 +409,9 @@ def test_bool_flags_reject_non_bools(attr, value):
 
 @pytest.mark.parametrize("value", [0, -1, 0.0, math.nan, math.inf, True, "25", None, 2**20 + 1])
 def test_fuse_grad_size_rejects(value):
-    with pytest.raises(ValueError, match=re.escape(f"strategy.fuse_grad_size_in_MB must be a number in (0, 1048576]; got {value!r}")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"strategy.fuse_grad_size_in_MB must be a number in (0, 1048576]; got {value!r}")
+    ):
         DistributedStrategy().fuse_grad_size_in_MB = value
 
 
@@ -395,14 +420,17 @@ def test_fuse_grad_size_accepts_numbers():
     s.fuse_grad_size_in_MB = 0.5
     assert s.fuse_grad_size_in_MB == 0.5
     s.fuse_grad_size_in_MB = np.int32(100)
-    assert s.fuse_grad_size_in_MB == 100 and type(s.fuse_grad_size_in_MB) is int
+    assert s.fuse_grad_size_in_MB == 100
+    assert type(s.fuse_grad_size_in_MB) is int
 
 
 def test_unknown_attribute_lists_supported_ones():
     s = DistributedStrategy()
     with pytest.raises(ValueError, match=r"no attribute 'amp_config_s'\. Did you mean 'amp_configs'\?"):
         s.amp_config_s = {}
-    with pytest.raises(ValueError, match=r"'recompute'.*supports only: amp, amp_configs, .*fuse_grad_size_in_MB\. Paddle Fleet"):
+    with pytest.raises(
+        ValueError, match=r"'recompute'.*supports only: amp, amp_configs, .*fuse_grad_size_in_MB\. Paddle Fleet"
+    ):
         s.recompute = True
     with pytest.raises(ValueError, match=r"no attribute '_amp'"):
         s._amp = 3
@@ -418,7 +446,9 @@ def test_gradient_merge_config_validation():
         with pytest.raises(ValueError, match=re.escape("gradient_merge_configs['k_steps'] must be an int >= 1")):
             DistributedStrategy().gradient_merge_configs = {"k_steps": value}
     for value in (1, "yes", None):
-        with pytest.raises(ValueError, match=re.escape(f"gradient_merge_configs['avg'] must be a bool (True or False); got {value!r}")):
+        with pytest.raises(
+            ValueError, match=re.escape(f"gradient_merge_configs['avg'] must be a bool (True or False); got {value!r}")
+        ):
             DistributedStrategy().gradient_merge_configs = {"avg": value}
 
 
@@ -453,11 +483,14 @@ def test_to_dict_from_dict_round_trip_through_json():
     s.gradient_merge_configs = {"k_steps": 8, "avg": False}
     text = json.dumps(s.to_dict())
     back = DistributedStrategy.from_dict(json.loads(text))
-    assert back == s and back.to_dict() == s.to_dict() and repr(back) == repr(s)
+    assert back == s
+    assert back.to_dict() == s.to_dict()
+    assert repr(back) == repr(s)
     assert back != DistributedStrategy()
     assert DistributedStrategy.from_dict({}) == DistributedStrategy()
     assert DistributedStrategy.from_dict({"amp": True}) == DistributedStrategy(amp=True)
-    assert copy.deepcopy(s) == s and pickle.loads(pickle.dumps(s)) == s
+    assert copy.deepcopy(s) == s
+    assert pickle.loads(pickle.dumps(s)) == s
     assert s.__eq__(s.to_dict()) is NotImplemented
 
 
@@ -475,11 +508,13 @@ def test_from_dict_rejects_bad_input():
 
 def test_bf16_with_scaling_keys_warns_once_at_the_callers_line():
     s = DistributedStrategy()
-    with pytest.warns(UserWarning) as record:
+    with pytest.warns(UserWarning, match="fixed at 1.0") as record:
         s.amp_configs = {"dtype": "bfloat16", "init_loss_scaling": 1024.0, "incr_ratio": 4.0, "use_pure_fp16": True}
     assert len(record) == 1
     message = str(record[0].message)
-    assert "fixed at 1.0" in message and "init_loss_scaling=1024.0" in message and "incr_ratio=4.0" in message
+    assert "fixed at 1.0" in message
+    assert "init_loss_scaling=1024.0" in message
+    assert "incr_ratio=4.0" in message
     assert "use_pure_fp16" not in message
     assert record[0].filename == __file__
 
@@ -507,14 +542,22 @@ _scalars = st.one_of(
     st.text(max_size=12),
     st.binary(max_size=6),
     st.sampled_from(["float16", "bfloat16", "float32", "backoff", "lognormal", torch.float16, torch.bfloat16]),
-    st.sampled_from(sorted(known_op_names()) + ["matmull", ""]),
+    st.sampled_from([*sorted(known_op_names()), "matmull", ""]),
 )
 _values = st.recursive(
     _scalars,
-    lambda inner: st.one_of(st.lists(inner, max_size=3), st.tuples(inner), st.dictionaries(st.text(max_size=4), inner, max_size=2)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.tuples(inner), st.dictionaries(st.text(max_size=4), inner, max_size=2)
+    ),
     max_leaves=4,
 )
-_keys = st.one_of(st.sampled_from(AMP_KEYS + ["k_steps", "avg", "stage"]), st.text(max_size=20), st.none(), st.integers(), st.binary(max_size=4))
+_keys = st.one_of(
+    st.sampled_from([*AMP_KEYS, "k_steps", "avg", "stage"]),
+    st.text(max_size=20),
+    st.none(),
+    st.integers(),
+    st.binary(max_size=4),
+)
 
 
 def _names_an_offending_key(message: str, config: dict) -> bool:
@@ -556,7 +599,8 @@ def test_fuzz_configs_accept_or_raise_value_error_naming_the_key(config):
 def test_fuzz_valid_numbers_are_accepted(init, incr, ratio, decr):
     s = DistributedStrategy()
     s.amp_configs = {"init_loss_scaling": init, "incr_every_n_steps": incr, "incr_ratio": ratio, "decr_ratio": decr}
-    assert s.amp_config.init_loss_scaling == init and s.amp_config.incr_every_n_steps == incr
+    assert s.amp_config.init_loss_scaling == init
+    assert s.amp_config.incr_every_n_steps == incr
 
 
 @settings(max_examples=200, deadline=None)
@@ -584,15 +628,19 @@ def test_fuzz_known_keys_with_random_values(amp, merge):
 
 def test_sharding_configs_defaults_round_trip_and_view():
     s = DistributedStrategy()
-    assert s.sharding is False and s.sharding_configs == {"stage": 1}
+    assert s.sharding is False
+    assert s.sharding_configs == {"stage": 1}
     s.sharding = True
     s.sharding_configs = {"stage": 2}
-    assert s.sharding_config == ShardingConfig(stage=2) and s.sharding_config.stage == 2
+    assert s.sharding_config == ShardingConfig(stage=2)
+    assert s.sharding_config.stage == 2
     assert repr(s) == "DistributedStrategy(sharding=True, sharding_configs={'stage': 2})"
     assert repr(ShardingConfig(stage=2)) == "ShardingConfig(stage=2)"
     assert ShardingConfig.from_dict({"stage": 2}).to_dict() == {"stage": 2}
     back = DistributedStrategy.from_dict(json.loads(json.dumps(s.to_dict())))
-    assert back == s and copy.deepcopy(s) == s and pickle.loads(pickle.dumps(s)) == s
+    assert back == s
+    assert copy.deepcopy(s) == s
+    assert pickle.loads(pickle.dumps(s)) == s
     with pytest.raises(TypeError, match=re.escape("strategy.sharding_configs = {**strategy.sharding_configs, 'stage'")):
         s.sharding_configs["stage"] = 1
     with pytest.raises(ValueError, match=r"sharding_config is read-only; assign a dict to sharding_configs"):
@@ -602,7 +650,9 @@ def test_sharding_configs_defaults_round_trip_and_view():
 
 
 def test_sharding_configs_typo_suggests_stage():
-    with pytest.raises(ValueError, match=r"sharding_configs has no key 'stag'\. Did you mean 'stage'\? Valid keys: stage\."):
+    with pytest.raises(
+        ValueError, match=r"sharding_configs has no key 'stag'\. Did you mean 'stage'\? Valid keys: stage\."
+    ):
         DistributedStrategy().sharding_configs = {"stag": 1}
 
 

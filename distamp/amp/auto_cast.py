@@ -31,7 +31,8 @@ from distamp.amp.op_list_mode import OpListMode
 from distamp.strategy import validate_dtype, validate_op_lists
 
 if TYPE_CHECKING:
-    from typing import Self
+    # typing.Self is Python 3.11+; mypy checks for 3.10 (setup.cfg).
+    import typing_extensions
 
 __all__ = ["AutocastWithOpLists", "auto_cast", "default_device_type"]
 
@@ -58,7 +59,7 @@ class AutocastWithOpLists(contextlib.ContextDecorator):
         self.cache_enabled = cache_enabled
         self._entered: list[tuple[torch.autocast, OpListMode]] = []
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> typing_extensions.Self:
         autocast = torch.autocast(self.mode.device_type, dtype=self.mode.dtype, cache_enabled=self.cache_enabled)
         mode = self.mode.copy()
         autocast.__enter__()

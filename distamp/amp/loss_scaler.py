@@ -9,4 +9,11 @@ from distamp.optim.loss_scaler import (
     build_loss_scaler,
 )
 
-__all__ = ["BackoffLossScaler", "LogNormalLossScaler", "LossScaler", "StaticLossScaler", "UnitLossScaler", "build_loss_scaler"]
+__all__ = [
+    "BackoffLossScaler",
+    "LogNormalLossScaler",
+    "LossScaler",
+    "StaticLossScaler",
+    "UnitLossScaler",
+    "build_loss_scaler",
+]

@@ -7,12 +7,13 @@ name starts with :data:`TMP_PREFIX`, which the next save removes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
 import uuid
 from collections.abc import Callable
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 __all__ = ["TMP_PREFIX", "fsync_dir", "sha256_of", "unlink", "write_atomically"]
 
@@ -87,7 +88,7 @@ def write_atomically(
     try:
         with open(tmp, "wb") as raw:
             writer = _HashingWriter(raw)
-            write(writer)
+            write(cast(BinaryIO, writer))  # a binary file object to the writer, though not the typing class
             raw.flush()
             os.fsync(raw.fileno())
         sha = writer.sha256.hexdigest()
@@ -114,7 +115,5 @@ def sha256_of(path: str) -> tuple[str, int]:
 
 def unlink(path: str) -> None:
     """Remove ``path``; a file that is already gone is fine."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

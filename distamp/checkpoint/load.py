@@ -163,7 +163,10 @@ def _choose(
     """The newest checkpoint every rank read intact: ``(manifest, payload, shards, skipped reasons)``."""
     skipped: list[str] = []
     for step in candidates:
-        manifest, payload, shards, outcome = None, None, {}, ("ok", None)
+        manifest: Manifest | None = None
+        payload: Any = None
+        shards: dict[int, dict] = {}
+        outcome: tuple[str, str | None] = ("ok", None)
         try:
             manifest, payload, shards = _read(path, step, target)
         except CheckpointCorrupt as exc:

@@ -112,15 +112,20 @@ class Manifest:
     def from_bytes(cls, data: bytes, path: str) -> Manifest:
         """Parse and check a manifest read from ``path``; ``CheckpointCorrupt`` if it is not valid."""
         try:
-            meta = json.loads(data)
-            if not isinstance(meta, dict):
-                raise TypeError(f"a JSON {type(meta).__name__}, not an object")
-            manifest = _parse(meta, path)
+            manifest = _parse(_json_object(data), path)
         except CheckpointCorrupt:
             raise
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointCorrupt(path, f"unreadable manifest ({type(exc).__name__}: {exc})") from exc
         return manifest
+
+
+def _json_object(data: bytes) -> dict[str, Any]:
+    """``data`` parsed as JSON; TypeError unless it is an object."""
+    meta = json.loads(data)
+    if not isinstance(meta, dict):
+        raise TypeError(f"a JSON {type(meta).__name__}, not an object")
+    return meta
 
 
 def _checksum(body: dict[str, Any]) -> str:

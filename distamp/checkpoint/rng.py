@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -54,7 +54,8 @@ def _numpy_state() -> dict[str, Any] | None:
         import numpy as np
     except ImportError:
         return None
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # legacy=True (the default) always gives the tuple form; the stub's return type includes the dict form.
+    kind, keys, pos, has_gauss, cached = cast("tuple[str, Any, int, int, float]", np.random.get_state())
     return {
         "kind": str(kind),
         "keys": torch.from_numpy(keys.astype(np.int64)),

@@ -112,6 +112,7 @@ def save_checkpoint(
     gathered = coordinator.gather((rng.get_rng_state(), part))
     outcome, failure = None, None
     if coordinator.rank == 0:
+        assert gathered is not None, "rank 0 gets every rank's value"
         try:
             parts = _part_files(gathered)
             payload = build_payload(step, coordinator.world_size, model, type(optimizer).__name__,

@@ -150,10 +150,11 @@ def check_shard_payload(payload: Any, step: int, rank: int) -> None:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
         raise UnusablePayload(f"not a {FORMAT} shard payload (found {found!r})")
-    if payload.get("step") != step or payload.get("rank") != rank or not isinstance(payload.get("optimizer_shard"),
-                                                                                    dict):
+    shard = payload.get("optimizer_shard")
+    if payload.get("step") != step or payload.get("rank") != rank or not isinstance(shard, dict):
         raise UnusablePayload(
-            f"payload is for step {payload.get('step')!r} rank {payload.get('rank')!r}; expected step {step} rank {rank}"
+            f"payload is for step {payload.get('step')!r} rank {payload.get('rank')!r}; "
+            f"expected step {step} rank {rank}"
         )
 
 

@@ -139,7 +139,7 @@ def add_pending_fp32(buffer: torch.Tensor, params: Sequence[torch.Tensor], pendi
     if extra is None:
         return
     sums, grads, position = [], [], 0
-    for p, e in zip(params, extra):
+    for p, e in zip(params, extra, strict=True):
         if e is not None:
             sums.append(e.view(-1))
             grads.append(buffer[position : position + p.numel()])

@@ -79,10 +79,10 @@ class SliceAllGather:
         for i in wanted:
             by_dtype.setdefault(dest(i).dtype, []).append(i)
         pieces = self.layout.pieces(*self.layout.range_of(self.rank))
-        mine = {piece.offset: source.detach() for piece, source in zip(pieces, sources)}
+        mine = {piece.offset: source.detach() for piece, source in zip(pieces, sources, strict=True)}
         if self.layout.world_size == 1:  # nothing to gather: copy (and round) in place, no buffers
-            wanted = set(wanted)
-            pairs = [(dest(p.param)[p.start : p.stop], mine[p.offset]) for p in pieces if p.param in wanted]
+            members = set(wanted)
+            pairs = [(dest(p.param)[p.start : p.stop], mine[p.offset]) for p in pieces if p.param in members]
             if pairs:
                 with torch.no_grad():
                     torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs])
@@ -125,7 +125,7 @@ class SliceAllGather:
     def _launch(
         self, entries: list[_Entry], mine: dict[int, torch.Tensor], start: int, chunk: int,
         dtype: torch.dtype, device: torch.device,
-    ) -> tuple[torch.Tensor, torch.Tensor, object, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor, dist.Work | None, int]:
         """Pack this rank's window ``[start, start + chunk)`` and start the gather of that round."""
         send = torch.zeros(chunk, dtype=dtype, device=device)
         for entry, first, last in _overlap(entries, start, start + chunk):
@@ -142,7 +142,7 @@ class SliceAllGather:
 
     def _unpack(
         self, plan: list[list[_Entry]], dest: Callable[[int], torch.Tensor],
-        out: torch.Tensor, send: torch.Tensor, work: object, start: int, chunk: int,
+        out: torch.Tensor, send: torch.Tensor, work: dist.Work | None, start: int, chunk: int,
     ) -> None:
         """Wait for one round and copy each rank's window into the destinations."""
         if work is not None:

@@ -16,6 +16,7 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -203,24 +204,21 @@ def init_process_group(world: WorldInfo, timeout: timedelta = DEFAULT_TIMEOUT) -
     device = default_device(world.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    kwargs = {"rank": world.rank, "world_size": world.world_size, "timeout": timeout}
+    kwargs: dict[str, Any] = {"rank": world.rank, "world_size": world.world_size, "timeout": timeout}
     if device.type == "cuda":
         kwargs["device_id"] = device
     if not world.from_env:
         _init_one_process_group(timeout, kwargs)
         return True
     store = _loopback_store(world, timeout)
-    dist.init_process_group(
-        default_backend(),
-        **({"store": store} if store is not None else {"init_method": "env://"}),
-        **kwargs,
-    )
+    rendezvous: dict[str, Any] = {"store": store} if store is not None else {"init_method": "env://"}
+    dist.init_process_group(default_backend(), **rendezvous, **kwargs)
     atexit.unregister(_let_comm_threads_finish)  # once, whatever the number of inits
     atexit.register(_let_comm_threads_finish)
     return True
 
 
-def _init_one_process_group(timeout: timedelta, kwargs: dict) -> None:
+def _init_one_process_group(timeout: timedelta, kwargs: dict[str, Any]) -> None:
     """A 1-rank group on an in-memory store, destroyed at exit.
 
     No port is opened for the store; gloo's and NCCL's own listeners go on
@@ -241,7 +239,7 @@ def _init_one_process_group(timeout: timedelta, kwargs: dict) -> None:
     atexit.register(_destroy_if_current, dist.group.WORLD)
 
 
-def _destroy_if_current(group: dist.ProcessGroup) -> None:
+def _destroy_if_current(group: dist.ProcessGroup | None) -> None:
     if dist.is_initialized() and dist.group.WORLD is group:
         dist.destroy_process_group()
 

@@ -49,6 +49,11 @@ def _encode(value: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _set(store: dist.Store, key: str, data: bytes) -> None:
+    # torch's stub types the value as str; the binding takes bytes as well (and our values are bytes).
+    store.set(key, data)  # type: ignore[arg-type]
+
+
 def _decode(data: bytes) -> Any:
     # weights_only: the store is reachable over the network; never unpickle code from it.
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -73,7 +78,7 @@ class StoreExchange:
         self.operation = operation
         self.timeout = timeout
         self.hint = hint
-        self._store = None
+        self._store: dist.Store | None = None
         if self.world_size > 1:
             # Private, but the only way to the store init_process_group built (or was given).
             self._store = dist.distributed_c10d._get_default_store()
@@ -86,13 +91,13 @@ class StoreExchange:
             return [value]
         key = f"{self._prefix}/{next(self._rounds)}"
         if self.rank != 0:
-            self._store.set(f"{key}/{self.rank}", _encode(value))
+            _set(self._store, f"{key}/{self.rank}", _encode(value))
             return None
         keys = {r: f"{key}/{r}" for r in range(1, self.world_size)}
-        self._wait(keys)
+        self._wait(self._store, keys)
         values = [value] + [_decode(self._store.get(k)) for k in keys.values()]
         # Every rank has reached this round, so all have read earlier broadcasts.
-        self._delete(list(keys.values()) + _stale_keys)
+        self._delete(self._store, list(keys.values()) + _stale_keys)
         _stale_keys.clear()
         return values
 
@@ -102,10 +107,10 @@ class StoreExchange:
             return value
         key = f"{self._prefix}/{next(self._rounds)}"
         if self.rank == 0:
-            self._store.set(key, _encode(value))
+            _set(self._store, key, _encode(value))
             _stale_keys.append(key)
             return value
-        self._wait({0: key})
+        self._wait(self._store, {0: key})
         return _decode(self._store.get(key))
 
     def all_gather(self, value: Any) -> list[Any]:
@@ -118,35 +123,36 @@ class StoreExchange:
 
         Used after a collective failed, to name the ranks that never arrived.
         """
-        if self._store is None:
+        store = self._store
+        if store is None:
             return [self.rank]
         key = f"{self._prefix}/present"
-        self._store.set(f"{key}/{self.rank}", b"1")
+        _set(store, f"{key}/{self.rank}", b"1")
         keys = [f"{key}/{r}" for r in range(self.world_size)]
         # A timeout here is the expected answer when a rank is missing.
         with contextlib.suppress(Exception):
-            self._store.wait(keys, self.timeout)
-        return [r for r, k in enumerate(keys) if self._store.check([k])]
+            store.wait(keys, self.timeout)
+        return [r for r, k in enumerate(keys) if store.check([k])]
 
     def decide(self, value: Any, rule: Callable[[list[Any]], Any]) -> Any:
         """``rule(every rank's value)``, computed on rank 0, returned on every rank."""
         values = self.gather(value)
         return self.broadcast(rule(values) if values is not None else None)
 
-    def _wait(self, keys: dict[int, str]) -> None:
+    def _wait(self, store: dist.Store, keys: dict[int, str]) -> None:
         try:
-            self._store.wait(list(keys.values()), self.timeout)
+            store.wait(list(keys.values()), self.timeout)
         except Exception as exc:  # the store's own exception types differ across torch versions
-            missing = [r for r, k in keys.items() if not self._store.check([k])]
+            missing = [r for r, k in keys.items() if not store.check([k])]
             whom = f"rank(s) {missing}" if missing else "the other ranks"
             raise StoreTimeoutError(
                 f"rank {self.rank} waited {self.timeout} during {self.operation} and {whom} did not "
                 f"arrive ({type(exc).__name__}: {exc}). {self.hint}".rstrip()
             ) from exc
 
-    def _delete(self, keys: list[str]) -> None:
+    def _delete(self, store: dist.Store, keys: list[str]) -> None:
         for key in keys:
             try:
-                self._store.delete_key(key)
+                store.delete_key(key)
             except Exception:  # noqa: BLE001 - some stores cannot delete; the keys are small
                 return

@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import TextIO
 
 from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
@@ -62,6 +63,15 @@ def _with_prefix(prefix: str, line: str) -> str:
     return prefix + line
 
 
+@dataclass
+class _TeeFile:
+    """A tee'd file: its line prefix, how far it has been read, and a trailing partial line."""
+
+    prefix: str
+    offset: int
+    partial: bytes = b""
+
+
 class _Tee:
     """Copy new lines of some files to a stream, each with a prefix.
 
@@ -70,7 +80,7 @@ class _Tee:
     """
 
     def __init__(self, files: dict[str, tuple[str, int]], out: TextIO, interval: float = 0.05):
-        self._files = {p: [prefix, offset, b""] for p, (prefix, offset) in files.items()}
+        self._files = {p: _TeeFile(prefix, offset) for p, (prefix, offset) in files.items()}
         self._out = out
         self._interval = interval
         self._stop = threading.Event()
@@ -79,21 +89,20 @@ class _Tee:
 
     def _pump(self, final: bool) -> None:
         for path, state in self._files.items():
-            prefix, offset, partial = state
             try:
                 with open(path, "rb") as f:
-                    f.seek(offset)
+                    f.seek(state.offset)
                     data = f.read()
             except OSError:
                 continue
-            state[1] = offset + len(data)
-            lines = (partial + data).split(b"\n")
-            state[2] = lines.pop()
-            if final and state[2]:
-                lines.append(state[2])
-                state[2] = b""
+            state.offset += len(data)
+            lines = (state.partial + data).split(b"\n")
+            state.partial = lines.pop()
+            if final and state.partial:
+                lines.append(state.partial)
+                state.partial = b""
             for line in lines:
-                self._out.write(_with_prefix(prefix, line.decode("utf-8", errors="replace")) + "\n")
+                self._out.write(_with_prefix(state.prefix, line.decode("utf-8", errors="replace")) + "\n")
         self._out.flush()
 
     def _run(self) -> None:
@@ -130,7 +139,7 @@ class RankLogs(LogsSpecs):
         self._tee_ranks = tee_ranks
         self._out = out if out is not None else sys.stdout
         self._before_start = before_start
-        self._tee: _Tee | None = None
+        self._tee_copier: _Tee | None = None
         self._started: set[str] = set()
         self._round = 0
         self._ranks: tuple[int, ...] = ()
@@ -216,7 +225,7 @@ class RankLogs(LogsSpecs):
             env[_bootstrap.EXIT_FILE_VAR] = self._exit_file(self._round, rank)
         self._round_started = time.time()
         if tee_files:
-            self._tee = _Tee(tee_files, self._out)
+            self._tee_copier = _Tee(tee_files, self._out)
         # Empty stdouts/stderrs: torch leaves the workers' streams alone and
         # the bootstrap redirects them into the files above.
         return LogsDest(
@@ -226,9 +235,9 @@ class RankLogs(LogsSpecs):
         )
 
     def _stop_tee(self) -> None:
-        if self._tee is not None:
-            self._tee.stop()
-            self._tee = None
+        if self._tee_copier is not None:
+            self._tee_copier.stop()
+            self._tee_copier = None
 
     def close(self) -> None:
         """Flush the tee and remove the temporary error-file directory."""

@@ -13,6 +13,7 @@ caught the same way.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shlex
@@ -25,7 +26,8 @@ from typing import TYPE_CHECKING
 from distamp.launcher._bootstrap import GUARDIAN_NAME
 
 if TYPE_CHECKING:
-    from typing import Self
+    # typing.Self is Python 3.11+; mypy checks for 3.10 (setup.cfg).
+    import typing_extensions
 
 __all__ = ["Reaper"]
 
@@ -99,7 +101,7 @@ class Reaper:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> typing_extensions.Self:
         if not self._linux:
             return self
         libc = ctypes.CDLL(None, use_errno=True)
@@ -140,10 +142,8 @@ class Reaper:
                     continue
                 if info[2] == pid and not workers_done:
                     continue
-                try:
+                with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
 
     def _descendants(self) -> list[int]:
         children, out = _parents(), []
@@ -172,10 +172,8 @@ class Reaper:
             for pid in live:
                 if pid not in killed:
                     killed[pid] = None if _is_guardian(pid) else _command(pid)
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             # Killed processes' children are re-parented here; reaping lets
             # the next round see the tree as it now is.
             time.sleep(0.01)

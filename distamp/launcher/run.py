@@ -21,7 +21,7 @@ import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TextIO
+from typing import TextIO, TypedDict
 
 from torch.distributed.elastic.multiprocessing import ProcessFailure, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -45,6 +45,19 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _LEFTOVERS_SHOWN = 5
 
 
+class _CommonLaunchArgs(TypedDict):
+    """The ``LaunchConfig`` arguments every rendezvous kind shares."""
+
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    logs_specs: RankLogs
+    max_restarts: int
+    monitor_interval: float
+    start_method: str
+    shutdown_timeout: int
+
+
 def launch_config(plan: LaunchPlan, logs: RankLogs, store_dir: str) -> LaunchConfig:
     """The torch ``LaunchConfig`` for ``plan``.
 
@@ -59,7 +72,7 @@ def launch_config(plan: LaunchPlan, logs: RankLogs, store_dir: str) -> LaunchCon
       multi-node group (its restarted workers hang in process-group set-up);
       c10d makes every node restart together, but orders nodes itself.
     """
-    common = {
+    common: _CommonLaunchArgs = {
         "min_nodes": plan.nnodes,
         "max_nodes": plan.nnodes,
         "nproc_per_node": plan.nproc_per_node,
@@ -69,7 +82,8 @@ def launch_config(plan: LaunchPlan, logs: RankLogs, store_dir: str) -> LaunchCon
         "start_method": "spawn",
         "shutdown_timeout": plan.grace_period,
     }
-    if plan.local_rendezvous:
+    master = plan.master_addr
+    if master is None:  # plan.local_rendezvous
         return LaunchConfig(
             run_id=f"distrun-{uuid.uuid4().hex}",
             rdzv_backend="c10d",
@@ -78,9 +92,7 @@ def launch_config(plan: LaunchPlan, logs: RankLogs, store_dir: str) -> LaunchCon
             local_addr="127.0.0.1",
             **common,
         )
-    endpoint = f"[{plan.master_addr}]:{plan.master_port}" if ":" in plan.master_addr else (
-        f"{plan.master_addr}:{plan.master_port}"
-    )
+    endpoint = f"[{master}]:{plan.master_port}" if ":" in master else f"{master}:{plan.master_port}"
     if plan.max_restarts == 0:
         return LaunchConfig(
             run_id="distrun",
@@ -94,7 +106,7 @@ def launch_config(plan: LaunchPlan, logs: RankLogs, store_dir: str) -> LaunchCon
         rdzv_backend="c10d",
         rdzv_endpoint=endpoint,
         rdzv_configs={"is_host": plan.node_rank == 0, "timeout": _RENDEZVOUS_TIMEOUT},
-        local_addr=_address_towards(plan.master_addr, plan.node_rank),
+        local_addr=_address_towards(master, plan.node_rank),
         **common,
     )
 

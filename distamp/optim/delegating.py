@@ -36,18 +36,20 @@ class DelegatingOptimizer(torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.inner_opt = optimizer
 
+    # torch.optim.Optimizer declares param_groups/state/defaults as assignable attributes; this wrapper
+    # deliberately exposes the inner optimizer's as read-only views (a setter would let the two diverge).
     @property
-    def param_groups(self) -> list[dict]:
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
         """The inner optimizer's param groups (FP32 masters in O2)."""
         return self.inner_opt.param_groups
 
     @property
-    def state(self) -> Any:
+    def state(self) -> Any:  # type: ignore[override]
         """The inner optimizer's per-parameter state (keyed by master)."""
         return self.inner_opt.state
 
     @property
-    def defaults(self) -> dict:
+    def defaults(self) -> dict:  # type: ignore[override]
         """The inner optimizer's defaults."""
         return self.inner_opt.defaults
 

@@ -149,7 +149,9 @@ def parts_needed(common: dict, target: Target | None) -> list[int]:
     _check_same_parameters(layout["numels"], layout["shapes"], target)
     lo, hi = target.range()
     bounds = layout["bounds"]
-    return [r for r in range(layout["world_size"]) if bounds[r] < hi and bounds[r + 1] > lo and bounds[r + 1] > bounds[r]]
+    return [
+        r for r in range(layout["world_size"]) if bounds[r] < hi and bounds[r + 1] > lo and bounds[r + 1] > bounds[r]
+    ]
 
 
 def join(common: dict, parts: dict[int, dict], target: Target | None) -> dict:
@@ -227,7 +229,7 @@ class _Source:
             )
         return saved
 
-    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+    def read(self, name: str | None, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of ``masters`` (name None) or per-element state ``name``, concatenated."""
         chunks = []
         i = max(0, bisect.bisect_right(self.starts, lo) - 1)
@@ -270,7 +272,8 @@ def _sharded(source: _Source, target: Target, options: list[dict]) -> tuple[dict
     lo, hi = target.range()
     pieces: list[Piece] = source.layout.pieces(lo, hi)
     group_of = {i: g for g, members in enumerate(target.groups) for i in members}
-    state, members = {}, [[] for _ in target.groups]
+    state: dict[int, dict] = {}
+    members: list[list[int]] = [[] for _ in target.groups]
     for j, piece in enumerate(pieces):
         members[group_of[piece.param]].append(j)
         piece_state = source.piece_state(piece.offset, piece.offset + piece.length, (piece.length,))

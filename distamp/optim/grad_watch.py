@@ -57,12 +57,14 @@ class GradWatch:
         return [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in self.params]
 
     def _unchanged_since(self, snapshot: _Snapshot) -> bool:
-        for p, seen in zip(self.params, snapshot):
+        # strict=False: track() (add_param_group) may append parameters after the snapshot was taken;
+        # those have no earlier state to compare, so only the snapshotted prefix is checked.
+        for p, seen in zip(self.params, snapshot, strict=False):
             grad = p.grad
             if grad is None:
                 if seen is not None:
                     return False
-            elif seen is None or seen[0]() is not grad or seen[1] != grad._version:
+            elif seen is None or seen[1] != grad._version or seen[0]() is not grad:
                 return False
         return True
 

@@ -17,12 +17,39 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["MasterWeights", "clear_grads", "fp32_model_state_dict"]
+__all__ = ["MasterWeights", "MasterWeightsSurface", "clear_grads", "fp32_model_state_dict"]
+
+
+class MasterWeightsSurface(Protocol):
+    """What the optimizer and the precision plugins use of the masters, whole (:class:`MasterWeights`) or sharded.
+
+    :class:`~distamp.optim.sharded_masters.ShardedMasters` provides the same
+    surface without subclassing :class:`MasterWeights`.
+    """
+
+    low_dtype: torch.dtype | None
+    model_params: list[nn.Parameter]
+
+    @property
+    def enabled(self) -> bool: ...
+    @property
+    def masters(self) -> list[nn.Parameter]: ...
+    def install(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def master_for(self, param: nn.Parameter) -> nn.Parameter: ...
+    def add(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]: ...
+    def convert_model(self, keep_fp32: Iterable[nn.Parameter] = ()) -> int: ...
+    def exact_fp32(self) -> dict[int, torch.Tensor]: ...
+    def zero_master_grads(self) -> None: ...
+    def zero_grads(self, set_to_none: bool = True) -> None: ...
+    def broadcast(self, src: int = 0, group: dist.ProcessGroup | None = None) -> None: ...
+    def state_dict(self) -> list[torch.Tensor]: ...
+    def load_state_dict(self, tensors: Sequence[torch.Tensor]) -> None: ...
 
 
 @dataclass
@@ -133,7 +160,7 @@ class MasterWeights:
                     for k, v in s.items()
                 }
 
-    def master_for(self, param: nn.Parameter) -> nn.Parameter:
+    def master_for(self, param: torch.Tensor) -> nn.Parameter:
         """The master of ``param`` (``param`` itself when it has none)."""
         try:
             return self._master_of[id(param)]
@@ -256,7 +283,7 @@ class MasterWeights:
                 f"{len(self.model_params)} parameters; was it saved from the same model?"
             )
         with torch.no_grad():
-            for i, (p, t) in enumerate(zip(self.model_params, tensors)):
+            for i, (p, t) in enumerate(zip(self.model_params, tensors, strict=True)):
                 master = self._master_of[id(p)]
                 if tuple(t.shape) != tuple(master.shape):
                     raise ValueError(

@@ -45,17 +45,16 @@ def nonfinite_parameters(
         names: their qualified names, in the same order.
         group: the data-parallel group (``None``: this rank only).
     """
-    with_grad = [i for i, p in enumerate(params) if p.grad is not None]
+    grads = {i: p.grad for i, p in enumerate(params) if p.grad is not None}  # in parameter order
     if not params:
         return []
-    device = params[with_grad[0]].grad.device if with_grad else params[0].device
+    device = next(iter(grads.values())).device if grads else params[0].device
     flags = torch.zeros(len(params), dtype=torch.float32, device=device)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i in with_grad:
-        grad = params[i].grad
+    for i, grad in grads.items():
         groups.setdefault((grad.device, grad.dtype), []).append(i)
     for indices in groups.values():
-        maxima = torch.stack(torch._foreach_norm([params[i].grad for i in indices], math.inf)).float()
+        maxima = torch.stack(torch._foreach_norm([grads[i] for i in indices], math.inf)).float()
         flags[torch.tensor(indices, device=device)] = (~torch.isfinite(maxima)).float().to(device)
     all_reduce_max(flags, group)
     return [names[i] for i in torch.nonzero(flags).flatten().tolist()]
@@ -78,7 +77,8 @@ class OverflowLog:
         """One non-finite verdict at ``step``: remember it, log it, maybe suggest FP32 for a module."""
         self.overflows += 1
         self.last_overflow = {"step": step, "params": list(names)}
-        shown = ", ".join(names[:_SHOWN_NAMES]) + (f" and {len(names) - _SHOWN_NAMES} more" if len(names) > _SHOWN_NAMES else "")
+        more = len(names) - _SHOWN_NAMES
+        shown = ", ".join(names[:_SHOWN_NAMES]) + (f" and {more} more" if more > 0 else "")
         action = "retried at a lower loss scale" if retrying else "skipped"
         logger.warning(
             "step %d %s: non-finite gradients in %s (loss scale %g)", step, action, shown or "no parameter", loss_scale

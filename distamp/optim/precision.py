@@ -30,7 +30,7 @@ from torch import nn
 from distamp.distributed.flag_sync import all_reduce_max
 from distamp.optim.grad_accumulator import Fp32GradAccumulator
 from distamp.optim.loss_scaler import LossScaler, build_loss_scaler
-from distamp.optim.master_weights import MasterWeights
+from distamp.optim.master_weights import MasterWeights, MasterWeightsSurface
 from distamp.strategy import AmpConfig, DistributedStrategy
 
 __all__ = ["FullPrecision", "MixedPrecision", "PureLowPrecision", "precision_for"]
@@ -51,7 +51,7 @@ class FullPrecision:
 
     def __init__(self, params: Sequence[nn.Parameter], config: AmpConfig) -> None:
         self.config = config
-        self.master_weights = MasterWeights(params, None)
+        self.master_weights: MasterWeightsSurface = MasterWeights(params, None)
         self.consecutive_stuck = 0
 
     @property
@@ -73,7 +73,7 @@ class FullPrecision:
     def after_backward(self, window_open: bool) -> None:
         """After each ``backward``; ``window_open``: a gradient-merge window continues after it."""
 
-    def clip_grad_norm_(self, grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+    def clip_grad_norm_(self, grads: Sequence[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the unscaled ``grads`` the inner optimizer applies; returns their total norm."""
         return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type,
@@ -123,13 +123,21 @@ class MixedPrecision(FullPrecision):
         self.scaler = build_loss_scaler(config)
 
     @property
+    def _amp_scaler(self) -> LossScaler:
+        """The loss scaler, which O1 and O2 always have (ShardedPrecision with AMP off never gets here)."""
+        scaler = self.scaler
+        if scaler is None:
+            raise RuntimeError("no loss scaler: AMP is off")
+        return scaler
+
+    @property
     def loss_scale(self) -> float:
         """The current loss scale."""
-        return self.scaler.scale
+        return self._amp_scaler.scale
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * scale`` in FP32 (as ``GradScaler.scale``)."""
-        return loss.float() * self.scaler.scale
+        return loss.float() * self._amp_scaler.scale
 
     def _grads_to_check(self) -> list[torch.Tensor]:
         return [p.grad for p in self.master_weights.masters if p.grad is not None]
@@ -146,17 +154,17 @@ class MixedPrecision(FullPrecision):
         device = grads[0].device if grads else self._any_device()
         flags = torch.zeros(2, dtype=torch.float32, device=device)
         # Like GradScaler: the reciprocal in double, rounded once to float32.
-        inv_scale = 1.0 / self.scaler.scale
+        inv_scale = 1.0 / self._amp_scaler.scale
         for (dev, _), group_grads in _by_device_and_dtype(grads).items():
             found = torch.zeros(1, dtype=torch.float32, device=dev)
             factor = torch.full((1,), inv_scale, dtype=torch.float32, device=dev)
             torch._amp_foreach_non_finite_check_and_unscale_(group_grads, found, factor)
             flags[0] += found.to(device)[0]
-        if self.scaler.needs_grad_max and grads:
+        if self._amp_scaler.needs_grad_max and grads:
             flags[1] = _max_abs(grads).to(device)
         all_reduce_max(flags, group)
         found_inf, grad_max = flags.tolist()
-        return found_inf > 0, (grad_max if self.scaler.needs_grad_max else None)
+        return found_inf > 0, (grad_max if self._amp_scaler.needs_grad_max else None)
 
     def _any_device(self) -> torch.device:
         params = self.master_weights.model_params
@@ -169,25 +177,25 @@ class MixedPrecision(FullPrecision):
             RuntimeError: ``stuck_scale_patience`` consecutive steps overflowed
                 with the scale unable to go lower.
         """
-        before, could_decrease = self.scaler.scale, self.scaler.can_decrease
-        self.scaler.update(found_inf, grad_max)
-        if self.scaler.scale != before:
-            logger.info("loss scale %g -> %g", before, self.scaler.scale)
+        before, could_decrease = self._amp_scaler.scale, self._amp_scaler.can_decrease
+        self._amp_scaler.update(found_inf, grad_max)
+        if self._amp_scaler.scale != before:
+            logger.info("loss scale %g -> %g", before, self._amp_scaler.scale)
         self.consecutive_stuck = self.consecutive_stuck + 1 if found_inf and not could_decrease else 0
         if self.consecutive_stuck >= self.config.stuck_scale_patience:
-            raise RuntimeError(_stuck_message(self.config, self.scaler.scale, self.consecutive_stuck))
+            raise RuntimeError(_stuck_message(self.config, self._amp_scaler.scale, self.consecutive_stuck))
 
     def lower_scale_now(self) -> bool:
         """Lower the loss scale at once (an overflow retry); False when it cannot go lower."""
-        before = self.scaler.scale
-        if not self.scaler.decrease_now():
+        before = self._amp_scaler.scale
+        if not self._amp_scaler.decrease_now():
             return False
-        logger.info("loss scale %g -> %g (retrying the step)", before, self.scaler.scale)
+        logger.info("loss scale %g -> %g (retrying the step)", before, self._amp_scaler.scale)
         return True
 
     def state_dict(self) -> dict:
         """Scaler type and state as plain numbers."""
-        return {"loss_scaler_type": type(self.scaler).__name__, "loss_scaler": self.scaler.state_dict()}
+        return {"loss_scaler_type": type(self.scaler).__name__, "loss_scaler": self._amp_scaler.state_dict()}
 
 
 class PureLowPrecision(MixedPrecision):
@@ -206,6 +214,8 @@ class PureLowPrecision(MixedPrecision):
     Gradient merge sums the micro-batches in FP32
     (:mod:`distamp.optim.grad_accumulator`), not in the 16-bit ``.grad``.
     """
+
+    master_weights: MasterWeights  # whole FP32 masters (narrows the base's MasterWeightsSurface)
 
     mode = "O2"
 

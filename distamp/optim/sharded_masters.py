@@ -101,7 +101,8 @@ class ShardedMasters:
         self.values = torch.empty(self.hi - self.lo, dtype=torch.float32, device=self.device)
         for piece in self.pieces:
             start = piece.offset - self.lo
-            self.values[start : start + piece.length].copy_(originals[piece.param].reshape(-1)[piece.start : piece.stop])
+            source = originals[piece.param].reshape(-1)[piece.start : piece.stop]
+            self.values[start : start + piece.length].copy_(source)
         # Every rank must start from rank 0's exact values, but after the conversion to 16 bits only this
         # rank's slice is left in FP32: keep the original tensors (no copy) until the start-up broadcast.
         self.pending = originals if world_size > 1 else None
@@ -197,14 +198,18 @@ class ShardedMasters:
         return len(changing)
 
     def _dtype_for(self, index: int) -> torch.dtype:
-        return torch.float32 if id(self.model_params[index]) in self._keep_fp32 else self.low_dtype
+        if id(self.model_params[index]) in self._keep_fp32 or self.low_dtype is None:
+            return torch.float32
+        return self.low_dtype
 
     def _exact_values(self, indices: Sequence[int]) -> dict[int, torch.Tensor]:
         """Exact FP32 values of parameters ``indices``, flattened (collective when gathered)."""
         if self.pending is not None:
             return {i: self.pending[i].reshape(-1).float() for i in indices}
         if self.world_size == 1:
-            return {i: self.values[slice(*self.layout.param_range(i))] for i in indices}
+            values = self.values
+            assert values is not None, "exact values are asked for only in O2, which has FP32 masters"
+            return {i: values[slice(*self.layout.param_range(i))] for i in indices}
         out = {i: torch.empty(self.layout.numels[i], dtype=torch.float32, device=self.device) for i in indices}
         self.gather.run(self.masters, out.__getitem__, params=list(indices))
         return out
@@ -226,9 +231,9 @@ class ShardedMasters:
         for original in self.pending:  # one tensor at a time: no flat copy of the whole model
             dist.broadcast(original, src=src, group=group if group is not None else self.group)
         with torch.no_grad():
-            for piece, master in zip(self.pieces, self.masters):
+            for piece, master in zip(self.pieces, self.masters, strict=True):
                 master.copy_(self.pending[piece.param].reshape(-1)[piece.start : piece.stop])
-            for p, original in zip(self.model_params, self.pending):
+            for p, original in zip(self.model_params, self.pending, strict=True):
                 p.data.copy_(original.view_as(p))
         self.pending = None
 

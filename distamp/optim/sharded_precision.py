@@ -53,6 +53,8 @@ class ShardedPrecision(MixedPrecision):
         wait forever in the all-gather of the others.
     """
 
+    master_weights: ShardedMasters
+
     def __init__(self, params: Sequence[nn.Parameter], strategy: DistributedStrategy,
                  group: dist.ProcessGroup | None) -> None:
         config = strategy.amp_config
@@ -139,7 +141,7 @@ class ShardedPrecision(MixedPrecision):
         if self.scaler is not None:
             super().update(found_inf, grad_max)
 
-    def clip_grad_norm_(self, grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+    def clip_grad_norm_(self, grads: Sequence[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip with one global norm: each rank's slice norm, gathered and combined in rank order.
 
@@ -153,7 +155,10 @@ class ShardedPrecision(MixedPrecision):
         norm_type = float(norm_type)
         local = torch.zeros(1, dtype=torch.float32, device=flat.device)
         if flat.numel():
-            local[0] = flat.abs().max() if math.isinf(norm_type) else torch.linalg.vector_norm(flat, norm_type) ** norm_type
+            if math.isinf(norm_type):
+                local[0] = flat.abs().max()
+            else:
+                local[0] = torch.linalg.vector_norm(flat, norm_type) ** norm_type
         parts = local.repeat(group_size(self.group))
         if self.group is not None and group_size(self.group) > 1:
             _all_gather(parts, local, group=self.group)

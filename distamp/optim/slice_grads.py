@@ -65,7 +65,7 @@ class SliceGrads:
         gradient gets ``grad = None``, so the inner optimizer skips it.
         """
         dst, src = [], []
-        for j, (piece, master) in enumerate(zip(self.pieces, self.masters)):
+        for j, (piece, master) in enumerate(zip(self.pieces, self.masters, strict=True)):
             model_grad = self.model_params[piece.param].grad
             if model_grad is None:
                 master.grad = None
@@ -77,7 +77,7 @@ class SliceGrads:
                 src.append(model_grad.view(-1)[piece.start : piece.stop])
         if dst:
             torch._foreach_copy_(dst, src)
-        for piece, master in zip(self.pieces, self.masters):
+        for piece, master in zip(self.pieces, self.masters, strict=True):
             more = extra.get(id(self.model_params[piece.param])) if extra else None
             if more is not None and master.grad is not None:
                 master.grad.add_(more.view(-1)[piece.start : piece.stop])
@@ -91,7 +91,7 @@ class SliceGrads:
         grads = [p.grad for p in self.model_params if p.grad is not None]
         if grads:
             torch._foreach_zero_(grads)
-        for piece, master in zip(self.pieces, self.masters):
+        for piece, master in zip(self.pieces, self.masters, strict=True):
             model_grad = self.model_params[piece.param].grad
             if model_grad is not None and master.grad is not None:
                 model_grad.view(-1)[piece.start : piece.stop].copy_(master.grad)
@@ -99,7 +99,7 @@ class SliceGrads:
 
     def take_changes(self, changed: set[int]) -> None:
         """Copy back this slice of each model ``.grad`` whose ``id`` is in ``changed``."""
-        for piece, master in zip(self.pieces, self.masters):
+        for piece, master in zip(self.pieces, self.masters, strict=True):
             model_grad = self.model_params[piece.param].grad
             if model_grad is not None and master.grad is not None and id(model_grad) in changed:
                 master.grad.copy_(model_grad.view(-1)[piece.start : piece.stop])

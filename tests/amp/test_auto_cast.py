@@ -54,7 +54,7 @@ def test_forward_and_gradients_are_bitwise_torch_autocast(dtype):
     assert torch.equal(out, expected)
     out.float().sum().backward()
     expected.float().sum().backward()
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert p.grad.dtype == torch.float32
         assert torch.equal(p.grad, q.grad)
 
@@ -77,7 +77,8 @@ def test_custom_black_list_moves_an_op_to_fp32_and_gradients_keep_each_dtype(dty
     assert seen["norm_input"] == torch.float32    # so the LayerNorm saw FP32
     assert out.dtype == dtype                     # fc2 is still low precision
     out.float().sum().backward()
-    assert x.grad.dtype == torch.float32 and all(p.grad.dtype == torch.float32 for p in model.parameters())
+    assert x.grad.dtype == torch.float32
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
 
 
 def test_custom_white_list_moves_an_fp32_op_to_low_precision():
@@ -110,7 +111,8 @@ def test_batch_norm_on_a_list_still_updates_its_running_stats_in_place():
     with auto_cast(dtype="bfloat16", custom_black_list=["batch_norm"]):
         out = bn((torch.randn(8, 3) + 5).bfloat16())
     assert out.dtype == torch.float32
-    assert bn.running_mean.dtype == torch.float32 and bn.running_mean.abs().sum() > 0
+    assert bn.running_mean.dtype == torch.float32
+    assert bn.running_mean.abs().sum() > 0
 
 
 def test_in_place_and_out_calls_are_never_cast():

@@ -123,7 +123,8 @@ def test_gradients_reach_both_parts_in_fp32():
             loss = F.mse_loss(net(torch.randn(4, 3)), torch.zeros(4, 2))
         loss.backward()
     for name, p in net.named_parameters():
-        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        assert p.grad is not None, name
+        assert p.grad.dtype == torch.float32, name
         assert torch.isfinite(p.grad).all(), name
 
 
@@ -165,7 +166,8 @@ def test_deepcopy_gives_the_copy_its_own_fp32_forward():
     net = _net()
     keep_in_fp32(net, ["head"])
     clone = copy.deepcopy(net)
-    assert isinstance(clone.head.forward, FP32Forward) and clone.head.forward.module is clone.head
+    assert isinstance(clone.head.forward, FP32Forward)
+    assert clone.head.forward.module is clone.head
     with torch.no_grad():
         for p in clone.parameters():
             p.add_(1.0)

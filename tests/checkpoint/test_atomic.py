@@ -14,7 +14,8 @@ def test_write_atomically_names_the_file_after_its_hash_and_leaves_no_temporary(
     name, sha, size = atomic.write_atomically(
         str(tmp_path), "label", lambda f: f.write(b"hello"), lambda digest: f"file-{digest[:4]}"
     )
-    assert sha == hashlib.sha256(b"hello").hexdigest() and size == 5
+    assert sha == hashlib.sha256(b"hello").hexdigest()
+    assert size == 5
     assert name == f"file-{sha[:4]}"
     assert os.listdir(tmp_path) == [name]
     assert (tmp_path / name).read_bytes() == b"hello"

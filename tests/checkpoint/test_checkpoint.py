@@ -114,8 +114,9 @@ def assert_bitwise_equal(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for key in ("params", "masters"):
         assert len(a[key]) == len(b[key])
-        for x, y in zip(a[key], b[key]):
-            assert x.dtype == y.dtype and torch.equal(x, y), key
+        for x, y in zip(a[key], b[key], strict=True):
+            assert x.dtype == y.dtype, key
+            assert torch.equal(x, y), key
     for sa, sb in zip(a["inner"], b["inner"], strict=True):
         assert sa.keys() == sb.keys()
         for k in sa:
@@ -149,7 +150,8 @@ def uninterrupted_and_resumed(directory: str, total: int, save_at: int, distribu
 
 def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path):
     ref_applied, applied, reference, resumed, info = uninterrupted_and_resumed(str(tmp_path), 10, 6)
-    assert ref_applied[SKIP_AT] is False and ref_applied.count(False) == 1
+    assert ref_applied[SKIP_AT] is False
+    assert ref_applied.count(False) == 1
     assert applied == ref_applied
     assert info == CheckpointInfo(
         step=6, path=str(payload(tmp_path, 6)), extra={"next_step": 6}, world_size=1, rng_restored=True,
@@ -244,7 +246,7 @@ def corrupt_garble_manifest(path):
 
 
 @pytest.mark.parametrize(
-    "corrupt, reason",
+    ("corrupt", "reason"),
     [
         (corrupt_truncate, "truncated"),
         (corrupt_flip_byte, "corrupted"),
@@ -258,8 +260,10 @@ def test_a_bad_newest_checkpoint_falls_back_to_the_previous_with_a_warning(tmp_p
     model, opt, sched = build(3)
     with pytest.warns(UserWarning, match=f"skipping bad checkpoint {re.escape(str(bad_file))}.*{reason}"):
         info = load_latest_checkpoint(tmp_path, model=model, optimizer=opt, scheduler=sched)
-    assert info.step == 10 and info.extra == {"step": 10}
-    assert info.skipped and str(bad_file) in info.skipped[0]
+    assert info.step == 10
+    assert info.extra == {"step": 10}
+    assert info.skipped
+    assert str(bad_file) in info.skipped[0]
 
 
 def test_every_checkpoint_bad_starts_from_scratch_with_warnings(tmp_path):
@@ -267,7 +271,7 @@ def test_every_checkpoint_bad_starts_from_scratch_with_warnings(tmp_path):
     corrupt_flip_byte(payload(tmp_path, 10))
     corrupt_truncate(payload(tmp_path, 20))
     model, opt, sched = build(3)
-    with pytest.warns(UserWarning) as record:
+    with pytest.warns(UserWarning, match="no intact checkpoint") as record:
         assert load_latest_checkpoint(tmp_path, model=model, optimizer=opt, scheduler=sched) is None
     messages = [str(w.message) for w in record]
     assert any("step-00000020.common." in m and "truncated" in m for m in messages)
@@ -330,7 +334,9 @@ def test_a_crash_between_payload_and_manifest_is_an_incomplete_checkpoint(tmp_pa
     assert [n for n in layout(crashed) if not n.startswith(".tmp-")] == [
         "step-00000010.common.<hash>.pt", "step-00000010.json", "step-00000020.common.<hash>.pt"
     ]
-    with pytest.warns(UserWarning, match=r"step-00000020.json: no manifest \(the save did not finish; step-00000020.common"):
+    with pytest.warns(
+        UserWarning, match=r"step-00000020.json: no manifest \(the save did not finish; step-00000020.common"
+    ):
         info = load_latest_checkpoint(crashed, model=model, optimizer=opt, scheduler=sched)
     assert info.step == 10
 
@@ -351,8 +357,10 @@ def test_a_plain_torch_optimizer_and_no_scheduler_work(tmp_path):
     model2 = make_net(1)
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
     assert load_latest_checkpoint(tmp_path, model=model2, optimizer=opt2).step == 1
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
-    assert torch.equal(opt.state_dict()["state"][0]["momentum_buffer"], opt2.state_dict()["state"][0]["momentum_buffer"])
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
+    assert torch.equal(
+        opt.state_dict()["state"][0]["momentum_buffer"], opt2.state_dict()["state"][0]["momentum_buffer"]
+    )
 
 
 # --------------------------------------------------------------------------- bad input
@@ -389,7 +397,9 @@ def test_bad_arguments_are_refused_clearly(tmp_path):
         save_checkpoint(tmp_path, 1, extra={"seen": collections.defaultdict(int)}, **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _Halve())
     # The NumPy factor reaches the optimizer's lr before the scheduler's own state.
-    with pytest.raises(TypeError, match=r"optimizer.state_dict\(\)\['inner'\]\['param_groups'\]\[0\]\['lr'\] is a float64"):
+    with pytest.raises(
+        TypeError, match=r"optimizer.state_dict\(\)\['inner'\]\['param_groups'\]\[0\]\['lr'\] is a float64"
+    ):
         save_checkpoint(tmp_path, 1, scheduler=sched, **kw)
     for group in opt.param_groups:
         group["lr"] = float(group["lr"])
@@ -415,10 +425,10 @@ def test_loading_into_a_different_setup_names_the_mismatch(tmp_path):
     with pytest.raises(RuntimeError, match=r"optimizer is a AmpOptimizer, this one is a AdamW"):
         load_latest_checkpoint(tmp_path, model=make_net(0), optimizer=plain, scheduler=sched)
     o1 = DistributedStrategy(amp=True, amp_configs={"use_pure_fp16": False})
+    other = make_net(0)
+    o1_opt = AmpOptimizer(torch.optim.AdamW(other.parameters()), o1)
+    o1_sched = torch.optim.lr_scheduler.StepLR(o1_opt, step_size=3)
     with pytest.raises(RuntimeError, match=r"disagree on use_pure_fp16"):
-        other = make_net(0)
-        o1_opt = AmpOptimizer(torch.optim.AdamW(other.parameters()), o1)
-        o1_sched = torch.optim.lr_scheduler.StepLR(o1_opt, step_size=3)
         load_latest_checkpoint(tmp_path, model=other, optimizer=o1_opt, scheduler=o1_sched)
 
 
@@ -435,10 +445,13 @@ def _resume_two_ranks(rank, world_size, directory):
 @pytest.mark.timeout(120)
 def test_two_ranks_resume_bitwise_identically(tmp_path):
     out = run_workers(_resume_two_ranks, 2, str(tmp_path), timeout=100)
-    for rank, (ref_applied, applied, reference, resumed, info) in enumerate(out):
+    for ref_applied, applied, reference, resumed, info in out:
         # The inf is injected on rank 0 only; the flag sync skips the step on both.
-        assert ref_applied[SKIP_AT] is False and applied == ref_applied
-        assert info.step == 6 and info.world_size == 2 and info.rng_restored
+        assert ref_applied[SKIP_AT] is False
+        assert applied == ref_applied
+        assert info.step == 6
+        assert info.world_size == 2
+        assert info.rng_restored
         assert_bitwise_equal(reference, resumed)
         assert_bitwise_equal(resumed, out[0][3])
     assert list_checkpoints(tmp_path) == [6]
@@ -471,7 +484,9 @@ def test_two_ranks_save_one_resumes(tmp_path):
     model, opt, sched = build(9)
     with pytest.warns(UserWarning, match=r"saved by 2 rank\(s\) and is resumed by 1: .*RNG states are not"):
         info = load_latest_checkpoint(tmp_path, model=model, optimizer=opt, scheduler=sched)
-    assert info.world_size == 2 and not info.rng_restored and info.extra == {"next_step": 4}
+    assert info.world_size == 2
+    assert not info.rng_restored
+    assert info.extra == {"next_step": 4}
     assert_bitwise_equal(snapshot(model, opt, sched), saved[0])
     train(model, opt, sched, 4, 6)
     assert all(torch.isfinite(p.float()).all() for p in model.parameters())
@@ -490,7 +505,9 @@ def test_one_rank_saves_two_resume_from_the_same_intact_checkpoint(tmp_path):
 
     out = run_workers(_load_and_continue, 2, str(tmp_path), timeout=100)
     for rank, (info, loaded, after, messages) in enumerate(out):
-        assert info.step == 4 and info.world_size == 1 and not info.rng_restored
+        assert info.step == 4
+        assert info.world_size == 1
+        assert not info.rng_restored
         assert_bitwise_equal(loaded, saved)
         assert_bitwise_equal(after, out[0][2])  # still in lockstep after two more steps
         assert any("step-00000005.common." in m and "corrupted" in m for m in messages)
@@ -514,5 +531,6 @@ def test_ranks_that_see_different_files_fail_together_instead_of_hanging(tmp_pat
     save_steps(tmp_path / "node1", [1])
     out = run_workers(_load_from_unshared_directories, 2, str(tmp_path), timeout=100)
     for message in out:
-        assert message is not None and "rank 1 sees a different file" in message
+        assert message is not None
+        assert "rank 1 sees a different file" in message
         assert "shared by every node" in message

@@ -48,7 +48,8 @@ def test_a_payload_weights_only_refuses_falls_back_with_a_warning(tmp_path, monk
     with pytest.warns(UserWarning, match=rf"skipping bad checkpoint {bad}: torch.load\(\.\.\., weights_only=True\) "
                       r"refused it \(WeightsUnpickler error: Unsupported global: GLOBAL .*Opaque"):
         info = load(tmp_path)
-    assert info.step == 10 and len(info.skipped) == 1
+    assert info.step == 10
+    assert len(info.skipped) == 1
 
 
 def test_a_newest_checkpoint_of_another_model_raises_instead_of_falling_back(tmp_path):
@@ -81,7 +82,7 @@ def tamper(directory, step, recompute_checksum: bool):
 
 
 @pytest.mark.parametrize(
-    "recompute_checksum, reason",
+    ("recompute_checksum", "reason"),
     [(False, "manifest checksum mismatch"), (True, "whose name does not carry its SHA-256")],
 )
 def test_a_payload_changed_under_a_repaired_manifest_is_detected(tmp_path, recompute_checksum, reason):
@@ -98,7 +99,8 @@ def test_a_cuda_rng_state_this_process_cannot_take_is_reported_not_restored(tmp_
         save_steps(tmp_path, [1])
     with pytest.warns(UserWarning, match=r"rank 0: the cuda RNG state was not restored from .*step-00000001"):
         info = load(tmp_path)
-    assert info.step == 1 and not info.rng_restored
+    assert info.step == 1
+    assert not info.rng_restored
 
 
 def test_a_format_1_checkpoint_still_loads(tmp_path):
@@ -137,7 +139,9 @@ def test_all_ranks_fall_back_together_and_fail_together(tmp_path, monkeypatch):
     for step, messages, error in out:
         assert step == 10
         assert any("skipping bad checkpoint" in m and "Opaque" in m for m in messages)
-        assert error == out[0][2] and "rank 0: RuntimeError" in error and "rank 1: RuntimeError" in error
+        assert error == out[0][2]
+        assert "rank 0: RuntimeError" in error
+        assert "rank 1: RuntimeError" in error
 
 
 def test_an_unlistable_directory_raises(tmp_path, monkeypatch):

@@ -43,7 +43,8 @@ def test_names():
 def test_round_trip_with_several_parts():
     manifest = make()
     meta = json.loads(manifest.to_bytes())
-    assert meta["format"] == FORMAT and len(meta["manifest_sha256"]) == 64
+    assert meta["format"] == FORMAT
+    assert len(meta["manifest_sha256"]) == 64
     again = Manifest.from_bytes(manifest.to_bytes(), "m.json")
     assert again == manifest
     assert again.file(rank_part(1)).sha256 == SHA_B
@@ -69,7 +70,7 @@ def swap_hash(meta):
 
 
 def test_an_edited_manifest_fails_its_own_checksum():
-    with pytest.raises(CheckpointCorrupt, match="m.json: manifest checksum mismatch"):
+    with pytest.raises(CheckpointCorrupt, match=r"m\.json: manifest checksum mismatch"):
         Manifest.from_bytes(edit(make(), swap_hash, recompute_checksum=False), "m.json")
 
 
@@ -80,7 +81,7 @@ def test_a_hash_that_no_longer_matches_the_payloads_name_is_refused():
 
 @pytest.mark.parametrize("data", [b"{not json", b"[1, 2]", b'{"format": "other/1"}'])
 def test_garbage_is_an_unreadable_manifest(data):
-    with pytest.raises(CheckpointCorrupt, match="m.json: unreadable manifest"):
+    with pytest.raises(CheckpointCorrupt, match=r"m\.json: unreadable manifest"):
         Manifest.from_bytes(data, "m.json")
 
 

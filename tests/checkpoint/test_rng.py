@@ -53,7 +53,8 @@ def test_it_is_restored_onto_the_current_device_whatever_its_index(monkeypatch):
     cuda.current = 0  # the restarted rank got another GPU
     assert rng.set_rng_state(state) == []
     ((restored, device),) = cuda.set_calls
-    assert device == 0 and torch.equal(restored, torch.full((8,), 1, dtype=torch.uint8))
+    assert device == 0
+    assert torch.equal(restored, torch.full((8,), 1, dtype=torch.uint8))
 
 
 def test_a_cuda_state_without_cuda_is_reported_unrestored(monkeypatch):
@@ -75,7 +76,8 @@ def test_format_1_states_of_every_device_restore_the_current_ones(monkeypatch):
     cuda = FakeCuda(monkeypatch, current=1, count=2)
     state = {**rng.get_rng_state(), "cuda": [torch.zeros(8, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8)]}
     assert rng.set_rng_state(state) == []
-    assert cuda.set_calls[0][1] == 1 and torch.equal(cuda.set_calls[0][0], torch.ones(8, dtype=torch.uint8))
+    assert cuda.set_calls[0][1] == 1
+    assert torch.equal(cuda.set_calls[0][0], torch.ones(8, dtype=torch.uint8))
     cuda.current = 2
     assert rng.set_rng_state(state) == ["cuda"]
 

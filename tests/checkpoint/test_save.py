@@ -73,10 +73,12 @@ def test_a_crash_at_any_point_of_resaving_a_step_leaves_it_loadable(tmp_path, mo
     versions = []
     for copy in copies:
         info = load(copy)
-        assert info is not None and info.step == 10, copy
+        assert info is not None, copy
+        assert info.step == 10, copy
         versions.append(info.extra["version"])
     # Old until the manifest's rename commits, new from then on.
-    assert versions == sorted(versions, key=["old", "new"].index) and set(versions) == {"old", "new"}
+    assert versions == sorted(versions, key=["old", "new"].index)
+    assert set(versions) == {"old", "new"}
 
 
 @pytest.mark.parametrize("failing_call", [1, 2], ids=["payload rename", "manifest rename"])
@@ -118,7 +120,8 @@ def test_a_save_that_fails_writing_the_manifest_removes_its_payload(tmp_path, mo
     fail_on_manifest(monkeypatch)
     with pytest.raises(RuntimeError, match=r"could not save checkpoint 20 .*No space left on device") as raised:
         save_checkpoint(tmp_path, 20, model=model, optimizer=opt, scheduler=sched)
-    assert isinstance(raised.value.__cause__, OSError) and raised.value.__cause__.errno == errno.ENOSPC
+    assert isinstance(raised.value.__cause__, OSError)
+    assert raised.value.__cause__.errno == errno.ENOSPC
     monkeypatch.undo()
     assert contents(tmp_path) == before  # no orphan payload keeps the disk full
     assert load(tmp_path).step == 10

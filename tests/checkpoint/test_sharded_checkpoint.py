@@ -69,7 +69,8 @@ def _save_and_resume_at_the_same_size(rank, world, root):
         model2, wrapped2, opt2, scheduler2 = _build(stage)
         info = load_latest_checkpoint(os.path.join(root, f"stage{stage}"), model=wrapped2, optimizer=opt2,
                                       scheduler=scheduler2)
-        assert info.step == SAVE_AT and info.rng_restored
+        assert info.step == SAVE_AT
+        assert info.rng_restored
         _train(rank, world, wrapped2, opt2, scheduler2, SAVE_AT, END)
         out[stage] = (_flat(model), _flat(model2))
     return out
@@ -92,7 +93,8 @@ def _resume(rank, world, root, plan):
         model, wrapped, opt, scheduler = _build(stage)
         info = load_latest_checkpoint(os.path.join(root, f"stage{saved}"), model=wrapped, optimizer=opt,
                                       scheduler=scheduler)
-        assert info.step == SAVE_AT and info.world_size == 2
+        assert info.step == SAVE_AT
+        assert info.world_size == 2
         assert [g["lr"] for g in opt.param_groups] == [5e-3, 2.5e-3]  # the scheduler's state came back
         _train(rank, world, wrapped, opt, scheduler, SAVE_AT, END)
         out[saved, stage] = (_flat(model), sorted(read))

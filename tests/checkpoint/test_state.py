@@ -68,14 +68,15 @@ def make_payload(step=4):
 
 def test_build_payload_saves_the_unwrapped_model():
     model, payload = make_payload()
-    assert payload["format"] == FORMAT and payload["step"] == 4
+    assert payload["format"] == FORMAT
+    assert payload["step"] == 4
     assert set(payload["model"]) == {"weight", "bias"}
     assert unwrap(_Wrapper(model)) is model
     check_payload(payload, 4)
 
 
 @pytest.mark.parametrize(
-    "change, message",
+    ("change", "message"),
     [
         (lambda p: [1, 2], r"not a distamp.checkpoint/2 payload \(found 'list'\)"),
         (lambda p: {**p, "format": "x/1"}, r"not a distamp.checkpoint/2 payload \(found 'x/1'\)"),

@@ -49,7 +49,7 @@ def test_a_checkpoint_of_several_parts_reads_back_part_by_part(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "damage, reason",
+    ("damage", "reason"),
     [
         (lambda p: p.write_bytes(p.read_bytes()[:-1]), "bytes but the manifest says 10 .truncated"),
         (lambda p: p.write_bytes(b"X" + p.read_bytes()[1:]), "does not match the manifest's .* .corrupted"),

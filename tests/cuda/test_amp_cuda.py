@@ -141,8 +141,9 @@ def test_o1_is_bitwise_torch_autocast_and_gradscaler(kind, dtype):
         for x, y in data:
             fleet_step(wrapped, opt, x, y)
 
-    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
+        assert a.dtype == b.dtype, name
+        assert torch.equal(a, b), name
     if fp16:
         assert opt.get_loss_scaling() == scaler.get_scale()
 
@@ -162,15 +163,17 @@ def test_bf16_o2_step_with_a_non_finite_gradient_is_skipped():
         loss = F.mse_loss(wrapped(x).float(), y)
     opt.zero_grad()
     opt.backward(loss)
-    assert model[0].weight.grad.dtype == torch.bfloat16 and model[0].weight.grad.is_cuda
+    assert model[0].weight.grad.dtype == torch.bfloat16
+    assert model[0].weight.grad.is_cuda
     model[0].weight.grad[0, 0] = float("inf")
     assert opt.step() is False
-    assert opt.step_was_skipped and opt.get_loss_scaling() == 1.0
-    for before, p in zip(params, model.parameters()):
+    assert opt.step_was_skipped
+    assert opt.get_loss_scaling() == 1.0
+    for before, p in zip(params, model.parameters(), strict=True):
         assert torch.equal(before, p)
-    for before, m in zip(masters, opt.master_weights.masters):
+    for before, m in zip(masters, opt.master_weights.masters, strict=True):
         assert torch.equal(before, m)
-    for before, s in zip(momenta, opt.state.values()):
+    for before, s in zip(momenta, opt.state.values(), strict=True):
         assert torch.equal(before, s["momentum_buffer"])
     assert fleet_step(wrapped, opt, x, y)[2] is True
 

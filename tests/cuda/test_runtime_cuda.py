@@ -107,10 +107,12 @@ def test_checkpoint_round_trip_restores_the_cuda_rng(tmp_path):
 
     torch.cuda.manual_seed_all(12345)  # as a restarted process would have
     info = load_latest_checkpoint(tmp_path, model=wrapped, optimizer=opt)
-    assert info is not None and info.step == 3 and info.rng_restored
+    assert info is not None
+    assert info.step == 3
+    assert info.rng_restored
     assert torch.equal(torch.cuda.get_rng_state(), rng_at_save)
     steps(3)
-    for a, b in zip(model.parameters(), expected):
+    for a, b in zip(model.parameters(), expected, strict=True):
         assert torch.equal(a, b)
 
 

@@ -47,7 +47,8 @@ def test_fp32_bucket_is_divided_before_the_fp16_cast():
     expected = halves.half().sum(0).float()
     assert expected[0].item() == 5008.0  # 5000 up to FP16 rounding, not inf
     for reduced, in_place in out:
-        assert in_place and reduced.dtype == torch.float32
+        assert in_place
+        assert reduced.dtype == torch.float32
         assert torch.equal(reduced, expected)
 
 
@@ -56,5 +57,6 @@ def test_16_bit_bucket_is_divided_in_place():
     values = [[1000.0, 2.0], [3000.0, -6.0]]
     out = run_workers(_reduce_one_bucket, 2, values, torch.bfloat16, torch.bfloat16, timeout=100)
     for reduced, in_place in out:
-        assert in_place and reduced.dtype == torch.bfloat16
+        assert in_place
+        assert reduced.dtype == torch.bfloat16
         assert torch.equal(reduced, torch.tensor([2000.0, -2.0], dtype=torch.bfloat16))

@@ -105,7 +105,7 @@ def flat_params_masters(opt) -> torch.Tensor:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size,pure", [(2, True), (4, False)])
+@pytest.mark.parametrize(("world_size", "pure"), [(2, True), (4, False)])
 def test_inf_on_one_rank_after_communication_skips_on_every_rank(world_size, pure):
     out = run_workers(_inf_after_backward_on_last_rank, world_size, True, pure, timeout=100)
     for steps, scale, params, masters in out:
@@ -148,7 +148,8 @@ def _nan_in_forward_on_rank_1(rank, world_size):
 def test_nan_from_the_forward_pass_on_one_rank_skips_everywhere():
     out = run_workers(_nan_in_forward_on_rank_1, 2, timeout=100)
     for steps, skipped, params in out:
-        assert steps == [True, False, True] and skipped == 1
+        assert steps == [True, False, True]
+        assert skipped == 1
         assert torch.equal(params, out[0][2])
 
 
@@ -247,7 +248,7 @@ def _one_big_batch(rank, world_size, k_steps, pure=False):
     strategy = make_strategy(dtype="bfloat16", use_pure_fp16=pure)
     _, wrapped, opt = build(strategy)
     micro = global_batches(k_steps, world_size, per_rank=2)
-    xs, ys = zip(*(shard(b, rank, world_size) for b in micro))
+    xs, ys = zip(*(shard(b, rank, world_size) for b in micro), strict=True)
     with fleet.auto_cast():
         loss = F.mse_loss(wrapped(torch.cat(xs)), torch.cat(ys))
     opt.backward(loss)
@@ -380,7 +381,7 @@ def _black_varnames(rank, world_size, model_first):
         opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
         wrapped = fleet.distributed_model(model)
     dtypes = {name: p.dtype for name, p in model.named_parameters()}
-    exact = all(torch.equal(p.detach(), o) for p, o in zip(model.head.parameters(), original_head))
+    exact = all(torch.equal(p.detach(), o) for p, o in zip(model.head.parameters(), original_head, strict=True))
     x, y = shard(global_batches(1, world_size)[0], rank, world_size)
     with fleet.auto_cast():
         out = wrapped(x)
@@ -431,7 +432,8 @@ def test_no_sync_accumulation_communicates_once_and_steps_once():
     out = run_workers(_no_sync_accumulation, 2, timeout=100)
     for calls, updates, masters in out:
         n_buckets = calls[-1]
-        assert n_buckets >= 1 and calls == [0, 0, n_buckets]
+        assert n_buckets >= 1
+        assert calls == [0, 0, n_buckets]
         assert updates == 1  # one inf/NaN check and one scale update for the whole window
         assert torch.equal(masters, out[0][2])
 
@@ -472,5 +474,6 @@ def test_fp32_gradients_beyond_fp16_range_per_rank_are_averaged_not_overflowed()
     expected = torch.tensor([35000.0]).half().float() + torch.tensor([-30000.0])
     for applied, grad, weight in out:
         assert applied is True
-        assert torch.equal(grad, expected) and abs(grad.item() - 5000.0) <= 8
+        assert torch.equal(grad, expected)
+        assert abs(grad.item() - 5000.0) <= 8
         assert torch.equal(weight, torch.ones(1).add_(expected, alpha=-1e-4))  # what SGD computes

@@ -29,7 +29,8 @@ def test_fingerprint_names_settings_as_users_write_them():
     assert values["amp"] == "True"
     assert values["amp_configs['dtype']"] == "'bfloat16'"
     assert values["gradient_merge_configs['k_steps']"] == "1"
-    assert values["model: parameter tensors"] == "2" and values["model: parameter elements"] == "8"
+    assert values["model: parameter tensors"] == "2"
+    assert values["model: parameter elements"] == "8"
     assert values["model: parameter dtypes"] == "2 float32"
 
 
@@ -115,7 +116,8 @@ def _stuck_collective(rank, world_size):
 @pytest.mark.timeout(120)
 def test_a_rank_missing_the_handshake_or_a_collective_is_named():
     handshake = run_workers(_one_rank_never_prepares, 2, timeout=100)[0]
-    assert "the set-up handshake" in handshake and "rank(s) [1] did not arrive" in handshake
+    assert "the set-up handshake" in handshake
+    assert "rank(s) [1] did not arrive" in handshake
     stuck = run_workers(_stuck_collective, 2, timeout=100, pg_timeout=3)[0]
     assert stuck.startswith("CollectiveTimeoutError: rank 0: the gradient all-reduce of step 1 (in backward)")
     assert "rank(s) [1] did not arrive" in stuck

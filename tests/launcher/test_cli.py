@@ -68,7 +68,8 @@ BAD_INPUT = [
     (["--nnodes", "2", "--master", "no-such-host.invalid:29500", "train.py"],
      r"--master 'no-such-host.invalid:29500': the master host 'no-such-host.invalid' cannot be resolved"),
     (["--nnodes", "2", "--master", "192.0.2.250:29500", "train.py"],
-     r"--master '192.0.2.250:29500': node rank 0 hosts the rendezvous, but the master '192.0.2.250' is not an address of this host"),
+     (r"--master '192.0.2.250:29500': node rank 0 hosts the rendezvous, "
+      r"but the master '192.0.2.250' is not an address of this host")),
     (["--nnodes", "2", "train.py"], r"--nnodes 2 needs a rendezvous address: add --master HOST:PORT"),
     (["--nnodes", "0", "train.py"], r"--nnodes 0 is invalid: it must be an integer >= 1"),
     (["--nnodes", "two", "train.py"], r"argument --nnodes: invalid int value: 'two'"),
@@ -100,7 +101,7 @@ BAD_INPUT = [
 ]
 
 
-@pytest.mark.parametrize("argv, message", BAD_INPUT, ids=[" ".join(a) or "<empty>" for a, _ in BAD_INPUT])
+@pytest.mark.parametrize(("argv", "message"), BAD_INPUT, ids=[" ".join(a) or "<empty>" for a, _ in BAD_INPUT])
 def test_bad_input_exits_2_with_message(argv, message, script, capsys, monkeypatch):
     # Should validation ever let one through, fail here instead of starting
     # (say) 100000 workers inside the test process.
@@ -155,7 +156,9 @@ def test_syntax_check_does_not_run_the_code(script, tmp_path):
 
 
 def test_gpus_not_visible_names_the_id(script):
-    with pytest.raises(UsageError, match=r"--gpus '0,3': GPU 3 is not visible; this process sees 2 GPU\(s\), ids 0 to 1"):
+    with pytest.raises(
+        UsageError, match=r"--gpus '0,3': GPU 3 is not visible; this process sees 2 GPU\(s\), ids 0 to 1"
+    ):
         parse(["--gpus", "0,3", "train.py"], gpus=2)
     with pytest.raises(UsageError, match=r"CUDA_VISIBLE_DEVICES='4,5'"):
         parse(["--gpus", "2", "train.py"], {"CUDA_VISIBLE_DEVICES": "4,5"}, gpus=2)
@@ -173,7 +176,9 @@ def test_valid_plans(script):
     plan = parse(["--nproc_per_node", "3", "--tee", "all", "train.py", "--lr", "0.1", "--nproc_per_node", "9"])
     assert plan.command == ("train.py", "--lr", "0.1", "--nproc_per_node", "9")
     assert (plan.nproc_per_node, plan.world_size, plan.tee) == (3, 3, frozenset({0, 1, 2}))
-    assert plan.local_rendezvous and plan.gpus is None and plan.log_dir == "log"
+    assert plan.local_rendezvous
+    assert plan.gpus is None
+    assert plan.log_dir == "log"
     plan = parse(["--nnodes", "2", "--node_rank", "1", "--master", "[::1]:29501", "train.py"])
     assert (plan.master_addr, plan.master_port, plan.node_rank, plan.world_size) == ("::1", 29501, 1, 2)
     plan = parse(["--ips", "127.0.0.1,192.0.2.250", "--nproc_per_node", "2", "--tee", "none", "train.py"])
@@ -183,7 +188,7 @@ def test_valid_plans(script):
     assert plan.command == ("-m", "json.tool", "x")
 
 
-@pytest.mark.parametrize("argv, command", [
+@pytest.mark.parametrize(("argv", "command"), [
     (["train.py", "--", "--lr", "1"], ("train.py", "--", "--lr", "1")),
     (["--", "train.py", "--"], ("train.py", "--")),
     (["--nproc_per_node=2", "train.py", "--nproc_per_node", "5", "-m", "x"],
@@ -199,12 +204,14 @@ def test_help_exits_0(capsys):
     out = capsys.readouterr().out
     for group in ("workers on this node", "several nodes", "logs and failures", "what to run"):
         assert group in out
-    assert "--allow_oversubscribe" in out and "4 per CPU" in out
+    assert "--allow_oversubscribe" in out
+    assert "4 per CPU" in out
 
 
 def test_parse_plan_never_starts_anything(script):
     plan = parse_plan(["--nproc_per_node", "2", "train.py"])
-    assert plan.nproc_per_node == 2 and not os.path.exists("log")
+    assert plan.nproc_per_node == 2
+    assert not os.path.exists("log")
 
 
 @pytest.mark.timeout(60)

@@ -141,9 +141,11 @@ def test_two_rank_allreduce_succeeds_and_tees_rank0(tmp_path):
     assert "[rank0]: rank 0 sum 3.0" in console
     assert "[rank0]: rank 0 says hi on stderr" in console
     assert not any("rank 1" in line for line in console), "only rank 0 is tee'd by default"
-    assert "OMP_NUM_THREADS=" in proc.stderr and "set OMP_NUM_THREADS to override" in proc.stderr
+    assert "OMP_NUM_THREADS=" in proc.stderr
+    assert "set OMP_NUM_THREADS to override" in proc.stderr
     log1 = (tmp_path / "log" / "workerlog.1").read_text()
-    assert "rank 1 sum 3.0" in log1 and "rank 1 says hi on stderr" in log1
+    assert "rank 1 sum 3.0" in log1
+    assert "rank 1 says hi on stderr" in log1
     env = ast.literal_eval(re.search(r"^ENV (.*)$", log1, re.MULTILINE).group(1))
     cores = len(os.sched_getaffinity(0))
     assert env == {
@@ -207,7 +209,8 @@ def test_worker_killed_by_signal_is_reported_by_name(tmp_path):
     proc = distrun(tmp_path, "--nproc_per_node", "2", "--tee", "none", script)
     assert proc.returncode == 128 + signal.SIGKILL
     last = proc.stderr.rstrip().splitlines()[-1]
-    assert "rank 1 (local rank 1" in last and "was killed by SIGKILL (signal 9)" in last
+    assert "rank 1 (local rank 1" in last
+    assert "was killed by SIGKILL (signal 9)" in last
     assert "exiting with code 137" in last
     assert "about to die" in proc.stderr  # the log tail
     assert proc.stdout == ""  # --tee none
@@ -226,7 +229,8 @@ def start_waiting_job(tmp_path):
         proc.kill()
         pytest.fail(f"workers did not start: {proc.communicate()}")
     pids = [int(x) for p in pid_files for x in p.read_text().split()]
-    assert len(pids) == 4 and not any(gone(p) for p in pids)
+    assert len(pids) == 4
+    assert not any(gone(p) for p in pids)
     return proc, pids
 
 
@@ -302,7 +306,9 @@ def test_two_nodes_with_the_two_hosts_recipe(tmp_path):
     assert [n.returncode for n in nodes] == [0, 0], results
     assert "[rank0]: rank 0 sum 3.0" in results[0][0]
     log1 = (tmp_path / "log" / "workerlog.1").read_text()
-    assert "rank 1 sum 3.0" in log1 and "'WORLD_SIZE': '2'" in log1 and "'LOCAL_RANK': '0'" in log1
+    assert "rank 1 sum 3.0" in log1
+    assert "'WORLD_SIZE': '2'" in log1
+    assert "'LOCAL_RANK': '0'" in log1
 
 
 @pytest.mark.timeout(120)

@@ -19,7 +19,8 @@ def test_gpus_are_what_workers_see():
     assert env["CUDA_VISIBLE_DEVICES"] == "6,4"
     assert env["DISTAMP_SELECTED_GPUS"] == "6,4"
     cpu = build_worker_env(plan(), {"CUDA_VISIBLE_DEVICES": "1"}, 123).variables
-    assert "CUDA_VISIBLE_DEVICES" not in cpu and cpu["DISTAMP_SELECTED_GPUS"] == ""
+    assert "CUDA_VISIBLE_DEVICES" not in cpu
+    assert cpu["DISTAMP_SELECTED_GPUS"] == ""
 
 
 def test_fixed_variables_and_bootstrap_inputs():
@@ -35,20 +36,24 @@ def test_omp_threads_split_the_cores_unless_set():
     cores = len(os.sched_getaffinity(0))
     built = build_worker_env(plan(nproc=2), {}, 1)
     assert built.variables["OMP_NUM_THREADS"] == str(max(1, cores // 2))
-    assert len(built.notes) == 1 and "set OMP_NUM_THREADS to override" in built.notes[0]
+    assert len(built.notes) == 1
+    assert "set OMP_NUM_THREADS to override" in built.notes[0]
     built = build_worker_env(plan(nproc=4 * cores), {}, 1)
     assert built.variables["OMP_NUM_THREADS"] == "1"
     built = build_worker_env(plan(), {"OMP_NUM_THREADS": "7"}, 1)
-    assert "OMP_NUM_THREADS" not in built.variables and built.notes == []
+    assert "OMP_NUM_THREADS" not in built.variables
+    assert built.notes == []
 
 
 def test_collective_sockets_stay_on_loopback_for_one_node():
     local = build_worker_env(plan(), {}, 1).variables
-    assert local["GLOO_SOCKET_IFNAME"] == "lo" and local["NCCL_SOCKET_IFNAME"] == "lo"
+    assert local["GLOO_SOCKET_IFNAME"] == "lo"
+    assert local["NCCL_SOCKET_IFNAME"] == "lo"
     user = build_worker_env(plan(), {"GLOO_SOCKET_IFNAME": "eth1"}, 1).variables
     assert "GLOO_SOCKET_IFNAME" not in user
     multi = build_worker_env(plan(nnodes=2, master_addr="10.0.0.1", master_port=29500), {}, 1).variables
-    assert "GLOO_SOCKET_IFNAME" not in multi and "NCCL_SOCKET_IFNAME" not in multi
+    assert "GLOO_SOCKET_IFNAME" not in multi
+    assert "NCCL_SOCKET_IFNAME" not in multi
 
 
 def test_patched_environ_restores_exactly():

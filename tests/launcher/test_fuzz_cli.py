@@ -42,12 +42,14 @@ def test_any_argv_is_a_plan_or_a_usage_error(argv, tmp_path_factory, monkeypatch
         plan = parse_plan(argv)
     except UsageError as exc:
         message = str(exc)
-        assert message and "Traceback" not in message
+        assert message
+        assert "Traceback" not in message
         named = [a for a in argv if a and a in message] + ["script", "option", "argument", "-m"]
         assert any(n in message for n in named), (argv, message)
         return
     assert isinstance(plan, LaunchPlan)
-    assert 1 <= plan.nproc_per_node and 0 <= plan.node_rank < plan.nnodes
+    assert plan.nproc_per_node >= 1
+    assert 0 <= plan.node_rank < plan.nnodes
     assert plan.tee <= frozenset(range(plan.world_size))
 
 

@@ -40,7 +40,9 @@ def test_each_attempt_gets_exit_stamp_files_and_a_start_time(tmp_path):
     try:
         envs = {0: {"RANK": "4"}, 1: {"RANK": "5"}}
         logs.reify(envs)
-        assert calls == [0] and logs.attempts == 1 and logs.ranks == (4, 5)
+        assert calls == [0]
+        assert logs.attempts == 1
+        assert logs.ranks == (4, 5)
         assert logs.started_at > 0
         stamp = envs[1][_bootstrap.EXIT_FILE_VAR]
         with open(stamp, "w") as f:
@@ -48,6 +50,8 @@ def test_each_attempt_gets_exit_stamp_files_and_a_start_time(tmp_path):
         assert logs.exit_times(timeout=0) == {5: 123.5}
         assert logs.exit_times(wait_for={4, 5}, timeout=0.1) == {5: 123.5}
         logs.reify({0: {"RANK": "4"}, 1: {"RANK": "5"}})  # a restart: fresh stamps
-        assert calls == [0, 1] and logs.attempts == 2 and logs.exit_times(timeout=0) == {}
+        assert calls == [0, 1]
+        assert logs.attempts == 2
+        assert logs.exit_times(timeout=0) == {}
     finally:
         logs.close()

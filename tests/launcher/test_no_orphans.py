@@ -20,6 +20,7 @@ own start-up.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -97,10 +98,8 @@ def job(tmp_path):
     marker = uuid.uuid4().hex
     yield tmp_path, marker
     for pid in with_environ(MARK, marker):
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def start(tmp_path, marker, *args, driver=None):
@@ -115,7 +114,7 @@ def pids_of(tmp_path, ranks):
     """{rank: (worker pid, child pid)} once every rank has written its file."""
     files = [tmp_path / f"pids.{r}" for r in ranks]
     assert wait_until(lambda: all(f.exists() for f in files), 60), "workers did not start"
-    return {r: tuple(int(x) for x in f.read_text().split()) for r, f in zip(ranks, files)}
+    return {r: tuple(int(x) for x in f.read_text().split()) for r, f in zip(ranks, files, strict=True)}
 
 
 def finish(proc, timeout=60):

@@ -23,7 +23,8 @@ def test_recipe_is_valid_bash_with_usage(recipe):
     text = recipe.read_text()
     assert text.startswith("#!/bin/bash\n")
     header = text.split("\n\n")[0]
-    assert "# Usage" in header and "distrun" in text
+    assert "# Usage" in header
+    assert "distrun" in text
 
 
 @pytest.mark.timeout(30)

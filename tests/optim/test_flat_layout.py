@@ -35,11 +35,13 @@ def test_bad_arguments():
 def test_every_element_has_exactly_one_owner(numels, world):
     layout = FlatLayout(numels, world)
     sizes = [hi - lo for lo, hi in (layout.range_of(r) for r in range(world))]
-    assert sum(sizes) == sum(numels) and max(sizes) - min(sizes) <= 1
+    assert sum(sizes) == sum(numels)
+    assert max(sizes) - min(sizes) <= 1
     covered = []
     for rank in range(world):
         for piece in layout.pieces(*layout.range_of(rank)):
-            assert piece.length > 0 and piece.offset == layout.offsets[piece.param] + piece.start
+            assert piece.length > 0
+            assert piece.offset == layout.offsets[piece.param] + piece.start
             covered.extend(range(piece.offset, piece.offset + piece.length))
             assert (rank, piece) in layout.owners(piece.param)
     assert covered == list(range(sum(numels)))

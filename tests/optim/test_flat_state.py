@@ -48,7 +48,7 @@ def _assert_same_state(a: dict, b: dict) -> None:
         for key, value in state.items():
             assert torch.equal(value, b["inner"]["state"][index][key]), (index, key)
     assert len(a["master_weights"]) == len(b["master_weights"])
-    assert all(torch.equal(x, y) for x, y in zip(a["master_weights"], b["master_weights"]))
+    assert all(torch.equal(x, y) for x, y in zip(a["master_weights"], b["master_weights"], strict=True))
 
 
 @pytest.mark.parametrize("pure", [True, False])
@@ -57,12 +57,14 @@ def test_unsharded_state_survives_any_chain_of_re_slicing(pure, worlds):
     opt = _trained(pure)
     original = opt.state_dict()
     unsharded = flat_state.describe(opt)
-    assert unsharded.sharding is None and unsharded.groups == ((0, 1), (2, 3, 4))
+    assert unsharded.sharding is None
+    assert unsharded.groups == ((0, 1), (2, 3, 4))
     common, parts = original, {}
     for world in worlds:
         saved = [flat_state.split(flat_state.join(common, parts, _target(unsharded, world, r))) for r in range(world)]
         common, parts = saved[0][0], {r: shard for r, (_, shard) in enumerate(saved)}
-        assert common["inner"]["state"] == {} and common["master_weights"] == []
+        assert common["inner"]["state"] == {}
+        assert common["master_weights"] == []
         assert [(p["lo"], p["hi"]) for p in parts.values()] == [
             FlatLayout(unsharded.numels, world).range_of(r) for r in range(world)]
         for rank in range(world):
@@ -87,7 +89,7 @@ def test_join_refuses_other_parameters_other_groups_and_another_mode():
     o1 = flat_state.Target(target.numels, target.shapes, target.groups, False, None)
     with pytest.raises(ValueError, match="disagree on use_pure_fp16"):
         flat_state.join(common, {0: shard}, o1)
-    with pytest.raises(ValueError, match="load it into fleet.distributed_optimizer's optimizer"):
+    with pytest.raises(ValueError, match=r"load it into fleet\.distributed_optimizer\'s optimizer"):
         flat_state.parts_needed(common, None)
 
 

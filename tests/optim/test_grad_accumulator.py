@@ -81,7 +81,8 @@ def test_k8_bf16_merge_in_fp32_is_closer_to_the_fp32_references_than_16_bit_accu
         errors[name] = tuple(float((g - reference).norm() / reference.norm())
                              for g in (fp32_accumulated, bf16_accumulated))
     print(f"relative error (FP32 accumulator, 16-bit accumulation): {errors}")
-    assert errors["exact"][0] < 1e-6 and errors["exact"][1] > 1e-3, errors
+    assert errors["exact"][0] < 1e-6, errors
+    assert errors["exact"][1] > 1e-3, errors
     assert errors["fp32 model"][0] < errors["fp32 model"][1], errors
 
 
@@ -89,7 +90,8 @@ def test_accumulator_holds_only_16_bit_parameters_and_starts_each_window_afresh(
     low = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
     full = nn.Parameter(torch.ones(2))
     acc = Fp32GradAccumulator([low, full])
-    assert acc.nbytes == 0 and acc.take() is None
+    assert acc.nbytes == 0
+    assert acc.take() is None
     low.grad = torch.full((3,), 0.5, dtype=torch.bfloat16)
     full.grad = torch.ones(2)
     acc.add_and_zero()
@@ -97,7 +99,8 @@ def test_accumulator_holds_only_16_bit_parameters_and_starts_each_window_afresh(
     low.grad.fill_(0.25)
     acc.add_and_zero()
     assert acc.nbytes == 3 * 4  # FP32 parameters accumulate in their own FP32 .grad
-    assert torch.equal(low.grad, torch.zeros(3, dtype=torch.bfloat16)) and torch.equal(full.grad, torch.ones(2))
+    assert torch.equal(low.grad, torch.zeros(3, dtype=torch.bfloat16))
+    assert torch.equal(full.grad, torch.ones(2))
     assert torch.equal(acc.take()[id(low)], torch.full((3,), 0.75))
     acc.consumed = True  # a comm hook added it
     assert acc.take() is None

@@ -131,7 +131,8 @@ def test_backoff_trace(name):
         scaler.update(found_inf)
         got = (scaler.scale, scaler.num_good_steps, scaler.num_bad_steps)
         assert got == (scale, good, bad), f"{name}: step {step}"
-        assert type(scaler.scale) is float and math.isfinite(scaler.scale)
+        assert type(scaler.scale) is float
+        assert math.isfinite(scaler.scale)
 
 
 def test_backoff_3000_finite_steps_grow_every_1000():
@@ -147,11 +148,14 @@ def test_backoff_can_decrease_flips_at_the_min_bound():
     scaler = backoff(init_scale=2.0, decr_every_n_nan_or_inf=1, incr_every_n_steps=1)
     assert scaler.can_decrease
     scaler.update(True)
-    assert scaler.scale == 1.0 and not scaler.can_decrease
+    assert scaler.scale == 1.0
+    assert not scaler.can_decrease
     scaler.update(True)
-    assert scaler.scale == 1.0 and not scaler.can_decrease
+    assert scaler.scale == 1.0
+    assert not scaler.can_decrease
     scaler.update(False)
-    assert scaler.scale == 2.0 and scaler.can_decrease
+    assert scaler.scale == 2.0
+    assert scaler.can_decrease
 
 
 @pytest.mark.parametrize(
@@ -199,7 +203,7 @@ def _torch_trace(found, init, interval, growth, backoff_factor):
 
 
 @pytest.mark.parametrize(
-    "interval, growth, backoff_factor, p_inf, bounds",
+    ("interval", "growth", "backoff_factor", "p_inf", "bounds"),
     [
         (1000, 2.0, 0.5, 0.0004, (1.0, 2.0**24)),  # DESIGN defaults, decr_every=1
         (50, 2.0, 0.5, 0.01, (1.0, 2.0**60)),
@@ -213,7 +217,7 @@ def test_backoff_matches_torch_amp_update_scale(interval, growth, backoff_factor
     expected = _torch_trace(found, 32768.0, interval, growth, backoff_factor)
     scaler = BackoffLossScaler(32768.0, interval, 1, growth, backoff_factor, *bounds)
     changes = 0
-    for step, (flag, (scale, tracker)) in enumerate(zip(found, expected)):
+    for step, (flag, (scale, tracker)) in enumerate(zip(found, expected, strict=True)):
         # Below min or above max the two algorithms differ by design.
         assert bounds[0] <= scale <= bounds[1], f"trace leaves the shared regime at {step}"
         before = scaler.scale
@@ -314,9 +318,12 @@ def test_lognormal_matches_reference_and_hits_every_branch():
             assert scaler.scale <= max(before / 2, 1.0)
         if grad_max == 0:
             assert scaler.scale == before
-    assert seen[("finite", "max")] >= 50 and seen[("finite", "between")] >= 300
-    assert seen[("inf", "max")] >= 1 and seen[("inf", "between")] >= 10
-    assert seen[("inf", "min")] >= 1 and seen[("zero", "between")] == 5
+    assert seen[("finite", "max")] >= 50
+    assert seen[("finite", "between")] >= 300
+    assert seen[("inf", "max")] >= 1
+    assert seen[("inf", "between")] >= 10
+    assert seen[("inf", "min")] >= 1
+    assert seen[("zero", "between")] == 5
     reference = _reference_lognormal(events, 1024.0, 1.0, 2.0**24)
     # Summation orders differ, so allow one float32 ulp (in practice all are equal).
     assert scales == pytest.approx(reference, rel=2.0**-23, abs=0)
@@ -331,7 +338,8 @@ def test_lognormal_first_step_overflow_feeds_one_binade_above_threshold():
     assert state["mean_ema"] == pytest.approx(0.01 * fed, rel=1e-15)
     assert scaler.log2_stats() == pytest.approx((fed, 0.0), abs=1e-9)
     # sigma == 0 so the proposal is 2**(log2(65504) - fed) ~= 2**23: one halving.
-    assert scaler.scale == pytest.approx(2.0**23, rel=1e-6) and scaler.scale <= 2.0**23
+    assert scaler.scale == pytest.approx(2.0**23, rel=1e-6)
+    assert scaler.scale <= 2.0**23
     scaler.update(True)  # not a fixed point: a second overflow lowers it again
     assert scaler.scale <= 2.0**22
 
@@ -353,7 +361,8 @@ def test_lognormal_overflow_at_min_clamp_never_lowers_the_estimate():
     scaler = lognormal(init_scale=1.0)
     for _ in range(20):
         scaler.update(False, 2.0**20)  # needs a scale below min_scale
-    assert scaler.scale == 1.0 and not scaler.can_decrease
+    assert scaler.scale == 1.0
+    assert not scaler.can_decrease
     mu, _sigma = scaler.log2_stats()
     scaler.update(True)  # bound log2(65504) ~= 16 is below the model's cutoff
     assert scaler.scale == 1.0
@@ -379,7 +388,8 @@ def test_lognormal_all_zero_gradients_change_nothing():
 
 def test_lognormal_grad_max_is_validated_on_finite_steps_only():
     scaler = lognormal()
-    assert scaler.needs_grad_max and not backoff().needs_grad_max
+    assert scaler.needs_grad_max
+    assert not backoff().needs_grad_max
     for bad in (None, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="grad_max"):
             scaler.update(False, bad)
@@ -407,7 +417,7 @@ def _counters(scaler):
 
 
 @pytest.mark.parametrize(
-    "make, events",
+    ("make", "events"),
     [
         (lambda: backoff(incr_every_n_steps=4), _backoff_events),
         (lambda: lognormal(), _lognormal_events),
@@ -441,7 +451,7 @@ def test_load_state_dict_accepts_tensors():
 
 
 @pytest.mark.parametrize(
-    "make, state, error, match",
+    ("make", "state", "error", "match"),
     [
         (backoff, {"scale": 8.0, "num_good_steps": 0}, ValueError, r"missing keys \['num_bad_steps'\]"),
         (backoff, {"scale": 8.0, "num_good_steps": 0, "num_bad_steps": 0, "x": 1},
@@ -473,9 +483,12 @@ def test_static_and_unit_scalers_never_change():
     for found_inf in (True, False, True, True):
         static.update(found_inf)
         unit.update(found_inf)
-    assert static.scale == f32(1000.1) and unit.scale == 1.0
-    assert not static.can_decrease and not unit.can_decrease
-    assert static.state_dict() == {"scale": f32(1000.1)} and unit.state_dict() == {}
+    assert static.scale == f32(1000.1)
+    assert unit.scale == 1.0
+    assert not static.can_decrease
+    assert not unit.can_decrease
+    assert static.state_dict() == {"scale": f32(1000.1)}
+    assert unit.state_dict() == {}
 
 
 def test_reprs_show_state():
@@ -494,7 +507,7 @@ def test_base_class_is_abstract():
 
 # ---------------------------------------------------------------- validation
 @pytest.mark.parametrize(
-    "make, match",
+    ("make", "match"),
     [
         (lambda: backoff(init_scale=0.0), r"init_scale must be a finite number > 0, got 0\.0"),
         (lambda: backoff(init_scale=float("inf")), "init_scale"),
@@ -536,7 +549,8 @@ def test_build_backoff_passes_every_setting():
     cfg = amp_config(init_loss_scaling=64.0, incr_every_n_steps=7, decr_every_n_nan_or_inf=3,
                      incr_ratio=3.0, decr_ratio=0.25, min_loss_scaling=2.0, max_loss_scaling=512.0)
     scaler = build_loss_scaler(cfg)
-    assert type(scaler) is BackoffLossScaler and scaler.scale == 64.0
+    assert type(scaler) is BackoffLossScaler
+    assert scaler.scale == 64.0
     assert (scaler.incr_every_n_steps, scaler.decr_every_n_nan_or_inf) == (7, 3)
     assert (scaler.incr_ratio, scaler.decr_ratio) == (3.0, 0.25)
     assert (scaler.min_scale, scaler.max_scale) == (2.0, 512.0)
@@ -545,11 +559,13 @@ def test_build_backoff_passes_every_setting():
 def test_build_lognormal_static_and_unit():
     scaler = build_loss_scaler(amp_config(loss_scaling_algorithm="lognormal",
                                           init_loss_scaling=8.0, max_loss_scaling=64.0))
-    assert type(scaler) is LogNormalLossScaler and scaler.scale == 8.0
+    assert type(scaler) is LogNormalLossScaler
+    assert scaler.scale == 8.0
     assert (scaler.min_scale, scaler.max_scale) == (1.0, 64.0)
     static = build_loss_scaler(amp_config(use_dynamic_loss_scaling=False,
                                           init_loss_scaling=2.0**30))
-    assert type(static) is StaticLossScaler and static.scale == 2.0**30
+    assert type(static) is StaticLossScaler
+    assert static.scale == 2.0**30
     for dynamic in (True, False):
         unit = build_loss_scaler(amp_config(dtype="bfloat16", use_dynamic_loss_scaling=dynamic,
                                             loss_scaling_algorithm="lognormal"))
@@ -557,7 +573,7 @@ def test_build_lognormal_static_and_unit():
 
 
 @pytest.mark.parametrize(
-    "overrides, error, match",
+    ("overrides", "error", "match"),
     [
         ({"dtype": "float32"}, ValueError, "dtype must be 'float16' or 'bfloat16', got 'float32'"),
         ({"loss_scaling_algorithm": "logmax"}, ValueError,

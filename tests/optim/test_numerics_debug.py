@@ -94,7 +94,10 @@ def _attribution_on_two_ranks(rank, world_size):
 def test_attribution_is_identical_on_every_rank():
     out = run_workers(_attribution_on_two_ranks, 2, timeout=100)
     for seen, params in out:
-        assert seen == [(False, {"step": 1, "params": ["body.bias"]}), (False, {"step": 2, "params": ["head.1.weight"]})]
+        assert seen == [
+            (False, {"step": 1, "params": ["body.bias"]}),
+            (False, {"step": 2, "params": ["head.1.weight"]}),
+        ]
         assert torch.equal(params, out[0][1])
 
 
@@ -168,8 +171,10 @@ def _closure_steps(rank, world_size):
 def test_step_closure_with_retries_applies_every_batch_in_lockstep():
     out = run_workers(_closure_steps, 2, timeout=100)
     for stats, losses, params in out:
-        assert stats["steps_applied"] == 5 and stats["steps_skipped"] == 0
-        assert stats["retries"] > 0 and stats["retries"] == out[0][0]["retries"]
+        assert stats["steps_applied"] == 5
+        assert stats["steps_skipped"] == 0
+        assert stats["retries"] > 0
+        assert stats["retries"] == out[0][0]["retries"]
         assert stats["loss_scale"] < 2.0**40
         assert all(torch.isfinite(torch.tensor(losses)))
         assert torch.equal(params, out[0][2])

@@ -77,8 +77,9 @@ def test_o2_masters_come_from_the_original_fp32_values():
     original = [p.detach().clone() for p in model.parameters()]
     opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy(use_pure_fp16=True))
     masters = [p for g in opt.param_groups for p in g["params"]]
-    for p, m, o in zip(model.parameters(), masters, original):
-        assert p.dtype == torch.float16 and m.dtype == torch.float32
+    for p, m, o in zip(model.parameters(), masters, original, strict=True):
+        assert p.dtype == torch.float16
+        assert m.dtype == torch.float32
         assert torch.equal(m.detach(), o)  # not the rounded FP16 value
         assert torch.equal(p.detach(), o.half())
 
@@ -86,16 +87,20 @@ def test_o2_masters_come_from_the_original_fp32_values():
 def test_o2_keeps_norm_layers_and_buffers_fp32_and_all_optimizer_state_fp32():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
-    opt = AmpOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), make_strategy(use_pure_fp16=True, dtype="bfloat16"))
+    opt = AmpOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-3), make_strategy(use_pure_fp16=True, dtype="bfloat16")
+    )
     x, y = torch.randn(8, 4), torch.randn(8, 2)
     with auto_cast(dtype="bfloat16"):
         loss = F.mse_loss(model(x), y)
     opt.backward(loss)
     assert opt.step()
     bn = model[1]
-    assert bn.running_mean.dtype == torch.float32 and bn.running_var.dtype == torch.float32
+    assert bn.running_mean.dtype == torch.float32
+    assert bn.running_var.dtype == torch.float32
     # keep_norm_fp32 (default): the BatchNorm's affine parameters stay FP32, learned at the first forward.
-    assert bn.weight.dtype == torch.float32 and bn.bias.dtype == torch.float32
+    assert bn.weight.dtype == torch.float32
+    assert bn.bias.dtype == torch.float32
     assert all(p.dtype == torch.bfloat16 for m in (model[0], model[2]) for p in m.parameters())
     for state in opt.state.values():
         for key, value in state.items():
@@ -115,20 +120,20 @@ def manual_o2_reference(model, inner_cls, groups_fn, data, scale, dtype):
             loss = F.mse_loss(model(x), y)
         model.zero_grad(set_to_none=True)
         (loss.float() * scale).backward()
-        for p, m in zip(model.parameters(), masters):
-            if p.grad is None or step % 3 == 2 and p is model[2].bias:
+        for p, m in zip(model.parameters(), masters, strict=True):
+            if p.grad is None or (step % 3 == 2 and p is model[2].bias):
                 m.grad = None
                 continue
             m.grad = p.grad.float() * torch.tensor(1.0 / scale, dtype=torch.float32)
         inner.step()
         with torch.no_grad():
-            for p, m in zip(model.parameters(), masters):
+            for p, m in zip(model.parameters(), masters, strict=True):
                 p.copy_(m)
     return [p.detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize(
-    "inner_cls,kwargs",
+    ("inner_cls", "kwargs"),
     [
         (torch.optim.SGD, {"lr": 0.05}),
         (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
@@ -161,7 +166,7 @@ def test_o2_matches_a_manual_master_weight_loop_bitwise(inner_cls, kwargs):
         if step % 3 == 2:
             model[2].bias.grad = None  # no gradient for this parameter this step
         assert opt.step()
-    for got, want in zip(model.parameters(), reference):
+    for got, want in zip(model.parameters(), reference, strict=True):
         assert torch.equal(got.detach(), want)
 
 
@@ -227,14 +232,15 @@ def test_nonfinite_gradient_skips_the_inner_step_and_backs_off():
     assert opt.step_was_skipped
     assert opt.get_loss_scaling() == 4.0
     assert (opt.steps_applied, opt.steps_skipped) == (1, 1)
-    for p, before in zip(model.parameters(), params_before):
+    for p, before in zip(model.parameters(), params_before, strict=True):
         assert torch.equal(p.detach(), before)
     for k, v in enumerate(opt.state.values()):
         assert torch.equal(v["momentum_buffer"], momentum_before[k])
 
     opt.zero_grad()
     opt.backward(F.mse_loss(model(x), y))
-    assert opt.step() is True and not opt.step_was_skipped
+    assert opt.step() is True
+    assert not opt.step_was_skipped
 
 
 def test_scale_stuck_at_minimum_raises_and_suggests_bfloat16():
@@ -243,11 +249,15 @@ def test_scale_stuck_at_minimum_raises_and_suggests_bfloat16():
         torch.optim.SGD([param], lr=0.1),
         make_strategy(init_loss_scaling=4.0, min_loss_scaling=1.0, decr_every_n_nan_or_inf=1, stuck_scale_patience=3),
     )
-    with pytest.raises(RuntimeError, match="bfloat16"):
+
+    def overflowing_steps():
         for _ in range(10):
             opt.zero_grad()
             opt.backward((param * float("inf")).sum())
             opt.step()
+
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        overflowing_steps()
     # 4 -> 2 -> 1, then three more overflows at the minimum
     assert opt.steps_skipped == 2 + 3
 
@@ -290,7 +300,7 @@ def test_amp_off_is_a_bitwise_pass_through():
     model = tiny_mlp()
     opt = AmpOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), make_strategy(amp=False, use_pure_fp16=True))
     train(model, opt, data, amp=False)
-    for a, b in zip(model.parameters(), ref_model.parameters()):
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
         assert a.dtype == torch.float32
         assert torch.equal(a, b)
 
@@ -320,7 +330,7 @@ def test_o1_matches_torch_autocast_and_gradscaler_bitwise(inner_cls, dtype):
         make_strategy(dtype=dtype, **(scaling if dtype == "float16" else {})),
     )
     train(model, opt, data, dtype=dtype)
-    for a, b in zip(model.parameters(), ref_model.parameters()):
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
         assert torch.equal(a, b)
     if dtype == "float16":
         assert opt.get_loss_scaling() == scaler.get_scale()
@@ -348,7 +358,7 @@ def test_gradient_accumulation_matches_gradscaler_accumulation_bitwise():
             loss = F.mse_loss(model(x), y)
         opt.backward(loss)
     assert opt.step()
-    for a, b in zip(model.parameters(), ref.parameters()):
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -364,20 +374,22 @@ def test_clip_grad_norm_clips_unscaled_gradients_once():
     opt.backward(F.mse_loss(model(x), y))
     norm = opt.clip_grad_norm_(0.1)
     torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
-    for p, g in zip(model.parameters(), ref_grads):
+    for p, g in zip(model.parameters(), ref_grads, strict=True):
         torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-9)
     with pytest.raises(RuntimeError, match="call step\\(\\) first"):
         opt.backward(F.mse_loss(model(x), y))
     before = [p.detach().clone() for p in model.parameters()]
     assert opt.step()
-    for p, b, g in zip(model.parameters(), before, ref_grads):
+    for p, b, g in zip(model.parameters(), before, ref_grads, strict=True):
         # step used the clipped, unscaled gradient (not unscaled twice)
         torch.testing.assert_close(p.detach(), b - 0.1 * g, rtol=1e-6, atol=1e-8)
 
 
 def test_lr_scheduler_works_without_warnings_and_can_skip_on_skipped_steps():
     param = nn.Parameter(torch.ones(2))
-    opt = AmpOptimizer(torch.optim.SGD([param], lr=1.0), make_strategy(init_loss_scaling=2.0, decr_every_n_nan_or_inf=1))
+    opt = AmpOptimizer(
+        torch.optim.SGD([param], lr=1.0), make_strategy(init_loss_scaling=2.0, decr_every_n_nan_or_inf=1)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -428,14 +440,14 @@ def test_checkpoint_resume_is_bitwise_identical(dtype):
     assert opt2.get_loss_scaling() == opt.get_loss_scaling()
     assert (opt2.steps_applied, opt2.steps_skipped) == (opt.steps_applied, opt.steps_skipped)
     train(model2, opt2, data[5:], dtype=dtype)
-    for got, want in zip(model2.parameters(), uninterrupted):
+    for got, want in zip(model2.parameters(), uninterrupted, strict=True):
         assert torch.equal(got.detach(), want)
 
 
 def test_load_state_dict_refuses_a_bare_torch_state_and_a_mismatched_mode():
     model = tiny_mlp()
     opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy(use_pure_fp16=True))
-    with pytest.raises(ValueError, match="inner_opt.load_state_dict"):
+    with pytest.raises(ValueError, match=r"inner_opt\.load_state_dict"):
         opt.load_state_dict(torch.optim.SGD(tiny_mlp().parameters(), lr=0.1).state_dict())
     o1 = AmpOptimizer(torch.optim.SGD(tiny_mlp().parameters(), lr=0.1), make_strategy())
     with pytest.raises(ValueError, match="use_pure_fp16"):
@@ -446,10 +458,10 @@ def test_load_state_dict_refuses_a_bare_torch_state_and_a_mismatched_mode():
 
 
 def test_bad_arguments_raise_clear_errors():
-    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
         AmpOptimizer(object(), make_strategy())
     opt = AmpOptimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1), make_strategy())
     with pytest.raises(TypeError, match="only once"):
         AmpOptimizer(opt, make_strategy())
-    with pytest.raises(TypeError, match="loss must be a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"loss must be a torch\.Tensor"):
         opt.backward(1.0)

@@ -50,7 +50,9 @@ class TinyGPT(nn.Module):
         h = self.tok(idx) + self.pos[:t]
         for blk in self.blocks:
             q, k, v = blk["qkv"](blk["ln1"](h)).view(b, t, 3, self.heads, -1).unbind(2)
-            att = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            att = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+            )
             h = h + blk["proj"](att.transpose(1, 2).reshape(b, t, -1))
             h = h + blk["down"](F.gelu(blk["up"](blk["ln2"](h))))
         return self.head(self.ln_f(h))
@@ -134,13 +136,14 @@ def test_o1_is_bitwise_torch_autocast_and_grad_scaler(family, dtype, inner):
     if dtype == torch.bfloat16:
         # BF16 has no loss scaling; torch has no GradScaler for it, so skip the overflow there.
         expected_applied = [step != OVERFLOW_STEP for step in range(len(batches))]
-        assert applied == expected_applied and scale == 1.0
+        assert applied == expected_applied
+        assert scale == 1.0
         _torch_bf16_reference(theirs, batches, inner_cls)
     else:
         expected = _torch_run(theirs, batches, dtype, inner_cls, 1024.0)
         assert (applied, scale) == expected
         assert applied[OVERFLOW_STEP] is False
-    for (name, p), q in zip(ours.state_dict().items(), theirs.state_dict().values()):
+    for (name, p), q in zip(ours.state_dict().items(), theirs.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
 
 

@@ -134,7 +134,8 @@ def test_state_dict_resumes_bitwise_and_fp32_export_on_one_rank():
     opt = AmpOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), strategy)
     _steps(model, opt, data[:2])
     state, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())  # live tensors
-    assert state["sharding"]["world_size"] == 1 and state["sharding"]["bounds"] == [0, 99]
+    assert state["sharding"]["world_size"] == 1
+    assert state["sharding"]["bounds"] == [0, 99]
     assert [t.numel() for t in state["master_weights"]] == [99]  # one flat FP32 slice
     _steps(model, opt, data[2:])
 
@@ -144,7 +145,7 @@ def test_state_dict_resumes_bitwise_and_fp32_export_on_one_rank():
     resumed.load_state_dict(weights)
     again.load_state_dict(state)
     _steps(resumed, again, data[2:])
-    for a, b in zip(model.parameters(), resumed.parameters()):
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
     exported = again.fp32_state_dict(resumed)
     assert all(v.dtype == torch.float32 for v in exported.values())

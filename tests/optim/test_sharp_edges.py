@@ -45,7 +45,8 @@ def test_clip_grad_norm_and_unscale_work_in_every_mode(mode):
     opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), _strategy(mode))
     opt.backward(_forward_loss(model, opt))
     norm = opt.clip_grad_norm_(1.0)
-    assert torch.isfinite(norm) and norm > 1.0
+    assert torch.isfinite(norm)
+    assert norm > 1.0
     assert opt.stats()["grad_norm"] == pytest.approx(float(norm))
     masters = [m for m in opt.master_weights.masters if m.grad is not None]
     clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m.grad) for m in masters]))
@@ -69,7 +70,7 @@ def test_torch_clip_after_unscale_clips_the_applied_update(mode):
     opt.step()
     # Same update as optimizer.clip_grad_norm_, up to the 16-bit rounding torch's clip works in.
     tolerance = 0 if mode.startswith("o1") else 1e-2
-    for a, b in zip(opt.master_weights.masters, opt_ref.master_weights.masters):
+    for a, b in zip(opt.master_weights.masters, opt_ref.master_weights.masters, strict=True):
         torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance * 1e-2)
 
 
@@ -95,7 +96,7 @@ def test_merged_gradients_are_the_mean_before_step_in_every_mode(mode):
     for _ in range(4):
         opt.backward(_forward_loss(model, opt))
     opt.unscale_()
-    for got, want in zip(model.parameters(), single.parameters()):
+    for got, want in zip(model.parameters(), single.parameters(), strict=True):
         torch.testing.assert_close(got.grad, want.grad, rtol=2e-3, atol=1e-3)
 
 
@@ -115,7 +116,8 @@ def test_step_with_nothing_new_warns_once_and_is_not_counted(mode):
     assert opt.step()
     with pytest.warns(UserWarning, match="found no new gradients"):
         assert opt.step() is False
-    assert opt.steps_applied == 1 and opt.steps_skipped == 0
+    assert opt.steps_applied == 1
+    assert opt.steps_skipped == 0
 
 
 def test_plain_torch_loop_still_works_with_amp_off():
@@ -134,7 +136,7 @@ def test_fp32_export_of_an_o2_model_is_exact_masters():
     opt.step()
     exported = opt.fp32_state_dict(model)
     assert all(v.dtype == torch.float32 for v in exported.values())
-    for (name, value), master in zip(exported.items(), opt.master_weights.masters):
+    for (name, value), master in zip(exported.items(), opt.master_weights.masters, strict=True):
         assert torch.equal(value, master.detach()), name
     assert model[0].weight.dtype == torch.bfloat16   # the model itself is untouched
     fresh = _model()
