@@ -25,7 +25,7 @@ def test_surface_is_the_inner_optimizers():
     assert isinstance(wrapped, torch.optim.Optimizer)
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\(\)`")  # DelegatingOptimizer has no step()
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")  # DelegatingOptimizer has no step()
 def test_lr_scheduler_changes_the_inner_learning_rate():
     inner = _inner()
     scheduler = torch.optim.lr_scheduler.StepLR(DelegatingOptimizer(inner), step_size=1, gamma=0.5)
