@@ -24,8 +24,6 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from distamp.distributed.groups import group_rank
-
 __all__ = ["NanInfChecker"]
 
 
@@ -56,6 +54,9 @@ class NanInfChecker:
                 self._handles.append(param.register_hook(hook))
 
     def _fail(self, what: str, kind: str, dtype: torch.dtype) -> None:
+        # Imported here: distamp.distributed's package imports the optimizer, which imports this module.
+        from distamp.distributed.groups import group_rank
+
         raise FloatingPointError(
             f"check_nan_inf: {kind} in {what} on rank {group_rank()} at step {self._step()}, dtype {dtype}. "
             "Look at that layer's inputs and weights; if it overflows only in 16 bits, keep it in FP32 with "

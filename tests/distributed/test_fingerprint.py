@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -79,16 +79,30 @@ def test_every_mismatch_raises_the_same_error_on_every_rank_naming_the_key():
         assert "disagree on their set-up" in out[0][name]
 
 
+_HANDSHAKE_DONE, _COLLECTIVE_DONE = "test/handshake-given-up", "test/collective-given-up"
+
+
+def _signal(key):
+    """Rank 0 tells the absent rank it may go (instead of the absent rank sleeping a fixed time)."""
+    dist.distributed_c10d._get_default_store().set(key, b"1")
+
+
+def _wait_for(key):
+    dist.distributed_c10d._get_default_store().wait([key], timedelta(seconds=60))
+
+
 def _one_rank_never_prepares(rank, world_size):
     from distamp.distributed.fingerprint import check_ranks_agree
 
-    if rank == 1:
-        time.sleep(6)
+    if rank == 1:  # absent from the handshake until rank 0 has given up on it
+        _wait_for(_HANDSHAKE_DONE)
         return None
     try:
-        check_ranks_agree(_strategy(), nn.Linear(2, 2), timeout=timedelta(seconds=2))
+        check_ranks_agree(_strategy(), nn.Linear(2, 2), timeout=timedelta(seconds=1))
     except RuntimeError as exc:
         return str(exc)
+    finally:
+        _signal(_HANDSHAKE_DONE)
     return None
 
 
@@ -96,20 +110,22 @@ def _stuck_collective(rank, world_size):
     from distamp import fleet
     from distamp.distributed import timeouts
 
-    timeouts._ROLL_CALL = timedelta(seconds=2)
+    timeouts._ROLL_CALL = timedelta(seconds=1)
     strategy = _strategy(dtype="bfloat16")
     model = nn.Linear(4, 2)
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
     wrapped = fleet.distributed_model(model)
     with fleet.auto_cast():
         loss = F.mse_loss(wrapped(torch.randn(3, 4)), torch.zeros(3, 2))
-    if rank == 1:
-        time.sleep(7)  # past rank 0's timeout (3 s) and its roll call (2 s)
+    if rank == 1:  # never joins the all-reduce: waits until rank 0's timeout (3 s) and roll call (1 s) are over
+        _wait_for(_COLLECTIVE_DONE)
         return None
     try:
         opt.backward(loss)
     except RuntimeError as exc:
         return f"{type(exc).__name__}: {exc}"
+    finally:
+        _signal(_COLLECTIVE_DONE)
     return None
 
 
