@@ -40,13 +40,11 @@ compilation traces with fake tensors, so it adds nothing to the peak.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -57,6 +55,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_modes
+import bench_report
 import netns
 
 _NETNS_ENV = "DISTAMP_BENCH_IN_NETNS"
@@ -318,73 +317,6 @@ def probe_modes(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, list
     return results
 
 
-# ----------------------------------------------------------------------------- report
-
-def summarize(args: argparse.Namespace, times: dict[str, list[float]], losses: dict[str, float],
-              probes: dict[str, list[dict]]) -> dict:
-    """Everything the table shows, as plain numbers (seconds, bytes)."""
-    rows = {}
-    for mode, samples in times.items():
-        q1, _, q3 = statistics.quantiles(samples, n=4) if len(samples) > 1 else (samples[0],) * 3
-        rows[mode] = {"median_s": statistics.median(samples), "iqr_s": q3 - q1, "samples": len(samples),
-                      "last_loss": losses[mode]}
-        if mode in probes:
-            rows[mode]["wire_bytes_per_step"] = probes[mode][0]["wire_bytes_per_step"]
-            rows[mode]["collective_calls_per_step"] = probes[mode][0]["collective_calls_per_step"]
-            rows[mode]["peak_bytes_per_rank"] = [p["peak_bytes"] for p in probes[mode]]
-    for mode, row in rows.items():
-        if "fp32" in rows:
-            row["vs_fp32"] = row["median_s"] / rows["fp32"]["median_s"]
-        native = bench_modes.COUNTERPART.get(mode)
-        if native in rows:
-            row["vs_torch_native"] = row["median_s"] / rows[native]["median_s"]
-        if "fp32" in rows and "wire_bytes_per_step" in row and rows["fp32"].get("wire_bytes_per_step"):
-            row["wire_vs_fp32"] = row["wire_bytes_per_step"] / rows["fp32"]["wire_bytes_per_step"]
-        for key, ref in (("peak_vs_fp32", "fp32"), ("peak_vs_torch_native", native)):
-            if ref in rows and "peak_bytes_per_rank" in row and "peak_bytes_per_rank" in rows[ref]:
-                row[key] = max(row["peak_bytes_per_rank"]) / max(rows[ref]["peak_bytes_per_rank"])
-    n_params = sum(p.numel() for p in args.family.build(0).parameters())
-    sizes = {k: v for k, v in dataclasses.asdict(args.family).items() if k != "default_batch"}
-    return {"config": {"model": args.model, "family": args.family.describe(), "sizes": sizes,
-                       "parameters": n_params, "batch_per_rank": args.batch, "compile": args.compile,
-                       "world_size": dist.get_world_size(), "reps": args.reps, "steps": args.steps,
-                       "warmup": args.warmup, "link_gbit": args.link_gbit, "bucket_mb": args.bucket_mb,
-                       "threads_per_rank": torch.get_num_threads(), "device": str(_device()),
-                       "torch": torch.__version__},
-            "modes": rows}
-
-
-def _megabytes(nbytes: float) -> str:
-    mb = nbytes / 2**20
-    return f"{mb:.0f}" if mb >= 10 else f"{mb:.2f}"
-
-
-def markdown(summary: dict) -> str:
-    """The summary as a Markdown table."""
-    def fmt(value, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
-
-    cfg = summary["config"]
-    link = f"{cfg['link_gbit']:g} Gbit/s link" if cfg["link_gbit"] else "loopback"
-    title = (f"model `{cfg['model']}` ({cfg['family']}; {cfg['parameters'] / 1e6:.2f}M parameters), "
-             f"batch {cfg['batch_per_rank']} per rank, {'torch.compile' if cfg['compile'] else 'eager'}, "
-             f"{cfg['world_size']} ranks, {link}, {cfg['reps']} x {cfg['steps']} steps per mode")
-    lines = [title,
-             "",
-             ("| mode | step ms (median) | IQR ms | x FP32 | x torch-native | wire MB/step "
-              "| peak tensor MB per rank | peak x FP32 | peak x torch-native | last loss |"),
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for mode, r in summary["modes"].items():
-        peaks = r.get("peak_bytes_per_rank")
-        peak = " / ".join(_megabytes(p) for p in peaks) if peaks else "-"
-        wire = r.get("wire_bytes_per_step")
-        lines.append(f"| {mode} | {r['median_s'] * 1e3:.1f} | {r['iqr_s'] * 1e3:.1f} | {fmt(r.get('vs_fp32'), '.2f')} "
-                     f"| {fmt(r.get('vs_torch_native'), '.2f')} | {fmt(None if wire is None else wire / 1e6, '.2f')} "
-                     f"| {peak} | {fmt(r.get('peak_vs_fp32'), '.2f')} | {fmt(r.get('peak_vs_torch_native'), '.2f')} "
-                     f"| {r['last_loss']:.4f} |")
-    return "\n".join(lines)
-
-
 # ----------------------------------------------------------------------------- entry points
 
 def run_ranks(args: argparse.Namespace, argv: Sequence[str]) -> None:
@@ -392,9 +324,9 @@ def run_ranks(args: argparse.Namespace, argv: Sequence[str]) -> None:
     device = _init(args)
     times, losses = time_modes(args, device)
     probes = probe_modes(args, argv) if args.probe_steps else {}
-    summary = summarize(args, times, losses, probes)
+    summary = bench_report.summarize(args, times, losses, probes, device)
     if dist.get_rank() == 0:
-        print(markdown(summary), flush=True)
+        print(bench_report.markdown(summary), flush=True)
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:

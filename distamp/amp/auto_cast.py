@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from distamp.amp.op_list_mode import OpListMode
-from distamp.strategy import validate_dtype, validate_op_lists
+from distamp.strategy.op_checks import validate_dtype, validate_op_lists
 
 if TYPE_CHECKING:
     # typing.Self is Python 3.11+; mypy checks for 3.10 (setup.cfg).

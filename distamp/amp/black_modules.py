@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from distamp.strategy.checks import is_name, show
 from distamp.suggest import did_you_mean
 
 if TYPE_CHECKING:
@@ -40,18 +41,19 @@ _SHOWN_NAMES = 8
 
 
 def _check_patterns(patterns: Any) -> list[str]:
+    """The patterns as a list (a single string is one pattern); anything else raises TypeError."""
     if isinstance(patterns, str):
         return [patterns]
     if not isinstance(patterns, Iterable):
         raise TypeError(
-            f"custom_black_varnames must be a list of module-name patterns, got {patterns!r}"
+            f"custom_black_varnames must be a list of module-name patterns, got {show(patterns)}"
         )
     patterns = list(patterns)
     for pattern in patterns:
-        if not isinstance(pattern, str) or not pattern:
+        if not is_name(pattern):
             raise TypeError(
-                f"custom_black_varnames must hold non-empty strings, got {pattern!r} in "
-                f"{patterns!r}"
+                f"custom_black_varnames must hold non-empty strings, got {show(pattern)} in "
+                f"{show(patterns)}"
             )
     return patterns
 

@@ -8,8 +8,9 @@ their exact values back, FP32 masters are broadcast from rank 0, a comm hook
 puts gradients on the wire in 16 bits, and only the last micro-batch of a
 gradient-merge window communicates.
 
-The model is prepared once, in :meth:`DataParallel.prepare`: when the
-first optimizer is attached (whichever of ``fleet.distributed_optimizer`` and
+The model is prepared once, in :meth:`DataParallel.prepare`
+(:mod:`distamp.distributed.ddp_preparation`: the checks, the start-up
+broadcast, DDP and its comm hook): when the first optimizer is attached (whichever of ``fleet.distributed_optimizer`` and
 ``fleet.distributed_model`` comes second), or at the first forward if no
 optimizer comes. By then parameter dtypes are final, so DDP (whose buckets
 are per dtype) is built exactly once, and outside any ``torch.compile``d
@@ -35,11 +36,9 @@ from torch.nn.parallel import DistributedDataParallel
 from distamp.amp.black_modules import keep_in_fp32
 from distamp.amp.fp32_parameters import fp32_parameters
 from distamp.distributed.comm_hooks import CommStats, LowPrecisionAllReduce
-from distamp.distributed.fingerprint import check_ranks_agree
+from distamp.distributed.ddp_preparation import DDPPreparation, check_device
 from distamp.distributed.groups import group_size
 from distamp.distributed.reduce_scatter import ShardedGradReduce
-from distamp.distributed.timeouts import named_collective
-from distamp.optim.grad_accumulator import PendingFp32Grads
 from distamp.optim.master_weights import fp32_model_state_dict
 from distamp.strategy import DistributedStrategy
 
@@ -75,25 +74,6 @@ class _Runtime:
         self.reduce_scatter = False  # sharding stage 2: every micro-batch communicates
         self.sync_enabled = True
         self.prepared = False
-
-
-def _check_device(module: nn.Module, device: torch.device) -> torch.device:
-    """Raise ``ValueError`` naming the first parameter or buffer not on ``device``; return ``device``.
-
-    DDP would otherwise fail later with an error that names neither the
-    tensor nor the fix, or, with a model on another GPU, train there.
-    """
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    tensors = [("parameter", n, t) for n, t in module.named_parameters()]
-    tensors += [("buffer", n, t) for n, t in module.named_buffers()]
-    for kind, name, tensor in tensors:
-        if tensor.device != device:
-            raise ValueError(
-                f"{kind} {name!r} is on {tensor.device}, but this process trains on {device} "
-                "(fleet.device()); move the model there before wrapping it: model.to(fleet.device())"
-            )
-    return device
 
 
 class DataParallel(nn.Module):
@@ -153,7 +133,7 @@ class DataParallel(nn.Module):
             strategy.find_unused_parameters if find_unused_parameters is None else find_unused_parameters
         )
         self._process_group = process_group
-        self._device = None if device is None else _check_device(module, torch.device(device))
+        self._device = None if device is None else check_device(module, torch.device(device))
         self._ddp_kwargs = ddp_kwargs
         self._fp32_params = strategy_fp32_parameters(module, strategy)
         self._runtime = _Runtime()
@@ -248,7 +228,8 @@ class DataParallel(nn.Module):
         """Check the ranks agree, make them identical and build DDP; runs once (collective).
 
         Called when the first optimizer is attached, else at the first
-        forward; never traced by ``torch.compile``.
+        forward; never traced by ``torch.compile``. The work is
+        :class:`~distamp.distributed.ddp_preparation.DDPPreparation`'s.
         """
         runtime = self._runtime
         if runtime.prepared:
@@ -256,73 +237,12 @@ class DataParallel(nn.Module):
         runtime.prepared = True
         if not self.distributed:
             return
-        reduce_scatter = self._check_sharding()
-        # 0. Ranks that disagree on the strategy or the model fail here, naming the difference,
-        #    instead of summing FP16 with BF16 bit patterns or hanging in mismatched collectives.
-        check_ranks_agree(self.strategy, self.module)
-        with named_collective("the start-up broadcast of parameters from rank 0"):
-            # 1. Every rank takes rank 0's FP32 masters; the 16-bit parameters follow from them.
-            for opt in runtime.optimizers:
-                if opt.master_weights.enabled:
-                    opt.master_weights.broadcast(src=0, group=self._process_group)
-            # 2. DDP on the final dtypes (its buckets are per dtype); it broadcasts the rest.
-            device = self._device or next((p.device for p in self.module.parameters()), torch.device("cpu"))
-            ddp = DistributedDataParallel(
-                self.module,
-                # A single-device CUDA module: DDP moves inputs to device_ids[0]
-                # and its reducer works on that device; CPU modules must pass None.
-                device_ids=[device] if device.type == "cuda" else None,
-                process_group=self._process_group,
-                find_unused_parameters=self.find_unused_parameters,
-                bucket_cap_mb=self.strategy.fuse_grad_size_in_MB,
-                gradient_as_bucket_view=True,
-                **self._ddp_kwargs,
-            )
-        cfg = self.strategy.amp_config
-        pending = PendingFp32Grads(runtime.optimizers)
-        wire = cfg.comm_torch_dtype if self.strategy.amp else torch.float32
-        if reduce_scatter:
-            shards = [opt.master_weights for opt in runtime.optimizers]
-            runtime.comm_hook = ShardedGradReduce(shards, wire, self._process_group, pending)
-            runtime.reduce_scatter = True
-        elif self.strategy.amp:
-            runtime.comm_hook = LowPrecisionAllReduce(
-                cfg.comm_torch_dtype, cfg.gradient_predivide_factor, self._process_group, pending
-            )
-        if runtime.comm_hook is not None:
-            runtime.comm_hook.register(ddp)
-        runtime.ddp = ddp
-
-    def _check_sharding(self) -> bool:
-        """Whether gradients are reduce-scattered (sharding stage 2); raises before any collective on a mismatch.
-
-        Raises:
-            RuntimeError: the model's strategy and an attached optimizer's
-                disagree on stage 2, or a parameter that gets a gradient
-                belongs to no stage-2 optimizer (nobody would own its sum).
-        """
-        strategy = self.strategy
-        model_stage = strategy.sharding_config.stage if strategy.sharding else 0
-        for opt in self._runtime.optimizers:
-            opt_stage = getattr(opt.precision, "stage", 0)
-            if (opt_stage == 2) != (model_stage == 2):
-                raise RuntimeError(
-                    f"the optimizer's strategy has sharding stage {opt_stage or 'off'} but the model's "
-                    f"(fleet.distributed_model) has stage {model_stage or 'off'}; stage 2 changes how the model "
-                    "communicates gradients, so both must use it. Pass the same strategy to both calls"
-                )
-        if model_stage != 2:
-            return False
-        owned = {id(p) for opt in self._runtime.optimizers for p in opt.master_weights.model_params}
-        missing = [name for name, p in self.module.named_parameters() if p.requires_grad and id(p) not in owned]
-        if missing:
-            raise RuntimeError(
-                f"sharding stage 2 reduce-scatters each gradient to the optimizer slice that owns it, but "
-                f"{missing[:5]} (of {len(missing)}) belong to no optimizer built with fleet.distributed_optimizer "
-                "for this model. Give every trainable parameter to such an optimizer, or set "
-                "requires_grad=False on the others"
-            )
-        return True
+        preparation = DDPPreparation(self.module, self.strategy, self._process_group, self._device,
+                                     self.find_unused_parameters, self._ddp_kwargs)
+        prepared = preparation.run(runtime.optimizers)
+        runtime.ddp, runtime.comm_hook, runtime.reduce_scatter = (
+            prepared.ddp, prepared.comm_hook, prepared.reduce_scatter
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module (through DDP when distributed)."""

@@ -9,7 +9,11 @@ die with the launcher. Run it as ``distrun`` or ``python -m distamp.launcher``.
 Modules, in the order a launch goes through them:
 
 - :mod:`~distamp.launcher.cli`: the argument parser and ``main()``.
-- :mod:`~distamp.launcher.plan`: validation into a :class:`LaunchPlan`.
+- :mod:`~distamp.launcher.plan`: validation into a :class:`LaunchPlan`, with
+  :mod:`~distamp.launcher.nodes` (nodes, rendezvous address),
+  :mod:`~distamp.launcher.workers` (workers per node, GPUs),
+  :mod:`~distamp.launcher.command` (the script or module) and
+  :mod:`~distamp.launcher.usage` (:class:`UsageError`).
 - :mod:`~distamp.launcher.env`: the environment every worker inherits.
 - :mod:`~distamp.launcher.logs`: ``log_dir/workerlog.N`` and the console tee.
 - :mod:`~distamp.launcher.run`: the elastic launch and the failure report.

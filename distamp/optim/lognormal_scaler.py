@@ -6,16 +6,15 @@ import math
 from typing import Any, ClassVar
 
 from distamp.optim.scaler_base import (
-    _FLOAT32_MAX,
     LossScaler,
     _check_bounds,
     _check_init_in_bounds,
     _check_scale,
-    _is_real,
     _load_count,
     _load_scale,
     _to_float32,
 )
+from distamp.strategy.checks import FLOAT32_MAX, finite_float
 
 __all__ = ["LogNormalLossScaler"]
 
@@ -91,16 +90,18 @@ class LogNormalLossScaler(LossScaler):
         _check_init_in_bounds(init, self.min_scale, self.max_scale)
         self.beta1 = self._check_beta("beta1", beta1)
         self.beta2 = self._check_beta("beta2", beta2)
-        if not _is_real(overflow_std_dev) or not 0 <= overflow_std_dev < math.inf:
+        std_dev = finite_float(overflow_std_dev)
+        if std_dev is None or std_dev < 0:
             raise ValueError(
                 f"overflow_std_dev must be a finite number >= 0, got {overflow_std_dev!r}."
             )
-        self.overflow_std_dev = float(overflow_std_dev)
-        if not _is_real(max_representable) or not 0 < max_representable < math.inf:
+        self.overflow_std_dev = std_dev
+        largest = finite_float(max_representable)
+        if largest is None or largest <= 0:
             raise ValueError(
                 f"max_representable must be a finite number > 0, got {max_representable!r}."
             )
-        self.max_representable = float(max_representable)
+        self.max_representable = largest
         self._scale = _to_float32(init)
         self._count = 0
         self._mean_ema = 0.0  # beta1-average of x
@@ -109,9 +110,10 @@ class LogNormalLossScaler(LossScaler):
 
     @staticmethod
     def _check_beta(name: str, value: Any) -> float:
-        if not _is_real(value) or not 0 <= value < 1:
+        number = finite_float(value)
+        if number is None or not 0 <= number < 1:
             raise ValueError(f"{name} must be a number in [0, 1), got {value!r}.")
-        return float(value)
+        return number
 
     @property
     def scale(self) -> float:
@@ -185,7 +187,7 @@ class LogNormalLossScaler(LossScaler):
         else:
             scale = min(max(2.0**log2_scale, self.min_scale), self.max_scale)
         rounded = _to_float32(scale)
-        return rounded if math.isfinite(rounded) else _FLOAT32_MAX
+        return rounded if math.isfinite(rounded) else FLOAT32_MAX
 
     def state_dict(self) -> dict[str, float | int]:
         return {

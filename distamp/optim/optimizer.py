@@ -7,12 +7,14 @@ modes lives in :mod:`distamp.optim.precision`, gradient merge in
 :mod:`distamp.optim.accumulation`, misuse detection in
 :mod:`distamp.optim.grad_watch`, what is learnt from the model in
 :mod:`distamp.optim.model_binding`, overflow attribution in
-:mod:`distamp.optim.overflow`, checkpoint state in :mod:`distamp.optim.state`.
+:mod:`distamp.optim.overflow`, checkpoint state in :mod:`distamp.optim.state`,
+unscaling and clipping on request in :mod:`distamp.optim.grad_clipping`, and
+the read-only status API (loss scale, counters, ``stats()``) in
+:mod:`distamp.optim.amp_status`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,10 +25,12 @@ from torch import nn
 from distamp.distributed.groups import data_parallel_group
 from distamp.distributed.timeouts import named_collective
 from distamp.optim.accumulation import GradientMerge
+from distamp.optim.amp_status import AmpStatus
 from distamp.optim.delegating import DelegatingOptimizer
 from distamp.optim.first_forward import FirstForwardFinder
+from distamp.optim.grad_clipping import GradClipper
 from distamp.optim.grad_watch import GradWatch
-from distamp.optim.master_weights import MasterWeights, fp32_model_state_dict
+from distamp.optim.master_weights import fp32_model_state_dict
 from distamp.optim.model_binding import ModelBinding
 from distamp.optim.precision import FullPrecision, precision_for
 from distamp.optim.state import load_optimizer_state, optimizer_state
@@ -37,7 +41,7 @@ from distamp.wrappers import unwrap_model
 __all__ = ["AmpOptimizer"]
 
 
-class AmpOptimizer(DelegatingOptimizer):
+class AmpOptimizer(AmpStatus, DelegatingOptimizer):
     """Mixed-precision meta-optimizer around an inner ``torch.optim.Optimizer``.
 
     Built by ``fleet.distributed_optimizer``; a training loop uses it like
@@ -96,7 +100,7 @@ class AmpOptimizer(DelegatingOptimizer):
                                     lambda: self.policy.step_number + 1)
         self._watch = GradWatch(self.master_weights.model_params)
         self.policy = StepPolicy(optimizer, self.precision, self.merge, self._watch, self.binding, process_group)
-        self.last_grad_norm: float | None = None
+        self.clipper = GradClipper(self.precision, self.policy, self.merge)
         # Alone, the optimizer sees parameters, not modules: learn the model at its first forward.
         self._finder = FirstForwardFinder(self) if self.amp_enabled else None
 
@@ -105,78 +109,6 @@ class AmpOptimizer(DelegatingOptimizer):
         if mode != "off":
             mode = f"{mode} {self.strategy.amp_config.dtype}"
         return f"AmpOptimizer(amp={mode}, inner={self.inner_opt!r})"
-
-    # ------------------------------------------------------------------
-    # public AMP API
-    @property
-    def master_weights(self) -> MasterWeights:
-        """The model-parameter / master pairing (masters are params in O1)."""
-        return self.precision.master_weights
-
-    @property
-    def loss_scaler(self) -> Any:
-        """The loss scaler (``None`` when AMP is off)."""
-        return self.precision.scaler
-
-    def get_loss_scaling(self) -> float:
-        """The current loss scale (1.0 when AMP is off or with BF16)."""
-        return self.precision.loss_scale
-
-    loss_scale = property(get_loss_scaling, doc="Same as :meth:`get_loss_scaling`.")
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """True when the last completed ``step()`` found inf/NaN and skipped."""
-        return self.policy.last_step_skipped
-
-    @property
-    def steps_applied(self) -> int:
-        """Steps whose update was applied."""
-        return self.policy.steps_applied
-
-    @property
-    def steps_skipped(self) -> int:
-        """Steps skipped because a gradient was inf/NaN on some rank."""
-        return self.policy.steps_skipped
-
-    @property
-    def sync_found_inf(self) -> bool:
-        """Whether the inf/NaN verdict is agreed over the group (tests switch it off to show why)."""
-        return self.policy.sync_found_inf
-
-    @sync_found_inf.setter
-    def sync_found_inf(self, value: bool) -> None:
-        self.policy.sync_found_inf = value
-
-    @property
-    def is_accumulating(self) -> bool:
-        """True inside a gradient-merge window, before its last micro-batch."""
-        return self.merge.is_accumulating
-
-    def will_sync_next_backward(self) -> bool:
-        """Whether the next ``backward`` closes a gradient-merge window (and communicates)."""
-        return self.merge.sync_next_backward
-
-    def stats(self) -> dict[str, Any]:
-        """What a training loop can log.
-
-        ``steps_applied``, ``steps_skipped``, ``loss_scale``; ``overflows``
-        (non-finite verdicts, retried attempts included); ``retries``
-        (closures called again by ``overflow_retries``); ``last_overflow``
-        (``{"step": n, "params": [qualified names]}`` of the last non-finite
-        verdict, the same on every rank, or None); ``grad_norm`` (the last
-        global norm ``clip_grad_norm_`` computed, or None).
-        """
-        policy = self.policy
-        return {
-            "steps_applied": policy.steps_applied,
-            "steps_skipped": policy.steps_skipped,
-            "loss_scale": self.get_loss_scaling(),
-            "overflows": policy.overflow.overflows,
-            "retries": policy.retries,
-            "last_overflow": policy.overflow.last_overflow,
-            "grad_norm": self.last_grad_norm,
-        }
 
     def fp32_state_dict(self, model: nn.Module) -> dict[str, Any]:
         """``model.state_dict()`` with each parameter as an exact FP32 copy of its master.
@@ -233,16 +165,7 @@ class AmpOptimizer(DelegatingOptimizer):
         what it changes is applied. The following ``step()`` does not unscale
         again.
         """
-        if self.merge.is_accumulating:
-            raise RuntimeError(
-                f"unscale_()/clip_grad_norm_() called in the middle of a gradient-merge window "
-                f"(micro-batch {self.merge.micro_steps} of {self.merge.k_steps}); call it only "
-                "before the step that completes the window"
-            )
-        if not self.policy.unscaled:
-            self.policy.unscale_and_check()
-            if not self.policy.found_inf:
-                self.precision.expose_unscaled_grads()
+        self.clipper.unscale_()
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -254,17 +177,7 @@ class AmpOptimizer(DelegatingOptimizer):
         so it is the same on every rank; when the step is going to be skipped
         (inf/NaN on any rank) nothing is clipped and the norm is ``inf``.
         """
-        if not self.policy.unscaled:
-            self.unscale_()
-        grads_owner = [m for m in self.master_weights.masters if m.grad is not None]
-        if self.policy.found_inf:
-            device = grads_owner[0].device if grads_owner else torch.device("cpu")
-            return torch.full((), math.inf, device=device)
-        norm = self.precision.clip_grad_norm_(
-            grads_owner, max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
-        )
-        self.last_grad_norm = float(norm)
-        return norm
+        return self.clipper.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear model and master gradients.
@@ -318,9 +231,6 @@ class AmpOptimizer(DelegatingOptimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what :meth:`state_dict` saved; the model copies are refreshed too."""
         load_optimizer_state(self, state_dict)
-        self.policy.unscaled = False
-        self._watch.after_step()
-        self.merge.publish()
 
     def add_sync_listener(self, listener: Any) -> None:
         """Keep ``listener.set_grad_sync(optimizer, flag)`` told whether the next backward communicates."""

@@ -20,9 +20,9 @@ from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["LossScaler", "StaticLossScaler", "UnitLossScaler"]
+from distamp.strategy.checks import finite_float, is_integer, is_real
 
-_FLOAT32_MAX = struct.unpack("<f", b"\xff\xff\x7f\x7f")[0]
+__all__ = ["LossScaler", "StaticLossScaler", "UnitLossScaler"]
 
 
 def _to_float32(x: float) -> float:
@@ -38,44 +38,43 @@ def _to_float32(x: float) -> float:
         return math.copysign(math.inf, x)
 
 
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def _check_scale(name: str, value: Any) -> float:
     """A finite positive number that stays finite and non-zero in float32."""
-    if not _is_real(value) or not math.isfinite(value) or value <= 0:
+    number = finite_float(value)
+    if number is None or number <= 0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
-    rounded = _to_float32(float(value))
+    rounded = _to_float32(number)
     if rounded == 0.0 or math.isinf(rounded):
         raise ValueError(
             f"{name} must be representable in float32 (between about 1.4e-45 and "
             f"3.4e38) because the loss scale is a float32 tensor, got {value!r}."
         )
-    return float(value)
+    return number
 
 
 def _check_int(name: str, value: Any) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+    if not is_integer(value) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}.")
     return int(value)
 
 
 def _check_open_interval(name: str, value: Any, low: float, high: float) -> float:
-    if not _is_real(value) or not low < value < high:
+    number = finite_float(value)
+    if number is None or not low < number < high:
         raise ValueError(f"{name} must be a number in ({low}, {high}), got {value!r}.")
-    return float(value)
+    return number
 
 
 def _check_bounds(min_scale: Any, max_scale: Any) -> tuple[float, float]:
     lo = _check_scale("min_scale", min_scale)
     # max_scale may exceed float32's range (e.g. 2**128): the scale then stops
     # at the last value that is finite in float32 instead of becoming inf.
-    if not _is_real(max_scale) or not math.isfinite(max_scale) or max_scale < lo:
+    hi = finite_float(max_scale)
+    if hi is None or hi < lo:
         raise ValueError(
             f"max_scale must be a finite number >= min_scale ({min_scale!r}), got {max_scale!r}."
         )
-    return lo, float(max_scale)
+    return lo, hi
 
 
 def _check_init_in_bounds(init_scale: float, lo: float, hi: float) -> None:
@@ -90,7 +89,7 @@ def _as_number(name: str, value: Any) -> float:
     """Accept Python/NumPy numbers and one-element tensors (e.g. from a checkpoint)."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
-    if not _is_real(value):
+    if not is_real(value):
         raise TypeError(
             f"{name} must be a real number or a one-element tensor, got {value!r}."
         )
@@ -229,7 +228,7 @@ def _load_scale(value: float) -> float:
 
 
 def _load_count(name: str, value: float) -> int:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 0:
+    if not is_integer(value) or value < 0:
         raise ValueError(f"state_dict[{name!r}] must be an int >= 0, got {value!r}.")
     return int(value)
 

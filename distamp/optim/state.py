@@ -43,6 +43,10 @@ def optimizer_state(opt: AmpOptimizer) -> dict:
 def load_optimizer_state(opt: AmpOptimizer, state_dict: dict) -> None:
     """``opt.load_state_dict(state_dict)``; the model copies of the masters are refreshed.
 
+    The next step starts afresh: nothing is unscaled yet, misuse detection
+    compares with the loaded gradients, and sync listeners hear the merge
+    window's position.
+
     Raises:
         ValueError: not a distamp optimizer state, or saved with another
             loss scaler or another ``use_pure_fp16``.
@@ -71,3 +75,6 @@ def load_optimizer_state(opt: AmpOptimizer, state_dict: dict) -> None:
     opt.merge.micro_steps = int(counters["micro_steps"])
     policy.retries = int(counters.get("retries", 0))
     policy.overflow.load_state_dict(counters)
+    policy.unscaled = False
+    policy.watch.after_step()  # the loaded state is the baseline misuse detection compares with
+    opt.merge.publish()

@@ -1,0 +1,157 @@
+"""Preparing a data-parallel model once: the checks, the start-up broadcast, DDP and its comm hook.
+
+:class:`DDPPreparation` is what ``DataParallel.prepare`` runs, once, when the
+first optimizer is attached or at the first forward: by then parameter
+dtypes are final, so DDP (whose buckets are per dtype) is built exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from distamp.distributed.comm_hooks import LowPrecisionAllReduce
+from distamp.distributed.fingerprint import check_ranks_agree
+from distamp.distributed.reduce_scatter import ShardedGradReduce
+from distamp.distributed.timeouts import named_collective
+from distamp.optim.grad_accumulator import PendingFp32Grads
+from distamp.strategy import DistributedStrategy
+
+if TYPE_CHECKING:
+    from distamp.optim.optimizer import AmpOptimizer
+
+__all__ = ["DDPPreparation", "PreparedDDP", "check_device"]
+
+
+def check_device(module: nn.Module, device: torch.device) -> torch.device:
+    """Raise ``ValueError`` naming the first parameter or buffer not on ``device``; return ``device``.
+
+    DDP would otherwise fail later with an error that names neither the
+    tensor nor the fix, or, with a model on another GPU, train there.
+    """
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    tensors = [("parameter", n, t) for n, t in module.named_parameters()]
+    tensors += [("buffer", n, t) for n, t in module.named_buffers()]
+    for kind, name, tensor in tensors:
+        if tensor.device != device:
+            raise ValueError(
+                f"{kind} {name!r} is on {tensor.device}, but this process trains on {device} "
+                "(fleet.device()); move the model there before wrapping it: model.to(fleet.device())"
+            )
+    return device
+
+
+@dataclass
+class PreparedDDP:
+    """What a preparation built: DDP, its gradient comm hook (if any) and whether it reduce-scatters."""
+
+    ddp: DistributedDataParallel
+    comm_hook: LowPrecisionAllReduce | ShardedGradReduce | None
+    reduce_scatter: bool
+    """Sharding stage 2: every backward communicates, gradient merge's micro-batches included."""
+
+
+@dataclass
+class DDPPreparation:
+    """How ``DataParallel`` builds DDP around its module.
+
+    Args:
+        module: the wrapped model, parameter dtypes final.
+        strategy: the model's strategy (wire dtype, pre-division, bucket size, sharding).
+        process_group: the data-parallel group; ``None`` is the world.
+        device: the device this process trains on; ``None``: the parameters' device.
+        find_unused_parameters: passed to DDP.
+        ddp_kwargs: further keyword arguments for DDP.
+    """
+
+    module: nn.Module
+    strategy: DistributedStrategy
+    process_group: dist.ProcessGroup | None
+    device: torch.device | None
+    find_unused_parameters: bool
+    ddp_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def run(self, optimizers: list[AmpOptimizer]) -> PreparedDDP:
+        """Check the ranks agree, make them identical and build DDP with its comm hook (collective)."""
+        reduce_scatter = self.check_sharding(optimizers)
+        # 0. Ranks that disagree on the strategy or the model fail here, naming the difference,
+        #    instead of summing FP16 with BF16 bit patterns or hanging in mismatched collectives.
+        check_ranks_agree(self.strategy, self.module)
+        with named_collective("the start-up broadcast of parameters from rank 0"):
+            # 1. Every rank takes rank 0's FP32 masters; the 16-bit parameters follow from them.
+            for opt in optimizers:
+                if opt.master_weights.enabled:
+                    opt.master_weights.broadcast(src=0, group=self.process_group)
+            # 2. DDP on the final dtypes (its buckets are per dtype); it broadcasts the rest.
+            ddp = self._build_ddp()
+        comm_hook = self._comm_hook(optimizers, reduce_scatter)
+        if comm_hook is not None:
+            comm_hook.register(ddp)
+        return PreparedDDP(ddp, comm_hook, reduce_scatter)
+
+    def _build_ddp(self) -> DistributedDataParallel:
+        device = self.device or next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        return DistributedDataParallel(
+            self.module,
+            # A single-device CUDA module: DDP moves inputs to device_ids[0]
+            # and its reducer works on that device; CPU modules must pass None.
+            device_ids=[device] if device.type == "cuda" else None,
+            process_group=self.process_group,
+            find_unused_parameters=self.find_unused_parameters,
+            bucket_cap_mb=self.strategy.fuse_grad_size_in_MB,
+            gradient_as_bucket_view=True,
+            **self.ddp_kwargs,
+        )
+
+    def _comm_hook(
+        self, optimizers: list[AmpOptimizer], reduce_scatter: bool
+    ) -> LowPrecisionAllReduce | ShardedGradReduce | None:
+        """Stage 2: reduce-scatter into the owners' FP32 slices; AMP: a 16-bit all-reduce; else DDP's own."""
+        cfg = self.strategy.amp_config
+        pending = PendingFp32Grads(optimizers)
+        if reduce_scatter:
+            wire = cfg.comm_torch_dtype if self.strategy.amp else torch.float32
+            shards = [opt.master_weights for opt in optimizers]
+            return ShardedGradReduce(shards, wire, self.process_group, pending)
+        if self.strategy.amp:
+            return LowPrecisionAllReduce(
+                cfg.comm_torch_dtype, cfg.gradient_predivide_factor, self.process_group, pending
+            )
+        return None
+
+    def check_sharding(self, optimizers: list[AmpOptimizer]) -> bool:
+        """Whether gradients are reduce-scattered (sharding stage 2); raises before any collective on a mismatch.
+
+        Raises:
+            RuntimeError: the model's strategy and an attached optimizer's
+                disagree on stage 2, or a parameter that gets a gradient
+                belongs to no stage-2 optimizer (nobody would own its sum).
+        """
+        strategy = self.strategy
+        model_stage = strategy.sharding_config.stage if strategy.sharding else 0
+        for opt in optimizers:
+            opt_stage = getattr(opt.precision, "stage", 0)
+            if (opt_stage == 2) != (model_stage == 2):
+                raise RuntimeError(
+                    f"the optimizer's strategy has sharding stage {opt_stage or 'off'} but the model's "
+                    f"(fleet.distributed_model) has stage {model_stage or 'off'}; stage 2 changes how the model "
+                    "communicates gradients, so both must use it. Pass the same strategy to both calls"
+                )
+        if model_stage != 2:
+            return False
+        owned = {id(p) for opt in optimizers for p in opt.master_weights.model_params}
+        missing = [name for name, p in self.module.named_parameters() if p.requires_grad and id(p) not in owned]
+        if missing:
+            raise RuntimeError(
+                f"sharding stage 2 reduce-scatters each gradient to the optimizer slice that owns it, but "
+                f"{missing[:5]} (of {len(missing)}) belong to no optimizer built with fleet.distributed_optimizer "
+                "for this model. Give every trainable parameter to such an optimizer, or set "
+                "requires_grad=False on the others"
+            )
+        return True

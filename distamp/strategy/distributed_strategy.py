@@ -1,0 +1,253 @@
+"""`DistributedStrategy`: Paddle Fleet's strategy object, holding the flags and the typed configs."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+from distamp.strategy.amp_config import AmpConfig
+from distamp.strategy.checks import as_bool, as_float, show
+from distamp.strategy.gradient_merge_config import GradientMergeConfig
+from distamp.strategy.sharding_config import ShardingConfig
+from distamp.strategy.views import ConfigView
+from distamp.suggest import did_you_mean
+
+__all__ = ["DistributedStrategy"]
+
+_MAX_BUCKET_MB = 2**20
+
+_ATTRS = ("amp", "amp_configs", "gradient_merge", "gradient_merge_configs", "sharding", "sharding_configs",
+          "find_unused_parameters", "fuse_grad_size_in_MB")
+_DEFAULTS = {"amp": False, "gradient_merge": False, "sharding": False, "find_unused_parameters": False,
+             "fuse_grad_size_in_MB": 25}
+
+
+def _restore_strategy(state: tuple) -> DistributedStrategy:
+    """Unpickle (and deepcopy) a strategy: its configs are frozen and already valid, so rebuilding
+    them (and re-emitting warnings) is unnecessary."""
+    strategy = object.__new__(DistributedStrategy)
+    for slot, value in zip(DistributedStrategy.__slots__, state):
+        object.__setattr__(strategy, slot, value)
+    return strategy
+
+
+class DistributedStrategy:
+    """What to apply on top of data parallelism: Paddle Fleet's strategy object.
+
+    Supported attributes (anything else raises ``ValueError``):
+
+    * ``amp`` (bool, False): mixed-precision training.
+    * ``amp_configs`` (dict): see :class:`AmpConfig`. Assigning validates
+      every key and *replaces* the previous config (unset keys go back to
+      their defaults). Reading returns the full effective config as a
+      read-only dict; to change one key assign a whole dict, e.g.
+      ``s.amp_configs = {**s.amp_configs, "incr_ratio": 4.0}``.
+    * ``gradient_merge`` (bool, False) and ``gradient_merge_configs``
+      (dict): see :class:`GradientMergeConfig`; same rules as amp_configs.
+    * ``sharding`` (bool, False) and ``sharding_configs`` (dict): shard the
+      optimizer state over the data-parallel ranks (ZeRO stage 1 or 2); see
+      :class:`ShardingConfig`; same rules as amp_configs.
+    * ``find_unused_parameters`` (bool, False): passed to DDP.
+    * ``fuse_grad_size_in_MB`` (number > 0, 25): DDP's gradient bucket size.
+
+    ``amp_config``, ``gradient_merge_config`` and ``sharding_config`` return
+    the typed configs.
+
+    Example::
+
+        strategy = DistributedStrategy()
+        strategy.amp = True
+        strategy.amp_configs = {"init_loss_scaling": 1024.0, "use_pure_fp16": True}
+        strategy.gradient_merge = True
+        strategy.gradient_merge_configs = {"k_steps": 4}
+        strategy            # DistributedStrategy(amp=True, amp_configs={...}, ...)
+        same = DistributedStrategy.from_dict(json.loads(json.dumps(strategy.to_dict())))
+        assert same == strategy
+
+    Keyword arguments to the constructor set the same attributes.
+    """
+
+    __slots__ = (
+        "_amp",
+        "_amp_config",
+        "_find_unused_parameters",
+        "_fuse_grad_size_in_MB",
+        "_gradient_merge",
+        "_gradient_merge_config",
+        "_sharding",
+        "_sharding_config",
+    )
+    __hash__ = None  # mutable
+
+    def __init__(self, **attributes: Any) -> None:
+        object.__setattr__(self, "_amp", False)
+        object.__setattr__(self, "_amp_config", AmpConfig())
+        object.__setattr__(self, "_gradient_merge", False)
+        object.__setattr__(self, "_gradient_merge_config", GradientMergeConfig())
+        object.__setattr__(self, "_sharding", False)
+        object.__setattr__(self, "_sharding_config", ShardingConfig())
+        object.__setattr__(self, "_find_unused_parameters", False)
+        object.__setattr__(self, "_fuse_grad_size_in_MB", _DEFAULTS["fuse_grad_size_in_MB"])
+        for name, value in attributes.items():
+            setattr(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _ATTRS:
+            object.__setattr__(self, name, value)  # goes through the property setter
+            return
+        if name in ("amp_config", "gradient_merge_config", "sharding_config"):
+            raise ValueError(
+                f"DistributedStrategy.{name} is read-only; assign a dict to {name}s instead, "
+                f"e.g. strategy.{name}s = {{...}}."
+            )
+        raise ValueError(
+            f"DistributedStrategy has no attribute {name!r}.{did_you_mean(name, _ATTRS)} "
+            f"distamp supports only: {', '.join(_ATTRS)}. Paddle Fleet's other strategy flags "
+            f"(recompute, pipeline, dgc, ...) are not implemented by distamp."
+        )
+
+    # -- flags ---------------------------------------------------------------
+
+    @property
+    def amp(self) -> bool:
+        """Mixed-precision training on or off (bool, default False)."""
+        return self._amp
+
+    @amp.setter
+    def amp(self, value: bool) -> None:
+        object.__setattr__(self, "_amp", as_bool("strategy", "amp", value))
+
+    @property
+    def gradient_merge(self) -> bool:
+        """Accumulate gradient_merge_configs['k_steps'] micro-batches per step (bool, default False)."""
+        return self._gradient_merge
+
+    @gradient_merge.setter
+    def gradient_merge(self, value: bool) -> None:
+        object.__setattr__(self, "_gradient_merge", as_bool("strategy", "gradient_merge", value))
+
+    @property
+    def sharding(self) -> bool:
+        """Shard the optimizer state over the data-parallel ranks as sharding_configs says (bool, default False)."""
+        return self._sharding
+
+    @sharding.setter
+    def sharding(self, value: bool) -> None:
+        object.__setattr__(self, "_sharding", as_bool("strategy", "sharding", value))
+
+    @property
+    def find_unused_parameters(self) -> bool:
+        """Passed to DistributedDataParallel (bool, default False)."""
+        return self._find_unused_parameters
+
+    @find_unused_parameters.setter
+    def find_unused_parameters(self, value: bool) -> None:
+        object.__setattr__(self, "_find_unused_parameters", as_bool("strategy", "find_unused_parameters", value))
+
+    @property
+    def fuse_grad_size_in_MB(self) -> float:
+        """DDP gradient bucket size in MB (number > 0, default 25)."""
+        return self._fuse_grad_size_in_MB
+
+    @fuse_grad_size_in_MB.setter
+    def fuse_grad_size_in_MB(self, value: float) -> None:
+        number = as_float("strategy", "fuse_grad_size_in_MB", value, f"a number in (0, {_MAX_BUCKET_MB}]",
+                           lambda x: 0 < x <= _MAX_BUCKET_MB)
+        if isinstance(value, numbers.Integral):
+            number = int(value)
+        object.__setattr__(self, "_fuse_grad_size_in_MB", number)
+
+    # -- configs -------------------------------------------------------------
+
+    @property
+    def amp_configs(self) -> dict:
+        """The full effective AMP config as a read-only dict; assign a dict to replace it."""
+        return ConfigView(self._amp_config)
+
+    @amp_configs.setter
+    def amp_configs(self, value: Mapping) -> None:
+        object.__setattr__(self, "_amp_config", AmpConfig.from_dict(value))
+
+    @property
+    def amp_config(self) -> AmpConfig:
+        """The typed AMP config (read-only)."""
+        return self._amp_config
+
+    @property
+    def gradient_merge_configs(self) -> dict:
+        """The full effective gradient-merge config as a read-only dict; assign a dict to replace it."""
+        return ConfigView(self._gradient_merge_config)
+
+    @gradient_merge_configs.setter
+    def gradient_merge_configs(self, value: Mapping) -> None:
+        object.__setattr__(self, "_gradient_merge_config", GradientMergeConfig.from_dict(value))
+
+    @property
+    def gradient_merge_config(self) -> GradientMergeConfig:
+        """The typed gradient-merge config (read-only)."""
+        return self._gradient_merge_config
+
+    @property
+    def sharding_configs(self) -> dict:
+        """The full effective sharding config as a read-only dict; assign a dict to replace it."""
+        return ConfigView(self._sharding_config)
+
+    @sharding_configs.setter
+    def sharding_configs(self, value: Mapping) -> None:
+        object.__setattr__(self, "_sharding_config", ShardingConfig.from_dict(value))
+
+    @property
+    def sharding_config(self) -> ShardingConfig:
+        """The typed sharding config (read-only)."""
+        return self._sharding_config
+
+    # -- conversion ------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        """Every attribute as plain JSON-serialisable values (configs as full dicts)."""
+        return {
+            "amp": self.amp,
+            "amp_configs": self.amp_config.to_dict(),
+            "gradient_merge": self.gradient_merge,
+            "gradient_merge_configs": self.gradient_merge_config.to_dict(),
+            "sharding": self.sharding,
+            "sharding_configs": self.sharding_config.to_dict(),
+            "find_unused_parameters": self.find_unused_parameters,
+            "fuse_grad_size_in_MB": self.fuse_grad_size_in_MB,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> DistributedStrategy:
+        """Build a strategy from :meth:`to_dict`'s output (missing keys take defaults)."""
+        if not isinstance(data, Mapping):
+            raise ValueError(  # noqa: TRY004 (bad configuration, as in Config.from_dict)
+                f"DistributedStrategy.from_dict needs a dict of strategy attributes; got "
+                f"{show(data)} ({type(data).__name__}). Valid keys: {', '.join(_ATTRS)}."
+            )
+        for key in data:
+            if not isinstance(key, str) or key not in _ATTRS:
+                raise ValueError(
+                    f"DistributedStrategy.from_dict: unknown key {show(key)}.{did_you_mean(key, _ATTRS)} "
+                    f"Valid keys: {', '.join(_ATTRS)}."
+                )
+        return cls(**data)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DistributedStrategy):
+            return NotImplemented
+        return all(getattr(self, slot) == getattr(other, slot) for slot in self.__slots__)
+
+    def __repr__(self) -> str:
+        parts = []
+        for name in _ATTRS:
+            if name.endswith("_configs"):
+                changed = getattr(self, name[:-1]).non_defaults()
+                if changed:
+                    parts.append(f"{name}={changed!r}")
+            elif getattr(self, name) != _DEFAULTS[name]:
+                parts.append(f"{name}={getattr(self, name)!r}")
+        return f"DistributedStrategy({', '.join(parts)})"
+
+    def __reduce__(self):
+        return (_restore_strategy, (tuple(getattr(self, slot) for slot in self.__slots__),))

@@ -1,0 +1,41 @@
+"""`ShardingConfig`: the typed, validated form of ``strategy.sharding_configs``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from distamp.strategy.checks import fail, is_integer
+from distamp.strategy.config_base import Config
+
+__all__ = ["ShardingConfig"]
+
+
+@dataclass(frozen=True)
+class ShardingConfig(Config):
+    """Sharded optimizer state (ZeRO): the typed form of ``strategy.sharding_configs``.
+
+    Each rank owns a balanced contiguous slice of the flat parameter space
+    and keeps the FP32 masters, the FP32 gradients and the inner optimizer's
+    state of that slice only (ZeRO, https://arxiv.org/abs/1910.02054).
+
+    Example::
+
+        cfg = ShardingConfig.from_dict({"stage": 2})
+        cfg.stage                            # 2
+    """
+
+    _OWNER: ClassVar[str] = "sharding_configs"
+    _STAGES: ClassVar[tuple[int, ...]] = (1, 2)
+
+    stage: int = 1
+    """1: optimizer state, FP32 masters and FP32 gradients sharded, gradients all-reduced;
+    2: gradients reduce-scattered instead (16-bit on the wire, summed in FP32)."""
+
+    def __post_init__(self) -> None:
+        value = self.stage
+        if not is_integer(value) or int(value) not in self._STAGES:
+            hint = " Stage 3 (sharded parameters) is not implemented; stage 2 saves the most memory." if (
+                not isinstance(value, bool) and value == 3) else ""
+            fail(self._OWNER, "stage", value, "one of " + ", ".join(str(s) for s in self._STAGES), hint)
+        object.__setattr__(self, "stage", int(value))
