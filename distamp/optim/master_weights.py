@@ -97,11 +97,11 @@ class MasterWeights:
         # (model param, master param, master grad view) for separate masters
         self._pairs: list[tuple[nn.Parameter, nn.Parameter, torch.Tensor]] = []
         self._master_of: dict[int, nn.Parameter] = {}
+        self._keep_fp32: set[int] = set()
         if low_dtype is None:
             for p in self.model_params:
                 self._master_of[id(p)] = p
             return
-        self._keep_fp32: set[int] = set()
         paired = [p for p in self.model_params if p.dtype in (torch.float32, low_dtype)]
         self._build_flat(paired)
         for p in self.model_params:

@@ -1,0 +1,109 @@
+"""optim.grad_watch.GradWatch: unscaled backward raises, scaled-gradient edits warn once, empty steps warn once."""
+
+from __future__ import annotations
+
+import logging
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from distamp.optim.grad_watch import GradWatch
+
+
+def _p():
+    return nn.Parameter(torch.zeros(3))
+
+
+def test_step_after_backward_proceeds():
+    p = _p()
+    watch = GradWatch([p])
+    p.grad = torch.ones(3)
+    watch.after_backward(1024.0)
+    assert watch.before_step(1024.0) is True
+
+
+def test_plain_backward_under_scaling_raises():
+    p = _p()
+    watch = GradWatch([p])
+    p.grad = torch.ones(3)  # changed without optimizer.backward
+    with pytest.raises(RuntimeError, match=re.escape(
+        "optimizer.step() found gradients that did not come from optimizer.backward(loss): with the loss scale "
+        "at 1024, a plain loss.backward()"
+    )):
+        watch.before_step(1024.0)
+    assert watch.before_step(1.0) is True  # no scaling: applied as they are
+
+
+def test_in_place_change_is_noticed_by_version():
+    p = _p()
+    p.grad = torch.zeros(3)
+    watch = GradWatch([p])
+    p.grad.add_(1)
+    with pytest.raises(RuntimeError, match=r"did not come from optimizer\.backward"):
+        watch.before_step(2.0)
+
+
+def test_nothing_new_warns_once_and_refuses():
+    p = _p()
+    watch = GradWatch([p])
+    with pytest.warns(UserWarning, match=re.escape("optimizer.step() found no new gradients since the last step")):
+        assert watch.before_step(1.0) is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert watch.before_step(1.0) is False  # once only
+
+
+def test_scaled_gradients_changed_before_unscale_warn_once(caplog):
+    p = _p()
+    watch = GradWatch([p])
+    p.grad = torch.ones(3)
+    watch.after_backward(8.0)
+    with caplog.at_level(logging.WARNING, logger="distamp"):
+        watch.before_unscale()
+        assert caplog.records == []
+        p.grad.mul_(0.5)
+        watch.before_unscale()
+        watch.before_unscale()
+    assert len(caplog.records) == 1
+    assert caplog.records[0].getMessage().startswith(
+        "the gradients changed after optimizer.backward() while still multiplied by the loss scale."
+    )
+
+
+def test_no_snapshot_at_scale_one(caplog):
+    p = _p()
+    watch = GradWatch([p])
+    p.grad = torch.ones(3)
+    watch.after_backward(1.0)
+    p.grad.mul_(0.5)
+    with caplog.at_level(logging.WARNING, logger="distamp"):
+        watch.before_unscale()
+    assert caplog.records == []
+
+
+def test_after_step_resets_and_track_adds():
+    p, q = _p(), _p()
+    watch = GradWatch([p])
+    p.grad = torch.ones(3)
+    watch.after_backward(4.0)
+    watch.after_step()
+    watch.track([q])
+    q.grad = torch.ones(3)  # a new tracked parameter got a gradient without optimizer.backward
+    with pytest.raises(RuntimeError, match=r"did not come from optimizer\.backward"):
+        watch.before_step(4.0)
+    q.grad = None
+    p.grad = None  # freed (zero_grad): a change too
+    with pytest.raises(RuntimeError, match=r"did not come from optimizer\.backward"):
+        watch.before_step(4.0)
+
+
+def test_replaced_gradient_object_is_a_change():
+    p = _p()
+    p.grad = torch.ones(3)
+    watch = GradWatch([p])
+    p.grad = torch.ones(3)  # same values, another tensor
+    with pytest.raises(RuntimeError, match=r"did not come from optimizer\.backward"):
+        watch.before_step(4.0)

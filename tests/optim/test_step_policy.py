@@ -1,0 +1,99 @@
+"""optim.step_policy.StepPolicy: apply or skip on the verdict, counters, retries, merge windows, attribution."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from distamp.optim.accumulation import GradientMerge
+from distamp.optim.grad_watch import GradWatch
+from distamp.optim.model_binding import ModelBinding
+from distamp.optim.precision import MixedPrecision
+from distamp.optim.step_policy import StepPolicy
+from distamp.strategy import AmpConfig
+
+
+def _policy(k_steps=1, scale=4.0):
+    model = nn.Linear(2, 1, bias=False)
+    config = AmpConfig.from_dict({"init_loss_scaling": scale, "min_loss_scaling": 1.0})
+    precision = MixedPrecision(list(model.parameters()), config)
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    merge = GradientMerge(k_steps)
+    watch = GradWatch(model.parameters())
+    policy = StepPolicy(inner, precision, merge, watch, None, None)
+    policy.binding = ModelBinding(precision.master_weights, config, True, lambda: policy.step_number + 1)
+    policy.binding.adopt(model, [])
+    return policy, model
+
+
+def _backward(policy, model, grad):
+    model.weight.grad = torch.tensor([grad], dtype=torch.float32) * policy.precision.loss_scale
+    policy.merge.count_backward()
+    policy.watch.after_backward(policy.precision.loss_scale)
+
+
+def test_finite_step_is_applied_with_unscaled_gradients():
+    policy, model = _policy()
+    before = model.weight.detach().clone()
+    _backward(policy, model, [0.5, -1.0])
+    assert policy.step(None) is True
+    assert torch.equal(model.weight.detach(), before - torch.tensor([[0.5, -1.0]]))
+    assert (policy.steps_applied, policy.steps_skipped, policy.step_number) == (1, 0, 1)
+    assert policy.last_step_skipped is False
+    assert policy.unscaled is False
+
+
+def test_overflow_skips_attributes_and_counts():
+    policy, model = _policy()
+    before = model.weight.detach().clone()
+    _backward(policy, model, [float("nan"), 1.0])
+    assert policy.step(None) is False
+    assert torch.equal(model.weight.detach(), before)
+    assert (policy.steps_applied, policy.steps_skipped) == (0, 1)
+    assert policy.last_step_skipped is True
+    assert policy.overflow.last_overflow == {"step": 1, "params": ["weight"]}
+
+
+def test_step_without_new_gradients_does_nothing():
+    policy, _ = _policy()
+    with pytest.warns(UserWarning, match="found no new gradients"):
+        assert policy.step(None) is False
+    assert policy.step_number == 0
+
+
+def test_mid_window_step_is_refused_and_window_step_applies():
+    policy, model = _policy(k_steps=2)
+    _backward(policy, model, [1.0, 1.0])
+    assert policy.step(None) is False
+    assert policy.step_number == 0
+    _backward(policy, model, [1.0, 1.0])
+    assert policy.step(None) is True
+    assert policy.merge.micro_steps == 0
+
+
+def test_closure_retries_at_a_lower_scale():
+    policy, model = _policy(scale=8.0)
+    calls = []
+
+    def closure():
+        calls.append(policy.precision.loss_scale)
+        bad = len(calls) == 1
+        model.weight.grad = torch.tensor([[float("inf") if bad else 1.0, 0.0]]) * policy.precision.loss_scale
+        return torch.tensor(float(len(calls)))
+
+    loss = policy.step_with_closure(closure, retries=2)
+    assert loss.item() == 2.0
+    assert calls == [8.0, 4.0]
+    assert (policy.retries, policy.steps_applied, policy.steps_skipped) == (1, 1, 0)
+    assert policy.overflow.overflows == 1
+
+
+def test_closure_refused_with_gradient_merge():
+    policy, _ = _policy(k_steps=3)
+    with pytest.raises(RuntimeError, match=re.escape(
+        "step(closure) runs one micro-batch per call and cannot close a gradient-merge window of k_steps=3"
+    )):
+        policy.step_with_closure(lambda: torch.zeros(()), retries=0)
