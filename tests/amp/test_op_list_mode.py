@@ -102,7 +102,7 @@ def test_copy_and_repr():
 
 
 def test_checkpoint_context_fn_replays_the_innermost_mode():
-    forward, recompute = checkpoint_context_fn()
+    _forward, recompute = checkpoint_context_fn()
     assert not isinstance(recompute, OpListMode)
     with _mode(black={"exp"}) as outer, _mode(black={"mm"}) as inner:
         assert outer is not inner

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from distamp.distributed.groups import data_parallel_group, group_rank, group_size, is_distributed
+from distamp.distributed.groups import (
+    data_parallel_group,
+    group_rank,
+    group_size,
+    is_distributed,
+)
 from tests.multiprocess import run_workers
 
 

@@ -9,7 +9,11 @@ import torch
 import torch.distributed as dist
 
 from distamp.distributed import store_exchange
-from distamp.distributed.store_exchange import StoreExchange, StoreTimeoutError, rank_and_world
+from distamp.distributed.store_exchange import (
+    StoreExchange,
+    StoreTimeoutError,
+    rank_and_world,
+)
 from tests.multiprocess import run_workers
 
 

@@ -13,8 +13,8 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _scaler(**kw):
-    args = dict(init_scale=32768.0, incr_every_n_steps=3, decr_every_n_nan_or_inf=2, incr_ratio=2.0,
-                decr_ratio=0.5, min_scale=1.0, max_scale=2.0**24)
+    args = {"init_scale": 32768.0, "incr_every_n_steps": 3, "decr_every_n_nan_or_inf": 2, "incr_ratio": 2.0,
+            "decr_ratio": 0.5, "min_scale": 1.0, "max_scale": 2.0**24}
     args.update(kw)
     return BackoffLossScaler(**args)
 
@@ -106,8 +106,8 @@ def test_state_dict_round_trip_and_loading_larger_counters():
 
 
 @pytest.mark.parametrize(("state", "error", "match"), [
-    ({"scale": 1.0}, ValueError, r"BackoffLossScaler.load_state_dict: missing keys \['num_bad_steps', "
-                                 r"'num_good_steps'\], unknown keys \[\]"),
+    ({"scale": 1.0}, ValueError, (r"BackoffLossScaler.load_state_dict: missing keys \['num_bad_steps', "
+                                  r"'num_good_steps'\], unknown keys \[\]")),
     ({"scale": 1.0, "num_good_steps": -1, "num_bad_steps": 0}, ValueError,
      r"state_dict\['num_good_steps'\] must be an int >= 0, got -1\."),
     ({"scale": 0.0, "num_good_steps": 0, "num_bad_steps": 0}, ValueError,

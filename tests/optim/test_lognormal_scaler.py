@@ -10,7 +10,9 @@ import torch
 
 from distamp.optim.lognormal_scaler import LogNormalLossScaler
 
-F32 = lambda x: torch.tensor(x, dtype=torch.float32).item()  # noqa: E731
+
+def F32(x):
+    return torch.tensor(x, dtype=torch.float32).item()
 
 
 def _reference_stats(xs, beta1, beta2):

@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from distamp.optim.scaler_base import LossScaler, StaticLossScaler, UnitLossScaler, _to_float32
+from distamp.optim.scaler_base import (
+    LossScaler,
+    StaticLossScaler,
+    UnitLossScaler,
+    _to_float32,
+)
 
 
 class NeedsMax(StaticLossScaler):
