@@ -27,7 +27,7 @@ def _restore_strategy(state: tuple) -> DistributedStrategy:
     """Unpickle (and deepcopy) a strategy: its configs are frozen and already valid, so rebuilding
     them (and re-emitting warnings) is unnecessary."""
     strategy = object.__new__(DistributedStrategy)
-    for slot, value in zip(DistributedStrategy.__slots__, state):
+    for slot, value in zip(DistributedStrategy.__slots__, state, strict=True):
         object.__setattr__(strategy, slot, value)
     return strategy
 
