@@ -34,7 +34,9 @@ def test_one_rank_copies_and_rounds_in_place():
     assert gather.stats.calls == 0  # no buffers, no rounds
     fresh = [torch.zeros(n, dtype=d) for n, d in zip(NUMELS, DTYPES)]
     gather.run(_sources(layout, 0, truth), fresh.__getitem__, params=[1])
-    assert torch.equal(fresh[1], truth[1]) and not fresh[0].any() and not fresh[4].any()
+    assert torch.equal(fresh[1], truth[1])
+    assert not fresh[0].any()
+    assert not fresh[4].any()
 
 
 def _worker(rank, world_size):
@@ -77,5 +79,6 @@ def test_two_ranks_get_every_value_bitwise_in_its_wire_dtype():
                 # bf16: 4 bytes // (2 ranks * 2 bytes) = 1 element per round; fp32: max(1, 4 // 8) = 1
                 assert calls == longest[torch.bfloat16] + longest[torch.float32]
         subset = got["subset"]
-        assert torch.equal(subset[0], truth[0].to(torch.bfloat16)) and torch.equal(subset[4], truth[4])
+        assert torch.equal(subset[0], truth[0].to(torch.bfloat16))
+        assert torch.equal(subset[4], truth[4])
         assert all(torch.equal(subset[i], torch.full((NUMELS[i],), -1.0, dtype=DTYPES[i])) for i in (1, 2, 3))

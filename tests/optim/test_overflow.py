@@ -71,6 +71,7 @@ def test_state_dict_saves_counts_only():
     assert log.state_dict() == {"overflows": 1}
     other = OverflowLog()
     other.load_state_dict({"overflows": 7})
-    assert other.overflows == 7 and other.last_overflow is None
+    assert other.overflows == 7
+    assert other.last_overflow is None
     other.load_state_dict({})
     assert other.overflows == 0
