@@ -58,7 +58,8 @@ def test_forward_output_names_the_innermost_module_first():
 def test_the_root_is_named_by_its_class():
     model = Scale(float("nan"))
     NanInfChecker(model, step=lambda: 3)
-    with pytest.raises(FloatingPointError, match=r"NaN in the forward output of the model \(Scale\) on rank 0 at step 3"):
+    with pytest.raises(FloatingPointError,
+                       match=r"NaN in the forward output of the model \(Scale\) on rank 0 at step 3"):
         model(torch.ones(2))
 
 

@@ -20,9 +20,9 @@ def _reference_stats(xs, beta1, beta2):
     n = len(xs)
     w1 = [(1 - beta1) * beta1 ** (n - 1 - i) for i in range(n)]
     w2 = [(1 - beta2) * beta2 ** (n - 1 - i) for i in range(n)]
-    mu = sum(w * x for w, x in zip(w1, xs)) / (1 - beta1**n)
-    slow = sum(w * x for w, x in zip(w2, xs)) / (1 - beta2**n)
-    sq = sum(w * x * x for w, x in zip(w2, xs)) / (1 - beta2**n)
+    mu = sum(w * x for w, x in zip(w1, xs, strict=True)) / (1 - beta1**n)
+    slow = sum(w * x for w, x in zip(w2, xs, strict=True)) / (1 - beta2**n)
+    sq = sum(w * x * x for w, x in zip(w2, xs, strict=True)) / (1 - beta2**n)
     return mu, math.sqrt(max(sq - slow * slow, 0.0))
 
 

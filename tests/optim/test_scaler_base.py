@@ -62,7 +62,8 @@ def test_found_inf_accepts_bools_numbers_and_one_element_tensors(flag):
 
 
 def test_found_inf_refuses_other_things():
-    with pytest.raises(TypeError, match=r"^found_inf must be a bool or a one-element tensor, got a tensor of shape \(2,\)\.$"):
+    with pytest.raises(TypeError,
+                       match=r"^found_inf must be a bool or a one-element tensor, got a tensor of shape \(2,\)\.$"):
         NeedsMax().update(torch.zeros(2))
     with pytest.raises(TypeError, match=r"^found_inf must be a bool or a one-element tensor, got 'yes'\.$"):
         NeedsMax().update("yes")
