@@ -17,7 +17,8 @@ def test_no_close_name():
 
 
 def test_case_differences_still_find_the_key():
-    assert did_you_mean("INIT_LOSS_SCALING", ["init_loss_scaling", "decr_ratio"]) == " Did you mean 'init_loss_scaling'?"
+    hint = did_you_mean("INIT_LOSS_SCALING", ["init_loss_scaling", "decr_ratio"])
+    assert hint == " Did you mean 'init_loss_scaling'?"
 
 
 @pytest.mark.parametrize("word", [None, b"init_loss_scaling", 3])

@@ -33,7 +33,8 @@ from distamp.strategy.checks import is_name, show
 from distamp.suggest import did_you_mean
 
 if TYPE_CHECKING:
-    from typing import Self
+    # typing.Self is Python 3.11+; mypy checks for 3.10 (setup.cfg).
+    import typing_extensions
 
 __all__ = ["BlackModulesHandle", "FP32Forward", "autocast_device_types", "find_black_modules", "keep_in_fp32"]
 
@@ -171,7 +172,7 @@ class BlackModulesHandle:
                     module.forward = wrapper.inner
         self._wrapped.clear()
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> typing_extensions.Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

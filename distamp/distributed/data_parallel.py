@@ -10,7 +10,8 @@ gradient-merge window communicates.
 
 The model is prepared once, in :meth:`DataParallel.prepare`
 (:mod:`distamp.distributed.ddp_preparation`: the checks, the start-up
-broadcast, DDP and its comm hook): when the first optimizer is attached (whichever of ``fleet.distributed_optimizer`` and
+broadcast, DDP and its comm hook): when the first optimizer is attached
+(whichever of ``fleet.distributed_optimizer`` and
 ``fleet.distributed_model`` comes second), or at the first forward if no
 optimizer comes. By then parameter dtypes are final, so DDP (whose buckets
 are per dtype) is built exactly once, and outside any ``torch.compile``d

@@ -8,7 +8,7 @@ dtypes are final, so DDP (whose buckets are per dtype) is built exactly once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from distamp.strategy import DistributedStrategy
 
 if TYPE_CHECKING:
     from distamp.optim.optimizer import AmpOptimizer
+    from distamp.optim.sharded_masters import ShardedMasters
 
 __all__ = ["DDPPreparation", "PreparedDDP", "check_device"]
 
@@ -36,7 +37,7 @@ def check_device(module: nn.Module, device: torch.device) -> torch.device:
     """
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    tensors = [("parameter", n, t) for n, t in module.named_parameters()]
+    tensors: list[tuple[str, str, torch.Tensor]] = [("parameter", n, t) for n, t in module.named_parameters()]
     tensors += [("buffer", n, t) for n, t in module.named_buffers()]
     for kind, name, tensor in tensors:
         if tensor.device != device:
@@ -117,7 +118,8 @@ class DDPPreparation:
         pending = PendingFp32Grads(optimizers)
         if reduce_scatter:
             wire = cfg.comm_torch_dtype if self.strategy.amp else torch.float32
-            shards = [opt.master_weights for opt in optimizers]
+            # check_sharding made every optimizer stage 2, whose masters are ShardedMasters.
+            shards = cast("list[ShardedMasters]", [opt.master_weights for opt in optimizers])
             return ShardedGradReduce(shards, wire, self.process_group, pending)
         if self.strategy.amp:
             return LowPrecisionAllReduce(

@@ -107,10 +107,11 @@ def _module_source(name: str, spec: importlib.machinery.ModuleSpec) -> str | Non
     if spec.name != name:
         return None  # only a parent package was found: nothing certain to compile
     if spec.submodule_search_locations is not None:  # a package runs its __main__
-        spec = importlib.machinery.PathFinder.find_spec(
+        main_spec = importlib.machinery.PathFinder.find_spec(
             f"{name}.__main__", list(spec.submodule_search_locations)
         )
-        if spec is None:
+        if main_spec is None:
             return None
+        spec = main_spec
     origin = spec.origin if spec.has_location else None
     return origin if origin is not None and origin.endswith(".py") else None

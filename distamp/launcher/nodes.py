@@ -19,6 +19,8 @@ _HOST_NAME = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
 
 def resolve_nodes(args: argparse.Namespace) -> tuple[int, int, str | None, int | None]:
     """(nnodes, node_rank, master host, master port); host and port are ``None`` for a local job."""
+    host: str | None
+    port: int | None
     if args.ips is not None:
         nnodes, node_rank, host, port = _resolve_ips(args)
     else:
@@ -116,9 +118,10 @@ def _parse_master(text: str) -> tuple[str, int]:
 def _valid_host(host: str) -> bool:
     try:
         ipaddress.ip_address(host)
-        return True
     except ValueError:
         return bool(_HOST_NAME.match(host)) and len(host) <= 253
+    else:
+        return True
 
 
 def _is_this_host(host: str) -> bool:
@@ -134,8 +137,9 @@ def _is_this_host(host: str) -> bool:
     for family, _, _, _, sockaddr in infos:
         try:
             with socket.socket(family, socket.SOCK_STREAM) as s:
-                s.bind((sockaddr[0], 0) + tuple(sockaddr[2:]))
-            return True
+                s.bind((sockaddr[0], 0, *sockaddr[2:]))
         except OSError:
             continue
+        else:
+            return True
     return False

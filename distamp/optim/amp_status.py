@@ -6,7 +6,7 @@ from typing import Any
 
 from distamp.optim.accumulation import GradientMerge
 from distamp.optim.grad_clipping import GradClipper
-from distamp.optim.master_weights import MasterWeights
+from distamp.optim.master_weights import MasterWeightsSurface
 from distamp.optim.precision import FullPrecision
 from distamp.optim.step_policy import StepPolicy
 
@@ -26,7 +26,7 @@ class AmpStatus:
     clipper: GradClipper
 
     @property
-    def master_weights(self) -> MasterWeights:
+    def master_weights(self) -> MasterWeightsSurface:
         """The model-parameter / master pairing (masters are params in O1)."""
         return self.precision.master_weights
 

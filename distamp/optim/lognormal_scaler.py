@@ -167,6 +167,7 @@ class LogNormalLossScaler(LossScaler):
         elif grad_max == 0.0:
             return
         else:
+            assert grad_max is not None  # update() checked it on finite steps (needs_grad_max)
             x = math.log2(grad_max)
         self._count += 1
         self._mean_ema = self.beta1 * self._mean_ema + (1.0 - self.beta1) * x

@@ -294,7 +294,7 @@ class MasterWeights:
         self.copy_masters_to_model()
 
 
-def fp32_model_state_dict(module: nn.Module, master_weights: Sequence[MasterWeights]) -> dict:
+def fp32_model_state_dict(module: nn.Module, master_weights: Sequence[MasterWeightsSurface]) -> dict:
     """``module.state_dict()`` with each parameter replaced by an FP32 copy of its master.
 
     Parameters without a master (O1, AMP off, other dtypes) are copied as

@@ -21,7 +21,7 @@ from torch import nn
 
 from distamp.amp.fp32_parameters import NORM_LAYER_TYPES
 from distamp.amp.nan_inf_check import NanInfChecker
-from distamp.optim.master_weights import MasterWeights
+from distamp.optim.master_weights import MasterWeightsSurface
 from distamp.strategy import AmpConfig
 
 __all__ = ["ModelBinding"]
@@ -37,7 +37,9 @@ class ModelBinding:
         step: returns the number of the step in progress (for messages).
     """
 
-    def __init__(self, master_weights: MasterWeights, config: AmpConfig, amp: bool, step: Callable[[], int]) -> None:
+    def __init__(
+        self, master_weights: MasterWeightsSurface, config: AmpConfig, amp: bool, step: Callable[[], int]
+    ) -> None:
         self._master_weights = master_weights
         self._config = config
         self._amp = amp

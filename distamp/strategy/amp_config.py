@@ -7,6 +7,7 @@ import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, ClassVar
 
 import torch
@@ -34,7 +35,8 @@ _LOSS_SCALING_KEYS = (
 
 def _user_stacklevel() -> int:
     """Stack level of the first frame outside distamp.strategy (and dataclass __init__)."""
-    frame, level = sys._getframe(2), 2
+    frame: FrameType | None = sys._getframe(2)
+    level = 2
     while frame is not None and (
         frame.f_code.co_filename == "<string>"
         or os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR

@@ -10,7 +10,10 @@ from distamp.strategy.checks import show
 from distamp.suggest import did_you_mean
 
 if TYPE_CHECKING:
-    from typing import Self
+    from dataclasses import Field
+
+    # typing.Self is Python 3.11+; mypy checks for 3.10 (setup.cfg).
+    import typing_extensions
 
 __all__ = ["Config"]
 
@@ -26,8 +29,12 @@ class Config:
     _OWNER: ClassVar[str] = ""
     _RETIRED: ClassVar[Mapping] = {}
 
+    if TYPE_CHECKING:
+        # Set by @dataclass on every subclass; declared so that mypy accepts fields(cls) and fields(self).
+        __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
+
     @classmethod
-    def from_dict(cls, mapping: Any) -> Self:
+    def from_dict(cls, mapping: Any) -> typing_extensions.Self:
         """Build from a dict of keys; unknown keys raise ValueError with a suggestion.
 
         Unset keys take their defaults. An instance of the class is returned as is.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 from distamp.strategy.amp_config import AmpConfig
 from distamp.strategy.checks import as_bool, as_float, show
@@ -27,7 +27,7 @@ def _restore_strategy(state: tuple) -> DistributedStrategy:
     """Unpickle (and deepcopy) a strategy: its configs are frozen and already valid, so rebuilding
     them (and re-emitting warnings) is unnecessary."""
     strategy = object.__new__(DistributedStrategy)
-    for slot, value in zip(DistributedStrategy.__slots__, state):
+    for slot, value in zip(DistributedStrategy.__slots__, state, strict=True):
         object.__setattr__(strategy, slot, value)
     return strategy
 
@@ -78,7 +78,18 @@ class DistributedStrategy:
         "_sharding",
         "_sharding_config",
     )
-    __hash__ = None  # mutable
+    # Declared for the type checker only: no values here, which __slots__ would refuse.
+    _amp: bool
+    _amp_config: AmpConfig
+    _find_unused_parameters: bool
+    _fuse_grad_size_in_MB: float
+    _gradient_merge: bool
+    _gradient_merge_config: GradientMergeConfig
+    _sharding: bool
+    _sharding_config: ShardingConfig
+
+    # Mutable, so unhashable; typeshed declares list.__hash__ this way, with the same ignore.
+    __hash__: ClassVar[None] = None  # type: ignore[assignment]
 
     def __init__(self, **attributes: Any) -> None:
         object.__setattr__(self, "_amp", False)

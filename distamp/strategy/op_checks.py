@@ -23,7 +23,7 @@ def _canonical_ops(owner: str, key: str, names: tuple[str, ...]) -> tuple[str, .
 
     known = known_op_names()
     canonical = tuple(canonical_op_name(name) for name in names)
-    for name, op in zip(names, canonical):
+    for name, op in zip(names, canonical, strict=True):
         if op not in known:
             hint = did_you_mean(op, known) or " Ops are torch function names such as 'matmul' or 'softmax'."
             raise ValueError(

@@ -64,8 +64,12 @@ class ConfigView(dict):
     def popitem(self):
         self._refuse()
 
-    def __ior__(self, other):
+    def _refuse_merge(self, other: Any) -> NoReturn:
         self._refuse()
+
+    # Assigned rather than defined under its own name: mypy checks a def'd __ior__ against
+    # dict.__or__'s overloads (typeshed's own dict.__ior__ needs a type: ignore for it).
+    __ior__ = _refuse_merge
 
     def copy(self) -> dict:
         """An ordinary, editable dict (with ordinary lists) to change and assign back."""

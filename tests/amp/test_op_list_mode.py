@@ -24,7 +24,8 @@ def test_black_listed_op_runs_in_fp32_and_equals_fp32_reference():
         with _mode(black={"mm"}):
             out = torch.mm(a, b)
             other = torch.matmul(a, b)  # not listed: torch decides
-    assert out.dtype == torch.float32 and torch.equal(out, torch.mm(a, b))
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.mm(a, b))
     assert other.dtype == BF16
 
 
@@ -32,7 +33,8 @@ def test_black_list_casts_16_bit_inputs_up():
     x = torch.randn(8).to(BF16)
     with torch.autocast("cpu", dtype=BF16), _mode(black={"softmax"}):
         out = F.softmax(x, dim=0)
-    assert out.dtype == torch.float32 and torch.equal(out, F.softmax(x.float(), dim=0))
+    assert out.dtype == torch.float32
+    assert torch.equal(out, F.softmax(x.float(), dim=0))
 
 
 def test_white_listed_op_runs_in_the_autocast_dtype_and_matches_the_bf16_reference():
@@ -41,7 +43,8 @@ def test_white_listed_op_runs_in_the_autocast_dtype_and_matches_the_bf16_referen
         assert torch.exp(x).dtype == torch.float32
         with _mode(white={"torch.exp"}):
             out = torch.exp(x)
-    assert out.dtype == BF16 and torch.equal(out, torch.exp(x.to(BF16)))
+    assert out.dtype == BF16
+    assert torch.equal(out, torch.exp(x.to(BF16)))
 
 
 def test_float64_and_integers_are_not_cast():
@@ -72,7 +75,8 @@ def test_batch_norm_running_stats_are_updated_in_place_not_in_a_copy():
     mean, var = torch.zeros(3), torch.ones(3)
     with torch.autocast("cpu", dtype=BF16), _mode(white={"batch_norm"}):
         F.batch_norm(x, mean, var, training=True)
-    assert mean.dtype == torch.float32 and not torch.equal(mean, torch.zeros(3))
+    assert mean.dtype == torch.float32
+    assert not torch.equal(mean, torch.zeros(3))
 
 
 def test_gradients_reach_each_input_in_its_own_dtype():
@@ -86,7 +90,8 @@ def test_gradients_reach_each_input_in_its_own_dtype():
 
 def test_aliases_expand_and_overlap_is_refused():
     mode = _mode(black={"conv"})
-    assert "conv2d" in mode.black and "conv_transpose1d" in mode.black
+    assert "conv2d" in mode.black
+    assert "conv_transpose1d" in mode.black
     with pytest.raises(ValueError, match=r"^ops \['conv2d'\] are on both the white and the black list; keep each "
                                          r"on one list$"):
         _mode(white={"F.conv2d"}, black={"conv2d"})
@@ -95,19 +100,22 @@ def test_aliases_expand_and_overlap_is_refused():
 def test_copy_and_repr():
     mode = _mode(white={"exp"}, black={"softmax", "mm"})
     twin = mode.copy()
-    assert twin is not mode and (twin.white, twin.black, twin.dtype, twin.device_type) == (
+    assert twin is not mode
+    assert (twin.white, twin.black, twin.dtype, twin.device_type) == (
         mode.white, mode.black, BF16, "cpu")
     assert repr(mode) == ("OpListMode(device_type='cpu', dtype=torch.bfloat16, white=['exp'], "
                           "black=['mm', 'softmax'])")
 
 
 def test_checkpoint_context_fn_replays_the_innermost_mode():
-    forward, recompute = checkpoint_context_fn()
+    _forward, recompute = checkpoint_context_fn()
     assert not isinstance(recompute, OpListMode)
     with _mode(black={"exp"}) as outer, _mode(black={"mm"}) as inner:
         assert outer is not inner
         _, recompute = checkpoint_context_fn()
-        assert isinstance(recompute, OpListMode) and recompute.black == {"mm"} and recompute is not inner
+        assert isinstance(recompute, OpListMode)
+        assert recompute.black == {"mm"}
+        assert recompute is not inner
     assert not any(isinstance(m, OpListMode) for m in _get_current_function_mode_stack())
 
 

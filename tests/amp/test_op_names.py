@@ -59,9 +59,11 @@ def test_inplace_names():
 def test_known_names_come_from_torch_and_include_aliases():
     names = known_op_names()
     assert {"matmul", "softmax", "conv2d", "vector_norm", "expm1", "layer_norm", "conv", "conv_transpose"} <= names
-    assert "__repr__" not in names and "repr" not in names
+    assert "__repr__" not in names
+    assert "repr" not in names
     assert not any(n.startswith("_") for n in names)
-    assert is_known_op("F.gelu") and is_known_op("torch.special.expm1")
+    assert is_known_op("F.gelu")
+    assert is_known_op("torch.special.expm1")
     assert not is_known_op("definitely_not_an_op")
 
 
@@ -75,8 +77,11 @@ def test_expand_aliases_and_canonicalise():
 
 def test_functions_named_finds_every_form():
     funcs = functions_named(["matmul"])
-    assert torch.matmul in funcs and torch.Tensor.matmul in funcs and torch.Tensor.__matmul__ in funcs
+    assert torch.matmul in funcs
+    assert torch.Tensor.matmul in funcs
+    assert torch.Tensor.__matmul__ in funcs
     assert torch.mm not in funcs
     conv = functions_named(["conv"])
-    assert F.conv2d in conv and F.conv_transpose1d in conv
+    assert F.conv2d in conv
+    assert F.conv_transpose1d in conv
     assert functions_named(["nope"]) == frozenset()

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from distamp.distributed.groups import data_parallel_group, group_rank, group_size, is_distributed
+from distamp.distributed.groups import (
+    data_parallel_group,
+    group_rank,
+    group_size,
+    is_distributed,
+)
 from tests.multiprocess import run_workers
 
 
@@ -35,6 +40,8 @@ def _worker(rank, world_size):
 def test_in_a_gloo_group_of_two():
     results = run_workers(_worker, 2, timeout=50)
     for rank, got in enumerate(results):
-        assert got["is_distributed"] and got["default_is_world"] and got["given_passes_through"]
+        assert got["is_distributed"]
+        assert got["default_is_world"]
+        assert got["given_passes_through"]
         assert (got["size"], got["rank"]) == (2, rank)
     assert (results[1]["sub_rank"], results[1]["sub_size"]) == (0, 1)

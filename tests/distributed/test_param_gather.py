@@ -26,15 +26,17 @@ def _sources(layout, rank, truth):
 def test_one_rank_copies_and_rounds_in_place():
     layout = FlatLayout(NUMELS, 1)
     truth = _truth()
-    dest = [torch.zeros(n, dtype=d) for n, d in zip(NUMELS, DTYPES)]
+    dest = [torch.zeros(n, dtype=d) for n, d in zip(NUMELS, DTYPES, strict=True)]
     gather = SliceAllGather(layout, 0, None, chunk_bytes=8)
     gather.run(_sources(layout, 0, truth), dest.__getitem__)
-    for t, d in zip(truth, dest):
+    for t, d in zip(truth, dest, strict=True):
         assert torch.equal(d, t.to(d.dtype))
     assert gather.stats.calls == 0  # no buffers, no rounds
-    fresh = [torch.zeros(n, dtype=d) for n, d in zip(NUMELS, DTYPES)]
+    fresh = [torch.zeros(n, dtype=d) for n, d in zip(NUMELS, DTYPES, strict=True)]
     gather.run(_sources(layout, 0, truth), fresh.__getitem__, params=[1])
-    assert torch.equal(fresh[1], truth[1]) and not fresh[0].any() and not fresh[4].any()
+    assert torch.equal(fresh[1], truth[1])
+    assert not fresh[0].any()
+    assert not fresh[4].any()
 
 
 def _worker(rank, world_size):
@@ -42,11 +44,11 @@ def _worker(rank, world_size):
     truth = _truth()
     out = {}
     for chunk_bytes in (4, 1 << 20):
-        dest = [torch.zeros(n, dtype=d) for n, d in zip(NUMELS, DTYPES)]
+        dest = [torch.zeros(n, dtype=d) for n, d in zip(NUMELS, DTYPES, strict=True)]
         gather = SliceAllGather(layout, rank, dist.group.WORLD, chunk_bytes=chunk_bytes)
         gather.run(_sources(layout, rank, truth), dest.__getitem__)
         out[chunk_bytes] = (dest, gather.stats.calls, gather.stats.bytes)
-    subset = [torch.full((n,), -1.0, dtype=d) for n, d in zip(NUMELS, DTYPES)]
+    subset = [torch.full((n,), -1.0, dtype=d) for n, d in zip(NUMELS, DTYPES, strict=True)]
     SliceAllGather(layout, rank, dist.group.WORLD, 1 << 20).run(_sources(layout, rank, truth), subset.__getitem__,
                                                                 params=[0, 4])
     out["subset"] = subset
@@ -60,7 +62,7 @@ def test_two_ranks_get_every_value_bitwise_in_its_wire_dtype():
     results = run_workers(_worker, 2, timeout=50)
     for rank, got in enumerate(results):
         for chunk_bytes, (dest, calls, sent) in ((k, got[k]) for k in (4, 1 << 20)):
-            for i, (t, d) in enumerate(zip(truth, dest)):
+            for i, (t, d) in enumerate(zip(truth, dest, strict=True)):
                 assert d.dtype == DTYPES[i]
                 assert torch.equal(d, t.to(DTYPES[i])), (rank, chunk_bytes, i)
             # One gather per dtype class with a large chunk; with 4 bytes per round, one element per rank per
@@ -77,5 +79,6 @@ def test_two_ranks_get_every_value_bitwise_in_its_wire_dtype():
                 # bf16: 4 bytes // (2 ranks * 2 bytes) = 1 element per round; fp32: max(1, 4 // 8) = 1
                 assert calls == longest[torch.bfloat16] + longest[torch.float32]
         subset = got["subset"]
-        assert torch.equal(subset[0], truth[0].to(torch.bfloat16)) and torch.equal(subset[4], truth[4])
+        assert torch.equal(subset[0], truth[0].to(torch.bfloat16))
+        assert torch.equal(subset[4], truth[4])
         assert all(torch.equal(subset[i], torch.full((NUMELS[i],), -1.0, dtype=DTYPES[i])) for i in (1, 2, 3))

@@ -9,7 +9,11 @@ import torch
 import torch.distributed as dist
 
 from distamp.distributed import store_exchange
-from distamp.distributed.store_exchange import StoreExchange, StoreTimeoutError, rank_and_world
+from distamp.distributed.store_exchange import (
+    StoreExchange,
+    StoreTimeoutError,
+    rank_and_world,
+)
 from tests.multiprocess import run_workers
 
 
@@ -27,7 +31,9 @@ def test_without_a_process_group_every_method_is_local():
 def test_values_round_trip_and_code_is_refused():
     value = {"t": torch.arange(3), "s": "x", "n": [1, 2.5, None]}
     back = store_exchange._decode(store_exchange._encode(value))
-    assert torch.equal(back["t"], value["t"]) and back["s"] == "x" and back["n"] == [1, 2.5, None]
+    assert torch.equal(back["t"], value["t"])
+    assert back["s"] == "x"
+    assert back["n"] == [1, 2.5, None]
     with pytest.raises(Exception, match="Weights only load failed"):
         store_exchange._decode(store_exchange._encode(test_values_round_trip_and_code_is_refused))
 
@@ -68,13 +74,15 @@ def _worker(rank, world_size):
 @pytest.mark.timeout(60)
 def test_two_ranks():
     r0, r1 = run_workers(_worker, 2, timeout=50)
-    assert [t.tolist() for t in r0["gather"]] == [[0, 0], [1, 10]] and r1["gather"] is None
+    assert [t.tolist() for t in r0["gather"]] == [[0, 0], [1, 10]]
+    assert r1["gather"] is None
     assert r0["broadcast"] == r1["broadcast"] == {"from": 0}
     assert r0["all_gather"] == r1["all_gather"] == ["r0", "r1"]
     assert r0["decide"] == r1["decide"] == 2
     assert r0["present"] == r1["present"] == [0, 1]
     assert r0["prefixes"] == r1["prefixes"]
-    assert r0["prefixes"][0] != r0["prefixes"][1] and r0["prefixes"][0].endswith("/step-1")
+    assert r0["prefixes"][0] != r0["prefixes"][1]
+    assert r0["prefixes"][0].endswith("/step-1")
     assert r0["again"] == r1["again"] == [0, 3]
     assert not r0["gather_key_left"]
     assert r0["error"].startswith("rank 0 waited 0:00:00.300000 during save step 9 and rank(s) [1] did not arrive (")

@@ -41,7 +41,8 @@ def test_a_timeout_in_one_process_cannot_name_anyone(text):
         "loading, or a rank running other code); raise the limit with fleet.init(timeout=...) if they are only "
         f"slow. ({text})"
     )
-    assert isinstance(info.value, RuntimeError) and isinstance(info.value.__cause__, RuntimeError)
+    assert isinstance(info.value, RuntimeError)
+    assert isinstance(info.value.__cause__, RuntimeError)
 
 
 def _worker(rank, world_size):

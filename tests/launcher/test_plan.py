@@ -26,13 +26,15 @@ def test_defaults_are_a_single_node_loopback_job():
     plan = LaunchPlan(command=("train.py",), nproc_per_node=3)
     assert (plan.nnodes, plan.node_rank, plan.master_addr, plan.master_port, plan.gpus) == (1, 0, None, None, None)
     assert (plan.log_dir, plan.tee, plan.max_restarts, plan.grace_period) == ("log", frozenset({0}), 0, 30)
-    assert plan.world_size == 3 and plan.local_rendezvous
+    assert plan.world_size == 3
+    assert plan.local_rendezvous
 
 
 def test_world_size_and_rendezvous_of_a_multi_node_plan():
     plan = LaunchPlan(command=("-m", "pkg.train"), nproc_per_node=4, nnodes=3, node_rank=2,
                       master_addr="10.0.0.1", master_port=DEFAULT_MASTER_PORT)
-    assert plan.world_size == 12 and not plan.local_rendezvous
+    assert plan.world_size == 12
+    assert not plan.local_rendezvous
 
 
 def test_plans_are_frozen():
@@ -56,7 +58,8 @@ def test_usage_errors_are_value_errors():
 
 def test_build_plan_maps_gpus_through_cuda_visible_devices(script):  # noqa: F811
     plan = parse(["--gpus", "1,2", "train.py"], environ={"CUDA_VISIBLE_DEVICES": "GPU-a, GPU-b,GPU-c"}, gpus=3)
-    assert plan.gpus == ("GPU-b", "GPU-c") and plan.nproc_per_node == 2
+    assert plan.gpus == ("GPU-b", "GPU-c")
+    assert plan.nproc_per_node == 2
     assert parse(["--gpus", "0", "train.py"], gpus=1).gpus == ("0",)
 
 

@@ -36,8 +36,8 @@ def test_an_orphan_is_killed_and_named_and_earlier_children_are_kept():
         with Reaper() as reaper:
             assert _is_subreaper()
             # sh starts a background sleep and exits: the sleep is orphaned and re-parented to us.
-            orphan = int(subprocess.run(["sh", "-c", "sleep 31 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True,
-                                        check=True).stdout)
+            orphan = int(subprocess.run(["sh", "-c", "sleep 31 >/dev/null 2>&1 & echo $!"], capture_output=True,
+                                        text=True, check=True).stdout)
             with open(f"/proc/{orphan}/stat") as f:
                 assert int(f.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
             left = reaper.kill_leftovers()

@@ -20,7 +20,8 @@ def test_without_merging_every_backward_communicates_and_steps():
     for _ in range(3):
         assert merge.sync_next_backward
         merge.count_backward()
-        assert not merge.is_accumulating and merge.window_complete
+        assert not merge.is_accumulating
+        assert merge.window_complete
         merge.reset()
 
 
@@ -34,16 +35,20 @@ def test_a_window_of_three():
         seen.append((merge.is_accumulating, merge.window_complete))
     assert seen == [(False, 0), (True, False), (False, 1), (True, False), (True, 2), (False, True)]
     merge.reset()
-    assert merge.micro_steps == 0 and not merge.sync_next_backward
+    assert merge.micro_steps == 0
+    assert not merge.sync_next_backward
 
 
 def test_a_full_window_not_stepped_starts_a_new_one():
     merge = GradientMerge(2)
     merge.count_backward()
     merge.count_backward()
-    assert merge.window_complete and not merge.sync_next_backward  # the next backward opens a new window
+    assert merge.window_complete
+    assert not merge.sync_next_backward  # the next backward opens a new window
     merge.count_backward()
-    assert merge.micro_steps == 1 and merge.is_accumulating and merge.sync_next_backward
+    assert merge.micro_steps == 1
+    assert merge.is_accumulating
+    assert merge.sync_next_backward
 
 
 def test_sum_instead_of_mean():

@@ -13,8 +13,8 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def _scaler(**kw):
-    args = dict(init_scale=32768.0, incr_every_n_steps=3, decr_every_n_nan_or_inf=2, incr_ratio=2.0,
-                decr_ratio=0.5, min_scale=1.0, max_scale=2.0**24)
+    args = {"init_scale": 32768.0, "incr_every_n_steps": 3, "decr_every_n_nan_or_inf": 2, "incr_ratio": 2.0,
+            "decr_ratio": 0.5, "min_scale": 1.0, "max_scale": 2.0**24}
     args.update(kw)
     return BackoffLossScaler(**args)
 
@@ -65,7 +65,8 @@ def test_bounds_bind():
     low = _scaler(init_scale=1.5, decr_every_n_nan_or_inf=1)
     low.update(True)
     assert low.scale == 1.0
-    assert not low.can_decrease and not low.decrease_now()
+    assert not low.can_decrease
+    assert not low.decrease_now()
     low.update(True)
     assert low.scale == 1.0
 
@@ -73,14 +74,16 @@ def test_bounds_bind():
 def test_growth_that_would_be_inf_in_float32_keeps_the_old_scale():
     s = _scaler(init_scale=3.0e38, max_scale=1e300, incr_every_n_steps=1)
     s.update(False)
-    assert s.scale == torch.tensor(3.0e38).item() and s.num_good_steps == 0
+    assert s.scale == torch.tensor(3.0e38).item()
+    assert s.num_good_steps == 0
 
 
 def test_decrease_now_restarts_both_counters():
     s = _scaler()
     s.update(False)
     s.update(True)
-    assert s.can_decrease and s.decrease_now()
+    assert s.can_decrease
+    assert s.decrease_now()
     assert (s.scale, s.num_good_steps, s.num_bad_steps) == (16384.0, 0, 0)
 
 
@@ -106,8 +109,8 @@ def test_state_dict_round_trip_and_loading_larger_counters():
 
 
 @pytest.mark.parametrize(("state", "error", "match"), [
-    ({"scale": 1.0}, ValueError, r"BackoffLossScaler.load_state_dict: missing keys \['num_bad_steps', "
-                                 r"'num_good_steps'\], unknown keys \[\]"),
+    ({"scale": 1.0}, ValueError, (r"BackoffLossScaler.load_state_dict: missing keys \['num_bad_steps', "
+                                  r"'num_good_steps'\], unknown keys \[\]")),
     ({"scale": 1.0, "num_good_steps": -1, "num_bad_steps": 0}, ValueError,
      r"state_dict\['num_good_steps'\] must be an int >= 0, got -1\."),
     ({"scale": 0.0, "num_good_steps": 0, "num_bad_steps": 0}, ValueError,

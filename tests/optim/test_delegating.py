@@ -53,5 +53,6 @@ def test_refuses_non_optimizers_double_wrapping_and_pickling():
     wrapped = DelegatingOptimizer(_inner())
     with pytest.raises(TypeError, match=r"^optimizer is already an AmpOptimizer; wrap the inner optimizer only once$"):
         DelegatingOptimizer(wrapped)
-    with pytest.raises(TypeError, match=r"^DelegatingOptimizer is not picklable; save optimizer.state_dict\(\) instead$"):
+    with pytest.raises(TypeError,
+                       match=r"^DelegatingOptimizer is not picklable; save optimizer.state_dict\(\) instead$"):
         pickle.dumps(wrapped)

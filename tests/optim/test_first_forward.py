@@ -93,8 +93,8 @@ def test_after_the_first_step_it_gives_up_with_a_warning_in_o2_only(caplog):
         messages = [r.getMessage() for r in caplog.records]
         if enabled:
             assert messages == [
-                "O2: no module owning all the optimizer's parameters ran a forward before the first step, so "
-                "normalization layers stay 16-bit; pass the model to fleet.distributed_model to keep them FP32"]
+                ("O2: no module owning all the optimizer's parameters ran a forward before the first step, so "
+                 "normalization layers stay 16-bit; pass the model to fleet.distributed_model to keep them FP32")]
         else:
             assert messages == []
 

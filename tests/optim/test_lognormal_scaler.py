@@ -10,7 +10,9 @@ import torch
 
 from distamp.optim.lognormal_scaler import LogNormalLossScaler
 
-F32 = lambda x: torch.tensor(x, dtype=torch.float32).item()  # noqa: E731
+
+def F32(x):
+    return torch.tensor(x, dtype=torch.float32).item()
 
 
 def _reference_stats(xs, beta1, beta2):
@@ -18,9 +20,9 @@ def _reference_stats(xs, beta1, beta2):
     n = len(xs)
     w1 = [(1 - beta1) * beta1 ** (n - 1 - i) for i in range(n)]
     w2 = [(1 - beta2) * beta2 ** (n - 1 - i) for i in range(n)]
-    mu = sum(w * x for w, x in zip(w1, xs)) / (1 - beta1**n)
-    slow = sum(w * x for w, x in zip(w2, xs)) / (1 - beta2**n)
-    sq = sum(w * x * x for w, x in zip(w2, xs)) / (1 - beta2**n)
+    mu = sum(w * x for w, x in zip(w1, xs, strict=True)) / (1 - beta1**n)
+    slow = sum(w * x for w, x in zip(w2, xs, strict=True)) / (1 - beta2**n)
+    sq = sum(w * x * x for w, x in zip(w2, xs, strict=True)) / (1 - beta2**n)
     return mu, math.sqrt(max(sq - slow * slow, 0.0))
 
 
@@ -29,8 +31,10 @@ def test_one_observation_sets_the_scale_to_max_over_grad_max():
     assert s.needs_grad_max
     s.update(False, grad_max=0.01)
     mu, sigma = s.log2_stats()
-    assert mu == pytest.approx(math.log2(0.01), abs=1e-12) and sigma == pytest.approx(0.0, abs=1e-6)
-    assert s.scale == pytest.approx(65504 / 0.01, rel=1e-5) and s.scale == F32(s.scale)
+    assert mu == pytest.approx(math.log2(0.01), abs=1e-12)
+    assert sigma == pytest.approx(0.0, abs=1e-6)
+    assert s.scale == pytest.approx(65504 / 0.01, rel=1e-5)
+    assert s.scale == F32(s.scale)
 
 
 def test_statistics_and_scale_follow_the_reference_over_a_random_run():
@@ -44,7 +48,8 @@ def test_statistics_and_scale_follow_the_reference_over_a_random_run():
         xs.append(math.log2(g))
     mu, sigma = s.log2_stats()
     ref_mu, ref_sigma = _reference_stats(xs, 0.9, 0.95)
-    assert mu == pytest.approx(ref_mu, rel=1e-12) and sigma == pytest.approx(ref_sigma, rel=1e-9)
+    assert mu == pytest.approx(ref_mu, rel=1e-12)
+    assert sigma == pytest.approx(ref_sigma, rel=1e-9)
     assert s.num_observations == 40
     assert s.scale == F32(2.0 ** (math.log2(65504.0) - (mu + 2.0 * sigma)))
 
@@ -68,7 +73,9 @@ def test_an_overflow_is_a_censored_observation_one_binade_up_and_at_least_halves
         s.update(True)
         assert s.scale < previous or s.scale == 1.0
         previous = s.scale
-    assert s.scale == 1.0 and not s.can_decrease and not s.decrease_now()
+    assert s.scale == 1.0
+    assert not s.can_decrease
+    assert not s.decrease_now()
 
 
 def test_decrease_now_halves_and_keeps_the_statistics():
@@ -76,7 +83,8 @@ def test_decrease_now_halves_and_keeps_the_statistics():
     s.update(False, grad_max=1.0)
     stats = s.state_dict()
     assert s.decrease_now()
-    assert s.scale == stats["scale"] / 2 and s.num_observations == 1
+    assert s.scale == stats["scale"] / 2
+    assert s.num_observations == 1
     assert {k: v for k, v in s.state_dict().items() if k != "scale"} == {k: v for k, v in stats.items() if k != "scale"}
 
 

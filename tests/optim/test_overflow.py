@@ -43,8 +43,8 @@ def test_record_logs_one_line_and_keeps_last_overflow(caplog):
         log.record(12, names, 1024.0)
         log.record(13, [], 512.0, retrying=True)
     assert [r.getMessage() for r in caplog.records] == [
-        "step 12 skipped: non-finite gradients in layer0.weight, layer1.weight, layer2.weight, layer3.weight, "
-        "layer4.weight, layer5.weight and 2 more (loss scale 1024)",
+        ("step 12 skipped: non-finite gradients in layer0.weight, layer1.weight, layer2.weight, layer3.weight, "
+         "layer4.weight, layer5.weight and 2 more (loss scale 1024)"),
         "step 13 retried at a lower loss scale: non-finite gradients in no parameter (loss scale 512)",
     ]
     assert log.last_overflow == {"step": 13, "params": []}
@@ -58,10 +58,10 @@ def test_suggests_fp32_once_per_module_after_repeated_overflows(caplog):
             log.record(step, ["head.weight", "head.bias", "bias"], 8.0)  # two params of one module: counted once
     hints = [r.getMessage() for r in caplog.records if "custom_black_varnames" in r.getMessage()]
     assert hints == [
-        f"module 'head' had non-finite gradients in {SUGGEST_AFTER} skipped steps; if it keeps overflowing, run it "
-        "in FP32: strategy.amp_configs = {..., 'custom_black_varnames': ['head']}",
-        f"module 'bias' had non-finite gradients in {SUGGEST_AFTER} skipped steps; if it keeps overflowing, run it "
-        "in FP32: strategy.amp_configs = {..., 'custom_black_varnames': ['bias']}",
+        (f"module 'head' had non-finite gradients in {SUGGEST_AFTER} skipped steps; if it keeps overflowing, "
+         "run it in FP32: strategy.amp_configs = {..., 'custom_black_varnames': ['head']}"),
+        (f"module 'bias' had non-finite gradients in {SUGGEST_AFTER} skipped steps; if it keeps overflowing, "
+         "run it in FP32: strategy.amp_configs = {..., 'custom_black_varnames': ['bias']}"),
     ]
 
 
@@ -71,6 +71,7 @@ def test_state_dict_saves_counts_only():
     assert log.state_dict() == {"overflows": 1}
     other = OverflowLog()
     other.load_state_dict({"overflows": 7})
-    assert other.overflows == 7 and other.last_overflow is None
+    assert other.overflows == 7
+    assert other.last_overflow is None
     other.load_state_dict({})
     assert other.overflows == 0

@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from distamp.optim.scaler_base import LossScaler, StaticLossScaler, UnitLossScaler, _to_float32
+from distamp.optim.scaler_base import (
+    LossScaler,
+    StaticLossScaler,
+    UnitLossScaler,
+    _to_float32,
+)
 
 
 class NeedsMax(StaticLossScaler):
@@ -29,17 +34,22 @@ def test_static_scaler_never_changes():
     s = StaticLossScaler(1024.0)
     s.update(True)
     s.update(torch.tensor(0.0))
-    assert s.scale == 1024.0 and not s.can_decrease and not s.decrease_now()
+    assert s.scale == 1024.0
+    assert not s.can_decrease
+    assert not s.decrease_now()
     assert s.state_dict() == {"scale": 1024.0}
     s.load_state_dict({"scale": 8.0})
-    assert s.scale == 8.0 and repr(s) == "StaticLossScaler(scale=8.0)"
+    assert s.scale == 8.0
+    assert repr(s) == "StaticLossScaler(scale=8.0)"
     assert StaticLossScaler(0.1).scale == torch.tensor(0.1).item()
 
 
 def test_unit_scaler():
     s = UnitLossScaler()
     s.update(True)
-    assert s.scale == 1.0 and s.state_dict() == {} and repr(s) == "UnitLossScaler()"
+    assert s.scale == 1.0
+    assert s.state_dict() == {}
+    assert repr(s) == "UnitLossScaler()"
     s.load_state_dict({})
     assert isinstance(s, LossScaler)
 
@@ -52,7 +62,8 @@ def test_found_inf_accepts_bools_numbers_and_one_element_tensors(flag):
 
 
 def test_found_inf_refuses_other_things():
-    with pytest.raises(TypeError, match=r"^found_inf must be a bool or a one-element tensor, got a tensor of shape \(2,\)\.$"):
+    with pytest.raises(TypeError,
+                       match=r"^found_inf must be a bool or a one-element tensor, got a tensor of shape \(2,\)\.$"):
         NeedsMax().update(torch.zeros(2))
     with pytest.raises(TypeError, match=r"^found_inf must be a bool or a one-element tensor, got 'yes'\.$"):
         NeedsMax().update("yes")
