@@ -1,9 +1,14 @@
-"""Test-suite hooks: tests marked ``cuda`` are skipped where no CUDA GPU is available."""
+"""Test-suite hooks: tests marked ``cuda`` are skipped where no CUDA GPU is available, and a
+process group a test created in the pytest process (``fleet.init()`` forms a one-process world)
+is destroyed after it, so the next test on the same worker starts without one."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+import torch.distributed as dist
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -14,3 +19,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind() -> Iterator[None]:
+    had_group = dist.is_available() and dist.is_initialized()
+    yield
+    if not had_group and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
