@@ -79,6 +79,8 @@ def test_node_rank_out_of_range(node_rank, nnodes):
         ("h:65536", r"^--master 'h:65536' has port '65536'"),
         ("h:-1", r"^--master 'h:-1' has port '-1'"),
         ("h:x", r"^--master 'h:x' has port 'x'"),
+        ("h:\u00b2", r"^--master 'h:\u00b2' has port '\u00b2'"),  # isdigit() but not int()
+        ("h:\u0663", r"^--master 'h:\u0663' has port '\u0663'"),  # int() takes it; a port it is not
         ("bad host:1", (r"^--master 'bad host:1' has an invalid host 'bad host'\. Use --master HOST:PORT, "
                         r"e\.g\. --master 10\.0\.0\.1:29500\.$")),
         ("-h:1", r"^--master '-h:1' has an invalid host '-h'"),

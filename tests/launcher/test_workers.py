@@ -84,6 +84,8 @@ def test_gpus_conflicting_with_nproc_fail_before_looking_at_the_hardware():
         ("0,,1", r"^--gpus '0,,1' is invalid: expected comma-separated GPU ids such as '0,1,2,3', got ''\.$"),
         ("a", r"^--gpus 'a' is invalid: expected comma-separated GPU ids such as '0,1,2,3', got 'a'\.$"),
         ("-1", r"got '-1'\.$"),
+        ("\u00b2", r"got '\u00b2'\.$"),  # str.isdigit() is True for superscripts, int() refuses them
+        ("\u0663", r"got '\u0663'\.$"),  # an Arabic-Indic digit: not an id CUDA_VISIBLE_DEVICES would take
         ("1,0,1,0", r"^--gpus '1,0,1,0' lists GPU 0 more than once; give each id once\.$"),
     ],
 )
