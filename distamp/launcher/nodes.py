@@ -105,7 +105,7 @@ def _parse_master(text: str) -> tuple[str, int]:
     fix = "Use --master HOST:PORT, e.g. --master 10.0.0.1:29500."
     if not sep or not host or not port_text:
         raise UsageError(f"--master {text!r} is malformed: expected HOST:PORT. {fix}")
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+    if not (port_text.isascii() and port_text.isdigit()) or not 1 <= int(port_text) <= 65535:
         raise UsageError(
             f"--master {text!r} has port {port_text!r}: it must be an integer "
             f"from 1 to 65535. {fix}"

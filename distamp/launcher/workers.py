@@ -73,7 +73,7 @@ def _parse_gpu_ids(text: str) -> list[int]:
     items = text.split(",")
     ids = []
     for item in items:
-        if not item.strip().isdigit():
+        if not (item.strip().isascii() and item.strip().isdigit()):  # isdigit() alone takes '²'
             raise UsageError(
                 f"--gpus {text!r} is invalid: expected comma-separated GPU ids "
                 f"such as '0,1,2,3', got {item!r}."

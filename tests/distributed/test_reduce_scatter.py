@@ -1,0 +1,137 @@
+"""The stage-2 reduce-scatter hook alone, on a real 2-rank gloo group, driven by a stand-in bucket.
+
+Parameters of 5 and 4 elements: 9 elements, rank 0 owns [0, 4) (the first 4 of
+parameter 0), rank 1 owns [4, 9) (the last element of parameter 0 and all of
+parameter 1), so parameter 0 is split across the two slices.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multiprocess import run_workers
+
+
+class Bucket:
+    """What the hook needs of ``torch.distributed.GradBucket``."""
+
+    def __init__(self, buffer, params, last=True):
+        self._buffer, self._params, self._last = buffer, params, last
+
+    def buffer(self):
+        return self._buffer
+
+    def parameters(self):
+        return self._params
+
+    def is_last(self):
+        return self._last
+
+
+def _grads(rank):
+    # Not representable in BF16, so the wire rounding shows.
+    return torch.linspace(-3.0, 5.0, 9) * (1.0 + rank / 3) + 0.001
+
+
+def _reduce(rank, world, wire):
+    from torch import nn
+
+    from distamp.distributed.reduce_scatter import (
+        ShardedGradReduce,
+        reduce_scatter_hook,
+    )
+    from distamp.optim.sharded_masters import ShardedMasters
+
+    params = [nn.Parameter(torch.zeros(5)), nn.Parameter(torch.zeros(2, 2))]
+    shard = ShardedMasters(params, None, None, rank, world)
+    state = ShardedGradReduce([shard], wire)
+    buffer = _grads(rank).clone()
+    plan = state.plan(params)
+    out = reduce_scatter_hook(state, Bucket(buffer, params)).wait()
+    return {
+        "slice": shard.grads.buffer.clone(),
+        "returned_is_bucket": out is buffer,
+        "bucket": buffer.clone(),
+        "reduced": shard.grads.reduced,
+        "input_splits": plan.input_splits,
+        "received": plan.received,
+        "identity": plan.identity,
+        "pieces": [(p.param, p.start, p.stop) for p in shard.pieces],
+        "stats": (state.stats.calls, state.stats.bytes),
+        "in_flight": len(state.in_flight),
+    }
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("wire", [torch.bfloat16, torch.float16])
+def test_each_rank_gets_its_slice_of_the_mean_of_the_16_bit_gradients(wire):
+    out = run_workers(_reduce, 2, wire, timeout=100)
+    rounded = [_grads(r).to(wire).float() for r in range(2)]
+    # Bitwise: each copy halved is exact in FP32 (a power-of-two divisor), the sum is rounded once, as here.
+    expected = (rounded[0] + rounded[1]) / 2
+    assert not torch.equal(expected, (_grads(0) + _grads(1)) / 2)  # the 16-bit wire does show
+    assert torch.equal(out[0]["slice"], expected[:4])
+    assert torch.equal(out[1]["slice"], expected[4:])
+    assert out[0]["pieces"] == [(0, 0, 4)]
+    assert out[1]["pieces"] == [(0, 4, 5), (1, 0, 4)]  # parameter 0 split across the slices
+    for rank, result in enumerate(out):
+        assert result["slice"].dtype == torch.float32
+        assert result["returned_is_bucket"]
+        assert torch.equal(result["bucket"], torch.zeros(9))
+        assert result["reduced"]
+        assert result["input_splits"] == (4, 5)
+        assert result["received"] == (4, 5)[rank]
+        assert result["identity"]  # the bucket is already in rank order: sent without packing
+        assert result["stats"] == (1, 9 * 2)
+        assert result["in_flight"] == 0
+
+
+def _reversed_and_accumulated(rank, world):
+    from torch import nn
+
+    from distamp.distributed.reduce_scatter import (
+        ShardedGradReduce,
+        reduce_scatter_hook,
+    )
+    from distamp.optim.sharded_masters import ShardedMasters
+
+    params = [nn.Parameter(torch.zeros(5)), nn.Parameter(torch.zeros(2, 2))]
+    shard = ShardedMasters(params, None, None, rank, world)
+    state = ShardedGradReduce([shard], torch.float32)
+    order = [params[1], params[0]]  # DDP's bucket order: parameter 1's 4 elements, then parameter 0's 5
+    g = _grads(rank)
+    for _ in range(2):  # two backward passes accumulate in the FP32 slice
+        buffer = torch.cat([g[5:], g[:5]])
+        reduce_scatter_hook(state, Bucket(buffer, order)).wait()
+    plan = state.plan(order)
+    return shard.grads.buffer.clone(), plan.send, plan.identity, plan.input_splits, len(state._plans)
+
+
+@pytest.mark.timeout(120)
+def test_a_bucket_in_another_order_is_packed_per_rank_and_sums_accumulate():
+    out = run_workers(_reversed_and_accumulated, 2, timeout=100)
+    expected = (_grads(0) + _grads(1)) / 2 * 2  # FP32 wire: exact inputs; two passes
+    assert torch.allclose(out[0][0], expected[:4], rtol=1e-6, atol=0)  # two FP32 additions: not bitwise
+    assert torch.allclose(out[1][0], expected[4:], rtol=1e-6, atol=0)
+    for _, send, identity, splits, plans in out:
+        assert send == ((4, 4), (0, 4), (8, 1))  # rank 0: param 0 [0, 4); rank 1: param 1, then param 0 [4, 5)
+        assert not identity
+        assert splits == (4, 5)
+        assert plans == 1
+
+
+def _unsupported(rank, world):
+    from distamp.distributed.reduce_scatter import ShardedGradReduce
+
+    try:
+        ShardedGradReduce([], torch.float64)
+    except TypeError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.timeout(60)
+def test_unsupported_wire_dtype():
+    out = run_workers(_unsupported, 1, timeout=50)
+    assert out == ["wire_dtype=torch.float64 is not supported; use torch.float16, bfloat16 or float32"]
