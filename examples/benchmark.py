@@ -250,7 +250,7 @@ def time_modes(args: argparse.Namespace, device: torch.device) -> tuple[dict[str
 
 # ----------------------------------------------------------------------------- probes
 
-def _tensor_peak(prof: torch.profiler.profile) -> float:
+def tensor_peak(prof: torch.profiler.profile) -> float:
     """Peak bytes of live CPU tensors over a profile (allocations minus frees, in time order)."""
     events = prof.profiler.kineto_results.events() if prof.profiler is not None else []
     deltas = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
@@ -293,7 +293,7 @@ def run_probe(args: argparse.Namespace) -> dict:
         _sync(device)
     calls = {k: v / args.probe_steps for k, v in counter.calls.items()}
     wire = counter.total_bytes / args.probe_steps
-    peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else _tensor_peak(prof)
+    peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else tensor_peak(prof)
     dist.destroy_process_group()
     return {"wire_bytes_per_step": wire, "collective_calls_per_step": calls, "peak_bytes": peak}
 

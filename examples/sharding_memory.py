@@ -29,12 +29,14 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import multiprocessing as mp
 import os
 import queue
 import socket
 from collections.abc import Sequence
 
+import benchmark  # examples/benchmark.py, beside this file: its live-tensor peak
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -97,13 +99,8 @@ def tensor_peak(prof: torch.profiler.profile, every_thread: bool) -> int:
         totals.sort()
         if totals:
             return max(total for _, _, total in totals) - (totals[0][2] - totals[0][1])
-    events = prof.profiler.kineto_results.events() if prof.profiler is not None else []
-    deltas = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in deltas:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    peak = benchmark.tensor_peak(prof)
+    return 0 if math.isnan(peak) else int(peak)
 
 
 def measure(rank: int, world: int, stage: int, args: argparse.Namespace) -> dict:

@@ -100,12 +100,12 @@ def test_plain_python_trains_with_distributed_sampler_and_no_ddp():
     assert report["last"] < report["first"]
 
 
-@pytest.mark.timeout(90)
-def test_two_processes_from_launcher_variables_form_a_gloo_group():
+def _two_ranks(code: str) -> list[subprocess.Popen]:
+    """Start ``code`` as ranks 0 and 1 of a fresh job on 127.0.0.1 (launcher variables as distrun sets them)."""
     port = str(free_port())
-    procs = [
+    return [
         subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(REPORT)],
+            [sys.executable, "-c", textwrap.dedent(code)],
             env={
                 **{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS},
                 "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
@@ -117,6 +117,11 @@ def test_two_processes_from_launcher_variables_form_a_gloo_group():
         )
         for rank in range(2)
     ]
+
+
+@pytest.mark.timeout(90)
+def test_two_processes_from_launcher_variables_form_a_gloo_group():
+    procs = _two_ranks(REPORT)
     reports = []
     for proc in procs:
         out, err = proc.communicate(timeout=80)
@@ -235,21 +240,7 @@ TIMES_OUT = """
 @pytest.mark.timeout(90)
 def test_timeout_reaches_the_process_group():
     """Rank 1 stays away from an all-reduce: with timeout=2 rank 0 raises instead of waiting 30 minutes."""
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", textwrap.dedent(TIMES_OUT)],
-            env={
-                **{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS},
-                "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-            },
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
+    procs = _two_ranks(TIMES_OUT)
     try:
         out, err = procs[0].communicate(timeout=80)
         out1, err1 = procs[1].communicate(timeout=30)

@@ -94,11 +94,14 @@ PROBE = (
 def test_main_redirects_output_and_execs_the_command_with_its_arguments(tmp_path):
     (tmp_path / "workerlog.3").write_text("earlier attempt\n")
     exit_file = str(tmp_path / "exit.3")
+    # A session of its own, as the agent gives each worker: the bootstrap's guardian SIGKILLs its
+    # process group once the "launcher" (this pytest process) exits, which must not be pytest's group.
     proc = subprocess.Popen(
         [sys.executable, BOOTSTRAP],
         env=_env(tmp_path, ["-c", PROBE, "$x", "--lr", "0.1"], os.getpid(), exit_file),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        start_new_session=True,
     )
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 7  # the command's own exit code: exec, not a child
@@ -127,6 +130,7 @@ def test_main_exits_at_once_when_the_launcher_is_already_gone(tmp_path):
         capture_output=True,
         timeout=60,
         check=False,
+        start_new_session=True,
     )
     assert proc.returncode == 128 + 9
     assert os.listdir(tmp_path) == []  # no log opened, the command never ran
