@@ -36,7 +36,10 @@ _SHOWN_NAMES = 6
 
 
 def nonfinite_parameters(
-    params: Sequence[nn.Parameter], names: Sequence[str], group: dist.ProcessGroup | None
+    params: Sequence[nn.Parameter],
+    names: Sequence[str],
+    group: dist.ProcessGroup | None,
+    local: set[int] | None = None,
 ) -> list[str]:
     """Names of ``params`` whose gradient is non-finite on any rank of ``group`` (same list on every rank).
 
@@ -44,18 +47,25 @@ def nonfinite_parameters(
         params: the parameters whose ``.grad`` the step applies.
         names: their qualified names, in the same order.
         group: the data-parallel group (``None``: this rank only).
+        local: indices of the parameters this rank found non-finite, when
+            its gradients are not in ``.grad`` (sharding: each rank holds its
+            slice's); ``None`` reads each ``.grad``.
     """
-    grads = {i: p.grad for i, p in enumerate(params) if p.grad is not None}  # in parameter order
     if not params:
         return []
+    grads = {i: p.grad for i, p in enumerate(params) if p.grad is not None}  # in parameter order
     device = next(iter(grads.values())).device if grads else params[0].device
     flags = torch.zeros(len(params), dtype=torch.float32, device=device)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, grad in grads.items():
-        groups.setdefault((grad.device, grad.dtype), []).append(i)
-    for indices in groups.values():
-        maxima = torch.stack(torch._foreach_norm([grads[i] for i in indices], math.inf)).float()
-        flags[torch.tensor(indices, device=device)] = (~torch.isfinite(maxima)).float().to(device)
+    if local is not None:
+        if local:
+            flags[torch.tensor(sorted(local), device=device)] = 1.0
+    else:
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, grad in grads.items():
+            groups.setdefault((grad.device, grad.dtype), []).append(i)
+        for indices in groups.values():
+            maxima = torch.stack(torch._foreach_norm([grads[i] for i in indices], math.inf)).float()
+            flags[torch.tensor(indices, device=device)] = (~torch.isfinite(maxima)).float().to(device)
     all_reduce_max(flags, group)
     return [names[i] for i in torch.nonzero(flags).flatten().tolist()]
 

@@ -11,6 +11,7 @@ reduce-scatter hook, which adds every micro-batch into it and sets
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -81,6 +82,15 @@ class SliceGrads:
             more = extra.get(id(self.model_params[piece.param])) if extra else None
             if more is not None and master.grad is not None:
                 master.grad.add_(more.view(-1)[piece.start : piece.stop])
+
+    def nonfinite_params(self) -> set[int]:
+        """Indices (in the flat order) of the parameters with a non-finite element in this slice."""
+        checked = [(piece.param, master.grad) for piece, master in zip(self.pieces, self.masters, strict=True)
+                   if master.grad is not None]
+        if not checked:
+            return set()
+        maxima = torch.stack(torch._foreach_norm([grad for _, grad in checked], math.inf))
+        return {checked[i][0] for i in torch.nonzero(~torch.isfinite(maxima)).flatten().tolist()}
 
     def expose(self) -> list[tuple[torch.Tensor, int]]:
         """Write this slice of the (unscaled) gradients into the model's ``.grad``, zeros elsewhere.

@@ -237,3 +237,34 @@ def test_stage_2_mismatches_raise_before_any_collective():
            "stage 1" in message
     message, _ = run_workers(_mismatch, 2, 2, True, timeout=100)[1]
     assert "['3.bias'] (of 1) belong to no optimizer built with fleet.distributed_optimizer" in message
+
+
+def _attributed(rank, world, stage):
+    from distamp import fleet
+
+    strategy = fleet.DistributedStrategy()
+    strategy.amp = True
+    strategy.amp_configs = {"dtype": "bfloat16", "use_pure_fp16": True}
+    strategy.sharding = True
+    strategy.sharding_configs = {"stage": stage}
+    fleet.init(strategy=strategy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    x = torch.randn(3, 4)
+    if rank == 1:
+        x[0, 0] = float("inf")  # only rank 1's input: non-finite gradients after the reduction
+    with fleet.auto_cast():
+        loss = wrapped(x).float().sum()
+    opt.backward(loss)
+    return opt.step(), opt.stats()["last_overflow"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_skipped_step_names_the_overflowing_parameters_from_the_slices(stage):
+    # Stage 2 hands .grad back zeroed: the names come from each rank's FP32 slice, agreed over ranks.
+    for applied, overflow in run_workers(_attributed, 2, stage, timeout=100):
+        assert not applied
+        assert overflow == {"step": 1, "params": ["0.weight", "1.weight"]}
