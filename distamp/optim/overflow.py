@@ -39,33 +39,31 @@ def nonfinite_parameters(
     params: Sequence[nn.Parameter],
     names: Sequence[str],
     group: dist.ProcessGroup | None,
-    local: set[int] | None = None,
+    grads: Sequence[tuple[int, torch.Tensor]] | None = None,
 ) -> list[str]:
     """Names of ``params`` whose gradient is non-finite on any rank of ``group`` (same list on every rank).
 
     Args:
-        params: the parameters whose ``.grad`` the step applies.
+        params: the parameters whose gradients the step applies.
         names: their qualified names, in the same order.
         group: the data-parallel group (``None``: this rank only).
-        local: indices of the parameters this rank found non-finite, when
-            its gradients are not in ``.grad`` (sharding: each rank holds its
-            slice's); ``None`` reads each ``.grad``.
+        grads: ``(index into params, tensor)`` pairs holding this rank's
+            reduced gradients (see ``reduced_grads()`` of the masters: under
+            sharding, the pieces of this rank's slice); ``None``: each ``.grad``.
     """
     if not params:
         return []
-    grads = {i: p.grad for i, p in enumerate(params) if p.grad is not None}  # in parameter order
-    device = next(iter(grads.values())).device if grads else params[0].device
+    if grads is None:
+        grads = [(i, p.grad) for i, p in enumerate(params) if p.grad is not None]
+    device = grads[0][1].device if grads else params[0].device
     flags = torch.zeros(len(params), dtype=torch.float32, device=device)
-    if local is not None:
-        if local:
-            flags[torch.tensor(sorted(local), device=device)] = 1.0
-    else:
-        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, grad in grads.items():
-            groups.setdefault((grad.device, grad.dtype), []).append(i)
-        for indices in groups.values():
-            maxima = torch.stack(torch._foreach_norm([grads[i] for i in indices], math.inf)).float()
-            flags[torch.tensor(indices, device=device)] = (~torch.isfinite(maxima)).float().to(device)
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
+    for i, grad in grads:
+        groups.setdefault((grad.device, grad.dtype), []).append((i, grad))
+    for members in groups.values():
+        maxima = torch.stack(torch._foreach_norm([grad for _, grad in members], math.inf)).float()
+        indices = torch.tensor([i for i, _ in members], device=device)
+        flags.scatter_reduce_(0, indices, (~torch.isfinite(maxima)).float().to(device), reduce="amax")
     all_reduce_max(flags, group)
     return [names[i] for i in torch.nonzero(flags).flatten().tolist()]
 

@@ -243,6 +243,10 @@ class ShardedMasters:
         self.grads.zero()
 
     # ------------------------------------------------------------------ parameters
+    def reduced_grads(self) -> list[tuple[int, torch.Tensor]]:
+        """Where this rank's reduced gradients are: its slice's FP32 pieces, by parameter index."""
+        return self.grads.reduced_grads()
+
     def zero_grads(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (freed, or zeroed in place) and this rank's FP32 gradient slice."""
         clear_grads(self.model_params, set_to_none)

@@ -11,7 +11,6 @@ reduce-scatter hook, which adds every micro-batch into it and sets
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -83,14 +82,10 @@ class SliceGrads:
             if more is not None and master.grad is not None:
                 master.grad.add_(more.view(-1)[piece.start : piece.stop])
 
-    def nonfinite_params(self) -> set[int]:
-        """Indices (in the flat order) of the parameters with a non-finite element in this slice."""
-        checked = [(piece.param, master.grad) for piece, master in zip(self.pieces, self.masters, strict=True)
-                   if master.grad is not None]
-        if not checked:
-            return set()
-        maxima = torch.stack(torch._foreach_norm([grad for _, grad in checked], math.inf))
-        return {checked[i][0] for i in torch.nonzero(~torch.isfinite(maxima)).flatten().tolist()}
+    def reduced_grads(self) -> list[tuple[int, torch.Tensor]]:
+        """``(parameter index, FP32 gradient)`` of each piece that has one, after :meth:`collect`."""
+        return [(piece.param, master.grad) for piece, master in zip(self.pieces, self.masters, strict=True)
+                if master.grad is not None]
 
     def expose(self) -> list[tuple[torch.Tensor, int]]:
         """Write this slice of the (unscaled) gradients into the model's ``.grad``, zeros elsewhere.

@@ -21,7 +21,6 @@ from distamp.optim.grad_watch import GradWatch
 from distamp.optim.model_binding import ModelBinding
 from distamp.optim.overflow import OverflowLog, nonfinite_parameters
 from distamp.optim.precision import FullPrecision
-from distamp.optim.slice_grads import SliceGrads
 
 __all__ = ["StepPolicy"]
 
@@ -69,10 +68,9 @@ class StepPolicy:
         params = self.binding_params()
         names = [self.binding.name_of(p, i) for i, p in enumerate(params)]
         # Under sharding the reduced gradients live in each rank's FP32 slice, not in .grad.
-        slice_grads = getattr(self.precision.master_weights, "grads", None)
-        local = slice_grads.nonfinite_params() if isinstance(slice_grads, SliceGrads) else None
+        grads = self.precision.master_weights.reduced_grads()
         with named_collective(f"the overflow attribution of step {self.step_number + 1}"):
-            bad = nonfinite_parameters(params, names, self._group(), local)
+            bad = nonfinite_parameters(params, names, self._group(), grads)
         self.overflow.record(self.step_number + 1, bad, self.precision.loss_scale, retrying=retrying)
 
     def binding_params(self) -> list[torch.nn.Parameter]:
