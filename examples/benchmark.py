@@ -96,7 +96,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     where.add_argument("--link_gbit", type=float, default=None,
                        help="run one rank in each of two network namespaces joined by a link of this rate (root)")
     where.add_argument("--threads", type=int, default=None,
-                       help="torch threads per rank (default: CPUs divided by local ranks)")
+                       help="torch threads per rank (default: CPUs divided by the ranks on this box)")
     where.add_argument("--json", default=os.path.join("runs", "benchmark.json"),
                        help="where rank 0 writes the results (default: %(default)s)")
     p.add_argument("--_probe", default=None, help=argparse.SUPPRESS)
@@ -345,6 +345,9 @@ def run_linked(args: argparse.Namespace, argv: Sequence[str]) -> int:
     # SIGTERM takes the same clean-up path as Ctrl-C.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     procs: list[subprocess.Popen] = []
+    if args.threads is None:
+        # Both ranks share this box's CPUs, though each sees itself as the only local rank.
+        argv = [*argv, "--threads", str(max(1, (os.cpu_count() or 1) // 2))]
     try:
         with netns.LinkedNamespaces(args.link_gbit) as link:
             try:
