@@ -7,23 +7,29 @@ parameter's own dtype on the wire: 16 bits for O2's low-precision
 parameters (half the bytes of FP32), FP32 for parameters kept in FP32 (so
 their values stay exact).
 
-The gather goes in rounds of at most ``chunk_bytes`` received per rank
-(the strategy's bucket size), one at a time, so the receive buffer never
-holds a second copy of the whole model. With one rank it is a copy.
+The gather goes in rounds, and at most ``chunk_bytes`` (the strategy's
+bucket size) are received per rank at a time, so the receive buffers never
+hold a second copy of the whole model. On gloo a round sends at most
+:data:`~distamp.distributed.wire_rounds.GLOO_ROUND_BYTES` per rank and as
+many rounds as fit in ``chunk_bytes`` are in flight at once (see
+:mod:`distamp.distributed.wire_rounds`); elsewhere a round receives
+``chunk_bytes``, one at a time. With one rank it is a copy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from distamp.distributed.comm_hooks import CommStats
+from distamp.distributed.wire_rounds import round_bytes
 from distamp.optim.flat_layout import FlatLayout, Piece
 
-__all__ = ["SliceAllGather"]
+__all__ = ["GatherInFlight", "SliceAllGather"]
 
 # all_gather_single is the non-deprecated name from torch 2.13 on.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -35,6 +41,17 @@ class _Entry:
 
     piece: Piece
     position: int
+
+
+@dataclass(frozen=True)
+class _Round:
+    """One all-gather: the window ``[start, start + chunk)`` of every rank's contribution to one dtype class."""
+
+    plan: list[list[_Entry]]
+    dtype: torch.dtype
+    start: int
+    chunk: int
+    received_bytes: int
 
 
 class SliceAllGather:
@@ -50,7 +67,7 @@ class SliceAllGather:
         layout: the flat space and its slices.
         rank: this process's rank in ``group``.
         group: the data-parallel group (``None`` only with one rank).
-        chunk_bytes: at most this many bytes are received per round.
+        chunk_bytes: at most this many bytes are received at a time.
     """
 
     def __init__(self, layout: FlatLayout, rank: int, group: dist.ProcessGroup | None, chunk_bytes: int) -> None:
@@ -58,8 +75,10 @@ class SliceAllGather:
         self.rank = rank
         self.group = group
         self.chunk_bytes = max(1, int(chunk_bytes))
+        self.round_bytes = round_bytes(group) if layout.world_size > 1 else None
         self.stats = CommStats()
         self._plans: dict[tuple, list[list[_Entry]]] = {}
+        self._schedules: dict[tuple, tuple[list[_Round], dict[int, int]]] = {}
 
     def run(
         self,
@@ -74,6 +93,19 @@ class SliceAllGather:
         ``i`` flattened (a contiguous 1-D view); its dtype is the wire dtype.
         Collective: every rank calls it with the same ``params`` and dtypes.
         """
+        self.start(sources, dest, params).finish()
+
+    def start(
+        self,
+        sources: Sequence[torch.Tensor],
+        dest: Callable[[int], torch.Tensor],
+        params: Sequence[int] | None = None,
+    ) -> GatherInFlight:
+        """Launch :meth:`run`'s gather and return it unfinished: the caller finishes it, all at once or by parameter.
+
+        Until it is finished, ``sources`` must not change and the
+        destinations hold their old values wherever a later round writes.
+        """
         wanted = range(len(self.layout.numels)) if params is None else params
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i in wanted:
@@ -86,10 +118,10 @@ class SliceAllGather:
             if pairs:
                 with torch.no_grad():
                     torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs])
-            return
-        with torch.no_grad():
-            for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-                self._gather_class(mine, dest, set(by_dtype[dtype]), dtype)
+            return GatherInFlight(self, [], {}, mine, dest)
+        key = tuple((dtype, tuple(sorted(by_dtype[dtype]))) for dtype in sorted(by_dtype, key=str))
+        rounds, last_round = self._schedules.get(key) or self._schedule(key)
+        return GatherInFlight(self, rounds, last_round, mine, dest)
 
     def _plan(self, members: set[int]) -> list[list[_Entry]]:
         """Per rank: the pieces of ``members`` in its slice, and where they sit in its contribution."""
@@ -107,20 +139,26 @@ class SliceAllGather:
             self._plans[key] = plan
         return plan
 
-    def _gather_class(
-        self, mine: dict[int, torch.Tensor], dest: Callable[[int], torch.Tensor], members: set[int], dtype: torch.dtype
-    ) -> None:
-        plan = self._plan(members)
-        sizes = [sum(e.piece.length for e in entries) for entries in plan]
-        longest = max(sizes)
-        if longest == 0:
-            return
+    def _schedule(self, key: tuple) -> tuple[list[_Round], dict[int, int]]:
+        """The rounds of a gather, dtype class by dtype class (the same on every rank), and per parameter the last
+        round that writes it."""
+        rounds: list[_Round] = []
+        last_round: dict[int, int] = {}
         world = self.layout.world_size
-        element = torch.empty((), dtype=dtype).element_size()
-        chunk = max(1, min(longest, self.chunk_bytes // (world * element)))
-        device = dest(next(iter(members))).device
-        for start in range(0, longest, chunk):  # one round at a time: one receive buffer at a time
-            self._unpack(plan, dest, *self._launch(plan[self.rank], mine, start, chunk, dtype, device), chunk)
+        for dtype, members in key:  # classes in the same order on every rank
+            plan = self._plan(set(members))
+            longest = max(sum(e.piece.length for e in entries) for entries in plan)
+            element = torch.empty((), dtype=dtype).element_size()
+            chunk = max(1, min(longest, self.chunk_bytes // (world * element)))
+            if self.round_bytes is not None:
+                chunk = min(chunk, max(1, self.round_bytes // element))
+            for start in range(0, longest, chunk):
+                for entries in plan:
+                    for entry, _, _ in _overlap(entries, start, start + chunk):
+                        last_round[entry.piece.param] = len(rounds)
+                rounds.append(_Round(plan, dtype, start, chunk, world * chunk * element))
+        self._schedules[key] = (rounds, last_round)
+        return rounds, last_round
 
     def _launch(
         self, entries: list[_Entry], mine: dict[int, torch.Tensor], start: int, chunk: int,
@@ -160,6 +198,65 @@ class SliceAllGather:
         # moment longer, and would then free them where torch.profiler's memory events do not look.
         for tensor in (out, send):
             tensor.untyped_storage().resize_(0)
+
+
+class GatherInFlight:
+    """A gather started by :meth:`SliceAllGather.start`; its rounds are unpacked in order, when asked for.
+
+    Rounds are launched while their receive buffers fit in the gather's
+    ``chunk_bytes`` (always at least one); unpacking a round lets the next
+    ones launch. Which rounds launch when depends only on the calls made,
+    never on timing, so every rank issues the same collectives in the same
+    order as long as every rank makes the same calls.
+    """
+
+    def __init__(self, gather: SliceAllGather, rounds: list[_Round], last_round: dict[int, int],
+                 mine: dict[int, torch.Tensor], dest: Callable[[int], torch.Tensor]) -> None:
+        self._gather, self._rounds, self._last_round = gather, rounds, last_round
+        self._mine, self._dest = mine, dest
+        self._launched: deque[tuple[_Round, tuple[torch.Tensor, torch.Tensor, dist.Work | None, int]]] = deque()
+        self._next = 0  # the next round to launch
+        self._finished = 0  # rounds unpacked
+        self._launch_more()
+
+    @property
+    def done(self) -> bool:
+        """Whether every round has been unpacked into the destinations."""
+        return self._finished == len(self._rounds)
+
+    def finish(self) -> None:
+        """Unpack every round (waiting for those still on the wire)."""
+        self._finish_through(len(self._rounds) - 1)
+
+    def finish_params(self, params: Iterable[int]) -> None:
+        """Unpack the rounds up to the last one that writes any of ``params`` (indices in the layout)."""
+        self._finish_through(max((self._last_round.get(i, -1) for i in params), default=-1))
+
+    def _finish_through(self, index: int) -> None:
+        with torch.no_grad():
+            while self._finished <= index:
+                rnd, launched = self._launched.popleft()
+                self._gather._unpack(rnd.plan, self._dest, *launched, rnd.chunk)
+                self._finished += 1
+                self._launch_more()
+
+    def _launch_more(self) -> None:
+        budget = self._gather.chunk_bytes - sum(r.received_bytes for r, _ in self._launched)
+        while self._next < len(self._rounds) and (
+                not self._launched or self._rounds[self._next].received_bytes <= budget):
+            rnd = self._rounds[self._next]
+            device = self._dest(_first(rnd.plan)).device
+            with torch.no_grad():
+                launched = self._gather._launch(rnd.plan[self._gather.rank], self._mine, rnd.start, rnd.chunk,
+                                                rnd.dtype, device)
+            self._launched.append((rnd, launched))
+            budget -= rnd.received_bytes
+            self._next += 1
+
+
+def _first(plan: list[list[_Entry]]) -> int:
+    """Some parameter of a plan (every plan has one: a class is made of its parameters)."""
+    return next(e.piece.param for entries in plan for e in entries)
 
 
 def _overlap(entries: list[_Entry], start: int, stop: int):

@@ -10,7 +10,11 @@ each element crosses the wire once, where an all-reduce sends it twice.
 Each rank then adds the W received copies of its elements, divided by W,
 in FP32 into its FP32 gradient slice (``ShardedMasters.grads``), where
 several backward passes (and gradient
-merge's micro-batches) accumulate without 16-bit rounding. No pre-division
+merge's micro-batches) accumulate without 16-bit rounding. On gloo a
+bucket's exchange is cut into rounds of at most
+:data:`~distamp.distributed.wire_rounds.GLOO_ROUND_BYTES` sent per rank
+(each rank's share of each destination's elements, round by round), all
+launched at once; see :mod:`distamp.distributed.wire_rounds`. No pre-division
 is needed: the sum is FP32, so it cannot overflow. That work runs on the
 backward thread: each hook first finishes the exchanges already done, and
 the last bucket's hook waits for the rest, so DDP finds every future done.
@@ -37,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
+from distamp.distributed.wire_rounds import round_bytes
 
 if TYPE_CHECKING:
     from distamp.optim.sharded_masters import ShardedMasters
@@ -47,15 +52,36 @@ MAX_IN_FLIGHT = 2
 """Buckets exchanged at once: each holds a packed copy of its bucket and W received copies of its slice."""
 
 
+_Entry = tuple[int, int, "ShardedMasters", int]  # (start in the bucket, length, slice owner, start in its grad slice)
+
+
 @dataclass(frozen=True)
-class _BucketPlan:
-    """Who gets which elements of one bucket (same on every rank), and where this rank's go."""
+class _Round:
+    """One all-to-all of a bucket's exchange (the same on every rank but for ``dest``)."""
 
     send: tuple[tuple[int, int], ...]  # (start, length) in the bucket, grouped by owning rank in rank order
-    identity: bool  # send is the bucket as it is: no packing copy needed
     input_splits: tuple[int, ...]
-    received: int  # elements this rank owns in the bucket
+    received: int  # elements this rank owns in the round
     dest: tuple[tuple["ShardedMasters", int, int], ...]  # (slice owner, start in its grad slice, length)
+
+
+@dataclass(frozen=True)
+class _BucketPlan:
+    """Who gets which elements of one bucket, round by round, and where this rank's go."""
+
+    rounds: tuple[_Round, ...]
+    identity: bool  # one round whose send is the bucket as it is: no packing copy needed
+
+
+def _window(entries: list[_Entry], lo: int, hi: int) -> list[_Entry]:
+    """The part of ``entries`` (laid end to end) from element ``lo`` to ``hi``."""
+    out, position = [], 0
+    for start, length, shard, slice_start in entries:
+        a, b = max(lo, position), min(hi, position + length)
+        if b > a:
+            out.append((start + a - position, b - a, shard, slice_start + a - position))
+        position += length
+    return out
 
 
 class ShardedGradReduce:
@@ -94,6 +120,9 @@ class ShardedGradReduce:
         self.pending = pending
         self.stats = CommStats()
         self.in_flight: list[_Exchange] = []
+        limit = round_bytes(process_group)
+        self.round_elements = None if limit is None else max(1, limit // wire_dtype.itemsize)
+        """Most elements a rank sends per round (``None``: a bucket in one round)."""
         self._owner = {id(p): (shard, i) for shard in shards for i, p in enumerate(shard.model_params)}
         self._plans: dict[tuple[int, ...], _BucketPlan] = {}
 
@@ -106,7 +135,7 @@ class ShardedGradReduce:
         every allocation and free is seen by ``torch.profiler``'s memory
         events, which only record the profiled thread.
         """
-        while self.in_flight and (wait or self.in_flight[0].work.is_completed()):
+        while self.in_flight and (wait or self.in_flight[0].is_completed()):
             self.in_flight.pop(0).finish(self.world_size)
 
     def owns(self, param: torch.Tensor) -> bool:
@@ -126,23 +155,31 @@ class ShardedGradReduce:
         return plan
 
     def _build(self, params: Sequence[torch.Tensor]) -> _BucketPlan:
-        per_rank: list[list[tuple[int, int, ShardedMasters, int]]] = [[] for _ in range(self.world_size)]
+        per_rank: list[list[_Entry]] = [[] for _ in range(self.world_size)]
         position = 0
         for p in params:
             shard, index = self._owner[id(p)]
             for rank, piece in shard.layout.owners(index):
                 per_rank[rank].append((position + piece.start, piece.length, shard, piece.offset - shard.lo))
             position += p.numel()
-        send = tuple((start, length) for entries in per_rank for start, length, _, _ in entries)
-        identity = all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(send)) and (not send or send[0][0] == 0)
-        mine = per_rank[self.rank]
-        return _BucketPlan(
-            send=send,
-            identity=identity and sum(length for _, length in send) == position,
-            input_splits=tuple(sum(e[1] for e in entries) for entries in per_rank),
-            received=sum(e[1] for e in mine),
-            dest=tuple((shard, start, length) for _, length, shard, start in mine),
-        )
+        totals = [sum(e[1] for e in entries) for entries in per_rank]
+        # The same count on every rank: it depends only on the bucket and the layout.
+        count = 1 if self.round_elements is None else max(1, -(-sum(totals) // self.round_elements))
+        rounds = []
+        for j in range(count):
+            parts = [_window(entries, j * n // count, (j + 1) * n // count)
+                     for entries, n in zip(per_rank, totals, strict=True)]
+            mine = parts[self.rank]
+            rounds.append(_Round(
+                send=tuple((start, length) for entries in parts for start, length, _, _ in entries),
+                input_splits=tuple(sum(e[1] for e in entries) for entries in parts),
+                received=sum(e[1] for e in mine),
+                dest=tuple((shard, start, length) for _, length, shard, start in mine),
+            ))
+        send = rounds[0].send
+        identity = count == 1 and (not send or send[0][0] == 0) and sum(totals) == position
+        identity = identity and all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(send))
+        return _BucketPlan(rounds=tuple(rounds), identity=identity)
 
 
 # No ``from __future__ import annotations`` here: DDP checks this hook's annotations as objects.
@@ -155,52 +192,72 @@ def reduce_scatter_hook(state: ShardedGradReduce, bucket: dist.GradBucket) -> to
     params = bucket.parameters()
     plan = state.plan(params)
     add_pending_fp32(buffer, params, state.pending)
-    if plan.identity:
-        send = buffer if buffer.dtype == state.wire_dtype else buffer.to(state.wire_dtype)
-    else:
-        send = torch.cat([buffer[start : start + length] for start, length in plan.send]).to(state.wire_dtype)
     world = state.world_size
-    received = torch.empty(world * plan.received, dtype=state.wire_dtype, device=buffer.device)
-    state.stats.calls += 1
-    state.stats.bytes += send.numel() * send.element_size()
-    for shard, _, _ in plan.dest:
-        shard.grads.reduced = True
-    work = dist.all_to_all_single(
-        received, send, [plan.received] * world, list(plan.input_splits), group=state.process_group, async_op=True
-    )
+    launched = []
+    for rnd in plan.rounds:
+        if plan.identity:
+            send = buffer if buffer.dtype == state.wire_dtype else buffer.to(state.wire_dtype)
+        else:
+            send = torch.cat([buffer[start : start + length] for start, length in rnd.send]).to(state.wire_dtype)
+        received = torch.empty(world * rnd.received, dtype=state.wire_dtype, device=buffer.device)
+        state.stats.calls += 1
+        state.stats.bytes += send.numel() * send.element_size()
+        work = dist.all_to_all_single(
+            received, send, [rnd.received] * world, list(rnd.input_splits), group=state.process_group, async_op=True
+        )
+        launched.append(_RoundExchange(work, rnd, send, received))
+    for rnd in plan.rounds:
+        for shard, _, _ in rnd.dest:
+            shard.grads.reduced = True
     done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    state.in_flight.append(_Exchange(work, plan, send, received, buffer, done))
+    state.in_flight.append(_Exchange(launched, buffer, done))
     if bucket.is_last():
         state.finish_completed(wait=True)  # DDP waits for every bucket's future right after this hook
     return done
 
 
 @dataclass
-class _Exchange:
-    """One bucket's all-to-all in flight, and what to do once it is done."""
+class _RoundExchange:
+    """One round's all-to-all in flight and its buffers."""
 
     work: dist.Work
-    plan: _BucketPlan
+    round: _Round
     send: torch.Tensor  # kept alive until the exchange is done
     received: torch.Tensor
-    buffer: torch.Tensor
-    done: torch.futures.Future
 
-    def finish(self, world: int) -> None:
-        """Sum the received copies in FP32 into the owners' slices, zero the bucket, complete the future."""
+    def finish(self, world: int, buffer: torch.Tensor) -> None:
+        """Sum the received copies in FP32 into the owners' slices and free the round's buffers."""
         self.work.wait()
-        plan = self.plan
-        if plan.received:
+        rnd = self.round
+        if rnd.received:
             # Each rank's 16-bit copy, divided by W, added in FP32 straight into the owners' FP32 slices
             # (no FP32 temporary): exact for a power-of-two W, where dividing is exact.
-            n, lengths = plan.received, [length for _, _, length in plan.dest]
-            targets = [shard.grads.buffer[start : start + length] for shard, start, length in plan.dest]
+            n, lengths = rnd.received, [length for _, _, length in rnd.dest]
+            targets = [shard.grads.buffer[start : start + length] for shard, start, length in rnd.dest]
             for r in range(world):
                 torch._foreach_add_(targets, list(self.received[r * n : (r + 1) * n].split(lengths)), alpha=1 / world)
         # Free the exchange buffers here and now: the communication thread may still hold them a moment
         # (and would then free them where the profiler does not look).
         for tensor in (self.send, self.received):
-            if tensor.data_ptr() != self.buffer.data_ptr():
+            if tensor.data_ptr() != buffer.data_ptr():
                 tensor.untyped_storage().resize_(0)
+
+
+@dataclass
+class _Exchange:
+    """One bucket's rounds in flight, and what to do once they are done."""
+
+    rounds: list[_RoundExchange]
+    buffer: torch.Tensor
+    done: torch.futures.Future
+
+    def is_completed(self) -> bool:
+        """Whether every round has arrived."""
+        return all(r.work.is_completed() for r in self.rounds)
+
+    def finish(self, world: int) -> None:
+        """Finish every round in order, zero the bucket, complete the future."""
+        for r in self.rounds:
+            r.finish(world, self.buffer)
         self.buffer.zero_()
         self.done.set_result(self.buffer)

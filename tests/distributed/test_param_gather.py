@@ -48,6 +48,14 @@ def _worker(rank, world_size):
         gather = SliceAllGather(layout, rank, dist.group.WORLD, chunk_bytes=chunk_bytes)
         gather.run(_sources(layout, rank, truth), dest.__getitem__)
         out[chunk_bytes] = (dest, gather.stats.calls, gather.stats.bytes)
+    from distamp.distributed import wire_rounds
+
+    wire_rounds.GLOO_ROUND_BYTES = 4  # gloo's rounds: 2 BF16 or 1 FP32 element sent per rank, many in flight
+    dest = [torch.zeros(n, dtype=d) for n, d in zip(NUMELS, DTYPES, strict=True)]
+    gather = SliceAllGather(layout, rank, dist.group.WORLD, chunk_bytes=1 << 20)
+    gather.run(_sources(layout, rank, truth), dest.__getitem__)
+    out["rounds"] = (dest, gather.stats.calls, gather.stats.bytes)
+    wire_rounds.GLOO_ROUND_BYTES = 1 << 20
     subset = [torch.full((n,), -1.0, dtype=d) for n, d in zip(NUMELS, DTYPES, strict=True)]
     SliceAllGather(layout, rank, dist.group.WORLD, 1 << 20).run(_sources(layout, rank, truth), subset.__getitem__,
                                                                 params=[0, 4])
@@ -61,7 +69,7 @@ def test_two_ranks_get_every_value_bitwise_in_its_wire_dtype():
     layout = FlatLayout(NUMELS, 2)
     results = run_workers(_worker, 2, timeout=50)
     for rank, got in enumerate(results):
-        for chunk_bytes, (dest, calls, sent) in ((k, got[k]) for k in (4, 1 << 20)):
+        for chunk_bytes, (dest, calls, sent) in ((k, got[k]) for k in (4, 1 << 20, "rounds")):
             for i, (t, d) in enumerate(zip(truth, dest, strict=True)):
                 assert d.dtype == DTYPES[i]
                 assert torch.equal(d, t.to(DTYPES[i])), (rank, chunk_bytes, i)
@@ -75,6 +83,9 @@ def test_two_ranks_get_every_value_bitwise_in_its_wire_dtype():
             if chunk_bytes == 1 << 20:
                 assert calls == 2
                 assert sent == longest[torch.bfloat16] * 2 + longest[torch.float32] * 4
+            elif chunk_bytes == "rounds":
+                assert calls == -(-longest[torch.bfloat16] // 2) + longest[torch.float32]
+                assert sent == -(-longest[torch.bfloat16] // 2) * 4 + longest[torch.float32] * 4
             else:
                 # bf16: 4 bytes // (2 ranks * 2 bytes) = 1 element per round; fp32: max(1, 4 // 8) = 1
                 assert calls == longest[torch.bfloat16] + longest[torch.float32]

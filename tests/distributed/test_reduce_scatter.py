@@ -34,15 +34,18 @@ def _grads(rank):
     return torch.linspace(-3.0, 5.0, 9) * (1.0 + rank / 3) + 0.001
 
 
-def _reduce(rank, world, wire):
+def _reduce(rank, world, wire, round_bytes=None):
     from torch import nn
 
+    from distamp.distributed import wire_rounds
     from distamp.distributed.reduce_scatter import (
         ShardedGradReduce,
         reduce_scatter_hook,
     )
     from distamp.optim.sharded_masters import ShardedMasters
 
+    if round_bytes is not None:
+        wire_rounds.GLOO_ROUND_BYTES = round_bytes
     params = [nn.Parameter(torch.zeros(5)), nn.Parameter(torch.zeros(2, 2))]
     shard = ShardedMasters(params, None, None, rank, world)
     state = ShardedGradReduce([shard], wire)
@@ -54,8 +57,8 @@ def _reduce(rank, world, wire):
         "returned_is_bucket": out is buffer,
         "bucket": buffer.clone(),
         "reduced": shard.grads.reduced,
-        "input_splits": plan.input_splits,
-        "received": plan.received,
+        "input_splits": [r.input_splits for r in plan.rounds],
+        "received": [r.received for r in plan.rounds],
         "identity": plan.identity,
         "pieces": [(p.param, p.start, p.stop) for p in shard.pieces],
         "stats": (state.stats.calls, state.stats.bytes),
@@ -80,10 +83,28 @@ def test_each_rank_gets_its_slice_of_the_mean_of_the_16_bit_gradients(wire):
         assert result["returned_is_bucket"]
         assert torch.equal(result["bucket"], torch.zeros(9))
         assert result["reduced"]
-        assert result["input_splits"] == (4, 5)
-        assert result["received"] == (4, 5)[rank]
+        assert result["input_splits"] == [(4, 5)]  # one round: 18 bytes are well under gloo's round size
+        assert result["received"] == [(4, 5)[rank]]
         assert result["identity"]  # the bucket is already in rank order: sent without packing
         assert result["stats"] == (1, 9 * 2)
+        assert result["in_flight"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_rounds_on_gloo_cut_each_destination_evenly_and_sum_the_same():
+    # 4 bytes per round: 2 BF16 elements sent per rank per round, so the 9 elements go in 5 rounds; round j
+    # carries elements [j*n//5, (j+1)*n//5) of each destination's n.
+    out = run_workers(_reduce, 2, torch.bfloat16, 4, timeout=100)
+    rounded = [_grads(r).to(torch.bfloat16).float() for r in range(2)]
+    expected = (rounded[0] + rounded[1]) / 2
+    assert torch.equal(out[0]["slice"], expected[:4])  # bitwise what one round gives
+    assert torch.equal(out[1]["slice"], expected[4:])
+    for rank, result in enumerate(out):
+        assert result["input_splits"] == [(0, 1), (1, 1), (1, 1), (1, 1), (1, 1)]
+        assert result["received"] == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]][rank]
+        assert not result["identity"]  # rounds are packed
+        assert result["stats"] == (5, 9 * 2)  # the same bytes as one round
+        assert torch.equal(result["bucket"], torch.zeros(9))
         assert result["in_flight"] == 0
 
 
@@ -105,7 +126,8 @@ def _reversed_and_accumulated(rank, world):
         buffer = torch.cat([g[5:], g[:5]])
         reduce_scatter_hook(state, Bucket(buffer, order)).wait()
     plan = state.plan(order)
-    return shard.grads.buffer.clone(), plan.send, plan.identity, plan.input_splits, len(state._plans)
+    (rnd,) = plan.rounds
+    return shard.grads.buffer.clone(), rnd.send, plan.identity, rnd.input_splits, len(state._plans)
 
 
 @pytest.mark.timeout(120)
