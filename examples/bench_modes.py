@@ -10,7 +10,8 @@ Every mode trains the same model on the same batch with SGD + momentum:
 - ``torch_bf16``: DDP + ``torch.autocast(bfloat16)`` + :func:`bf16_gloo_compress_hook`.
 - ``torch_fp16``: DDP + ``torch.autocast(float16)`` + ``GradScaler`` + torch's ``fp16_compress_hook``.
 - ``distamp_o{1,2}_{bf16,fp16}``: distamp's meta-optimizer and ``distributed_model``.
-- ``distamp_o2_bf16_stage{1,2}``: the same with ``strategy.sharding`` stage 1 or 2.
+- ``distamp_o2_bf16_stage{1,2}``: the same with ``strategy.sharding`` stage 1 or 2;
+  ``..._overlap`` adds ``sharding_configs["overlap_param_gather"]``.
 - ``torch_bf16_zero``: ``torch_bf16`` with torch's ``ZeroRedundancyOptimizer`` (optimizer
   state sharded by whole parameters), the torch-native counterpart of the stage modes.
 
@@ -62,13 +63,15 @@ __all__ = [
 
 DEFAULT_MODES = ("fp32", "torch_bf16", "torch_fp16",
                  "distamp_o1_bf16", "distamp_o2_bf16", "distamp_o1_fp16", "distamp_o2_fp16")
-SHARDING_MODES = ("torch_bf16_zero", "distamp_o2_bf16_stage1", "distamp_o2_bf16_stage2")
+SHARDING_MODES = ("torch_bf16_zero", "distamp_o2_bf16_stage1", "distamp_o2_bf16_stage2",
+                  "distamp_o2_bf16_stage1_overlap", "distamp_o2_bf16_stage2_overlap")
 MODES = DEFAULT_MODES + SHARDING_MODES
 
 # The torch-native way of doing what each distamp mode does.
 COUNTERPART = {"distamp_o1_bf16": "torch_bf16", "distamp_o2_bf16": "torch_bf16",
                "distamp_o1_fp16": "torch_fp16", "distamp_o2_fp16": "torch_fp16",
-               "distamp_o2_bf16_stage1": "torch_bf16_zero", "distamp_o2_bf16_stage2": "torch_bf16_zero"}
+               **{f"distamp_o2_bf16_stage{n}{overlap}": "torch_bf16_zero"
+                  for n in (1, 2) for overlap in ("", "_overlap")}}
 
 
 def bf16_gloo_compress_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -153,14 +156,15 @@ def _distamp_runner(mode: str, model: nn.Module, loss_fn: LossFn, lr: float, buc
                     compiled: bool) -> Runner:
     from distamp import fleet
 
-    _, level, short, *stage = mode.split("_")
+    _, level, short, *sharding = mode.split("_")
     strategy = fleet.DistributedStrategy()
     strategy.amp = True
     strategy.amp_configs = {"use_pure_fp16": level == "o2",
                             "dtype": {"bf16": "bfloat16", "fp16": "float16"}[short]}
-    if stage:
+    if sharding:
         strategy.sharding = True
-        strategy.sharding_configs = {"stage": int(stage[0].removeprefix("stage"))}
+        strategy.sharding_configs = {"stage": int(sharding[0].removeprefix("stage")),
+                                     "overlap_param_gather": sharding[1:] == ["overlap"]}
     strategy.fuse_grad_size_in_MB = bucket_mb
     optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), strategy)
     wrapped = fleet.distributed_model(model, strategy)

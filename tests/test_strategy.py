@@ -629,14 +629,14 @@ def test_fuzz_known_keys_with_random_values(amp, merge):
 def test_sharding_configs_defaults_round_trip_and_view():
     s = DistributedStrategy()
     assert s.sharding is False
-    assert s.sharding_configs == {"stage": 1}
+    assert s.sharding_configs == {"stage": 1, "overlap_param_gather": False}
     s.sharding = True
     s.sharding_configs = {"stage": 2}
     assert s.sharding_config == ShardingConfig(stage=2)
     assert s.sharding_config.stage == 2
     assert repr(s) == "DistributedStrategy(sharding=True, sharding_configs={'stage': 2})"
-    assert repr(ShardingConfig(stage=2)) == "ShardingConfig(stage=2)"
-    assert ShardingConfig.from_dict({"stage": 2}).to_dict() == {"stage": 2}
+    assert repr(ShardingConfig(stage=2)) == "ShardingConfig(stage=2, overlap_param_gather=False)"
+    assert ShardingConfig.from_dict({"stage": 2}).to_dict() == {"stage": 2, "overlap_param_gather": False}
     back = DistributedStrategy.from_dict(json.loads(json.dumps(s.to_dict())))
     assert back == s
     assert copy.deepcopy(s) == s
@@ -645,15 +645,28 @@ def test_sharding_configs_defaults_round_trip_and_view():
         s.sharding_configs["stage"] = 1
     with pytest.raises(ValueError, match=r"sharding_config is read-only; assign a dict to sharding_configs"):
         s.sharding_config = ShardingConfig()
+    s.sharding_configs = {"overlap_param_gather": True}
+    assert s.sharding_configs == {"stage": 1, "overlap_param_gather": True}  # assigning replaces: stage is 1 again
+    assert repr(s) == "DistributedStrategy(sharding=True, sharding_configs={'overlap_param_gather': True})"
     s.sharding_configs = {}
-    assert s.sharding_configs == {"stage": 1}  # assigning replaces: unset keys go back to defaults
+    assert s.sharding_configs == {"stage": 1, "overlap_param_gather": False}
 
 
 def test_sharding_configs_typo_suggests_stage():
     with pytest.raises(
-        ValueError, match=r"sharding_configs has no key 'stag'\. Did you mean 'stage'\? Valid keys: stage\."
+        ValueError, match=r"sharding_configs has no key 'stag'\. Did you mean 'stage'\? Valid keys: stage, "
+        r"overlap_param_gather\."
     ):
         DistributedStrategy().sharding_configs = {"stag": 1}
+    with pytest.raises(ValueError, match=r"Did you mean 'overlap_param_gather'\?"):
+        DistributedStrategy().sharding_configs = {"overlap_params_gather": True}
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", None])
+def test_overlap_param_gather_must_be_a_bool(value):
+    with pytest.raises(ValueError, match=re.escape(
+            f"sharding_configs['overlap_param_gather'] must be a bool (True or False); got {value!r}.")):
+        DistributedStrategy().sharding_configs = {"overlap_param_gather": value}
 
 
 @pytest.mark.parametrize("value", [3, 0, True, "1", 1.0, None])

@@ -39,6 +39,7 @@ from distamp.amp.fp32_parameters import fp32_parameters
 from distamp.distributed.comm_hooks import CommStats, LowPrecisionAllReduce
 from distamp.distributed.ddp_preparation import DDPPreparation, check_device
 from distamp.distributed.groups import group_size
+from distamp.distributed.param_gather_hooks import ForwardParamGather
 from distamp.distributed.reduce_scatter import ShardedGradReduce
 from distamp.optim.master_weights import fp32_model_state_dict
 from distamp.strategy import DistributedStrategy
@@ -66,7 +67,7 @@ def strategy_fp32_parameters(module: nn.Module, strategy: DistributedStrategy) -
 class _Runtime:
     """DataParallel's plain (non-Module) state, so DDP is not registered as a submodule."""
 
-    def __init__(self) -> None:
+    def __init__(self, module: nn.Module) -> None:
         self.ddp: DistributedDataParallel | None = None
         self.comm_hook: LowPrecisionAllReduce | ShardedGradReduce | None = None
         self.optimizers: list[AmpOptimizer] = []
@@ -75,6 +76,7 @@ class _Runtime:
         self.reduce_scatter = False  # sharding stage 2: every micro-batch communicates
         self.sync_enabled = True
         self.prepared = False
+        self.param_gather = ForwardParamGather(module)  # overlap_param_gather: finished in forward
 
 
 class DataParallel(nn.Module):
@@ -137,7 +139,7 @@ class DataParallel(nn.Module):
         self._device = None if device is None else check_device(module, torch.device(device))
         self._ddp_kwargs = ddp_kwargs
         self._fp32_params = strategy_fp32_parameters(module, strategy)
-        self._runtime = _Runtime()
+        self._runtime = _Runtime(module)
         self._runtime.prepared = not self.distributed  # one process: nothing to agree on or build
         cfg = strategy.amp_config
         self._black_modules = (
@@ -204,6 +206,7 @@ class DataParallel(nn.Module):
         runtime.optimizers.append(optimizer)
         optimizer.add_sync_listener(self)
         if self.distributed:
+            runtime.param_gather.attach(optimizer)
             # The second of the two fleet calls prepares (collective: every rank makes both calls).
             self.prepare()
 

@@ -15,7 +15,7 @@ the read-only status API (loss scale, counters, ``stats()``) in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -118,6 +118,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         ``fleet.distributed_model`` wrapper is looked through (keys without
         ``module.``).
         """
+        self.finish_param_gather()
         return fp32_model_state_dict(unwrap_model(model), [self.master_weights])
 
     def adopt_model(self, model: nn.Module, keep_fp32: list[nn.Parameter]) -> None:
@@ -134,6 +135,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         """
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"loss must be a torch.Tensor, got {type(loss).__name__}")
+        self.finish_param_gather()
         if self.policy.unscaled:
             raise RuntimeError(
                 "backward() called after the gradients were unscaled (by clip_grad_norm_ or "
@@ -165,6 +167,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         what it changes is applied. The following ``step()`` does not unscale
         again.
         """
+        self.finish_param_gather()
         self.clipper.unscale_()
 
     def clip_grad_norm_(
@@ -177,6 +180,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         so it is the same on every rank; when the step is going to be skipped
         (inf/NaN on any rank) nothing is clipped and the norm is ``inf``.
         """
+        self.finish_param_gather()
         return self.clipper.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -208,6 +212,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         lowers the loss scale at once and calls the closure again, up to N
         times, on every rank together, so the batch is not dropped.
         """
+        self.finish_param_gather()
         if closure is not None and self.amp_enabled:
             return self.policy.step_with_closure(closure, self.strategy.amp_config.overflow_retries)
         return self.policy.step(closure)
@@ -226,11 +231,26 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
 
         Loadable with ``torch.load(path, weights_only=True)``.
         """
+        self.finish_param_gather()
         return optimizer_state(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what :meth:`state_dict` saved; the model copies are refreshed too."""
+        self.finish_param_gather()
         load_optimizer_state(self, state_dict)
+
+    def finish_param_gather(self, params: Iterable[nn.Parameter] | None = None) -> None:
+        """Complete the all-gather of updated parameters that ``overlap_param_gather`` left running.
+
+        For ``params`` only (the rounds up to the last one that writes them),
+        or for every parameter (``None``). Collective: every rank makes the
+        same calls. A no-op when nothing is running (unsharded, or without
+        ``sharding_configs["overlap_param_gather"]``). ``step``, ``backward``,
+        ``unscale_``, ``clip_grad_norm_``, ``state_dict``, ``load_state_dict``,
+        ``fp32_state_dict`` and checkpoints call it first; the forward
+        pre-hooks of ``fleet.distributed_model`` call it per module.
+        """
+        self.master_weights.finish_refresh(params)
 
     def add_sync_listener(self, listener: Any) -> None:
         """Keep ``listener.set_grad_sync(optimizer, flag)`` told whether the next backward communicates."""

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distamp.distributed.param_gather import SliceAllGather
+from distamp.distributed.param_gather import GatherInFlight, SliceAllGather
 from distamp.optim.flat_layout import FlatLayout, Piece
 from distamp.optim.master_weights import clear_grads
 from distamp.optim.slice_grads import SliceGrads
@@ -92,6 +92,7 @@ class ShardedMasters:
         self.masters: list[nn.Parameter] = [self._make_piece(piece) for piece in self.pieces]
         self.grads = SliceGrads(self.model_params, self.pieces, self.masters, self.lo, self.hi)
         self.gather = SliceAllGather(self.layout, rank, group, chunk_bytes)
+        self._refreshing: GatherInFlight | None = None
         if low_dtype is not None:
             self.convert_model()
 
@@ -184,6 +185,7 @@ class ShardedMasters:
         broadcast, else the masters (all-gathered when several ranks hold
         them: collective then). Returns how many parameters changed dtype.
         """
+        self.finish_refresh()
         if self.low_dtype is None:
             return 0
         self._keep_fp32 |= {id(p) for p in keep_fp32}
@@ -204,6 +206,7 @@ class ShardedMasters:
 
     def _exact_values(self, indices: Sequence[int]) -> dict[int, torch.Tensor]:
         """Exact FP32 values of parameters ``indices``, flattened (collective when gathered)."""
+        self.finish_refresh()
         if self.pending is not None:
             return {i: self.pending[i].reshape(-1).float() for i in indices}
         if self.world_size == 1:
@@ -216,6 +219,7 @@ class ShardedMasters:
 
     def exact_fp32(self) -> dict[int, torch.Tensor]:
         """``{id(param): exact FP32 value}`` for every managed parameter (collective in O2 on several ranks)."""
+        self.finish_refresh()
         if self.low_dtype is None:
             return {id(p): p.detach() for p in self.model_params}
         exact = self._exact_values(range(len(self.model_params)))
@@ -252,10 +256,33 @@ class ShardedMasters:
         clear_grads(self.model_params, set_to_none)
         self.zero_master_grads()
 
-    def refresh_model(self) -> None:
-        """All-gather every rank's updated slice into the model parameters (collective)."""
+    def refresh_model(self, overlap: bool = False) -> None:
+        """All-gather every rank's updated slice into the model parameters (collective).
+
+        With ``overlap`` the gather is left running: :meth:`finish_refresh`
+        completes it (the parameters a module needs, or all of them).
+        """
         self.pending = None
-        self.gather.run(self.masters, lambda i: self.model_params[i].data.view(-1))
+        self.finish_refresh()
+        self._refreshing = self.gather.start(self.masters, lambda i: self.model_params[i].data.view(-1))
+        if not overlap:
+            self.finish_refresh()
+
+    def finish_refresh(self, params: Iterable[nn.Parameter] | None = None) -> None:
+        """Complete the all-gather :meth:`refresh_model` left running, for ``params`` or (``None``) all of it.
+
+        Every rank must make the same calls (collectives may launch here).
+        Parameters this optimizer does not manage are ignored.
+        """
+        refreshing = self._refreshing
+        if refreshing is None:
+            return
+        if params is None:
+            refreshing.finish()
+        else:
+            refreshing.finish_params(self._index[id(p)] for p in params if id(p) in self._index)
+        if refreshing.done:
+            self._refreshing = None
 
     def state_dict(self) -> list[torch.Tensor]:
         """O2: ``[this rank's FP32 slice]``; O1 and AMP off: ``[]`` (the model holds the values)."""

@@ -61,6 +61,9 @@ class ShardedPrecision(MixedPrecision):
         self.config = config
         self.group = group
         self.stage = strategy.sharding_config.stage
+        self.overlap_param_gather = strategy.sharding_config.overlap_param_gather
+        self.gather_hooked = False
+        """Whether a model's forward finishes the gather (:mod:`distamp.distributed.param_gather_hooks`)."""
         pure = strategy.amp and config.use_pure_fp16
         self.mode = "O2" if pure else ("O1" if strategy.amp else "off")
         self.master_weights = ShardedMasters(
@@ -133,8 +136,13 @@ class ShardedPrecision(MixedPrecision):
             self.master_weights.grads.take_changes(changed)
 
     def after_applied_step(self) -> None:
-        """All-gather the updated slices into every rank's model (16-bit on the wire in O2)."""
-        self.master_weights.refresh_model()
+        """All-gather the updated slices into every rank's model (16-bit on the wire in O2).
+
+        With ``sharding_configs["overlap_param_gather"]`` the gather is left
+        running for the next forward of the ``fleet.distributed_model`` to
+        finish, once that model has installed its hooks for this optimizer.
+        """
+        self.master_weights.refresh_model(overlap=self.overlap_param_gather and self.gather_hooked)
 
     def update(self, found_inf: bool, grad_max: float | None) -> None:
         """Update the loss scale as without sharding (nothing with AMP off)."""

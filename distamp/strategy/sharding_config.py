@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from distamp.strategy.checks import fail, is_integer
+from distamp.strategy.checks import as_bool, fail, is_integer
 from distamp.strategy.config_base import Config
 
 __all__ = ["ShardingConfig"]
@@ -32,7 +32,15 @@ class ShardingConfig(Config):
     """1: optimizer state, FP32 masters and FP32 gradients sharded, gradients all-reduced;
     2: gradients reduce-scattered instead (16-bit on the wire, summed in FP32)."""
 
+    overlap_param_gather: bool = False
+    """Leave the all-gather of updated parameters running when ``step()`` returns and finish it, round by
+    round, in forward pre-hooks of the modules whose parameters it fills (as Megatron-LM's
+    ``overlap_param_gather``). Parameters read outside a forward of the ``fleet.distributed_model`` before
+    then are stale; ``optimizer.finish_param_gather()`` completes it."""
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "overlap_param_gather",
+                           as_bool(self._OWNER, "overlap_param_gather", self.overlap_param_gather))
         value = self.stage
         if not is_integer(value) or int(value) not in self._STAGES:
             hint = " Stage 3 (sharded parameters) is not implemented; stage 2 saves the most memory." if (

@@ -31,13 +31,13 @@ def _batches(world: int, steps: int):
             for _ in range(steps)]
 
 
-def _strategy(stage: int, amp: bool = True, k_steps: int = 1, **configs):
+def _strategy(stage: int, amp: bool = True, k_steps: int = 1, overlap: bool = False, **configs):
     from distamp import fleet
 
     strategy = fleet.DistributedStrategy(amp=amp, sharding=stage > 0)
     strategy.amp_configs = configs
     if stage:
-        strategy.sharding_configs = {"stage": stage}
+        strategy.sharding_configs = {"stage": stage, "overlap_param_gather": overlap}
     if k_steps > 1:
         strategy.gradient_merge = True
         strategy.gradient_merge_configs = {"k_steps": k_steps}
@@ -83,6 +83,7 @@ def _run(rank, world, strategy, inject=False, clip=False, minimize=False):
             scheduler.step()
         if not opt.is_accumulating:
             applied.append(done)
+    opt.finish_param_gather()  # with overlap_param_gather the last rounds launch (and count) only now
     gather = getattr(opt.master_weights, "gather", None)
     gather_bytes = gather.stats.bytes if gather is not None else None
     exported = opt.fp32_state_dict(wrapped)  # collective under sharding: the FP32 masters all-gathered
@@ -268,3 +269,60 @@ def test_a_skipped_step_names_the_overflowing_parameters_from_the_slices(stage):
     for applied, overflow in run_workers(_attributed, 2, stage, timeout=100):
         assert not applied
         assert overflow == {"step": 1, "params": ["0.weight", "1.weight"]}
+
+
+def _overlapped(rank, world):
+    from distamp import fleet
+
+    out = {}
+    for stage in (1, 2):
+        for overlap in (False, True):
+            strategy = _strategy(stage, use_pure_fp16=True, dtype="bfloat16", overlap=overlap)
+            strategy.fuse_grad_size_in_MB = 0.0002  # the gather runs in several rounds of 200 bytes
+            out[stage, overlap] = _run(rank, world, strategy, inject=True, clip=True)
+    # What is left running between step() and the next forward, and what finishes it.
+    fleet.init()
+    model = _model()
+    strategy = _strategy(1, use_pure_fp16=True, dtype="bfloat16", overlap=True)
+    strategy.fuse_grad_size_in_MB = 0.0002
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.5), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    masters = opt.master_weights
+    x = torch.randn(PER_RANK, 6, generator=torch.Generator().manual_seed(rank))
+    seen = []
+    for _ in range(2):
+        before = _flat(model)
+        with fleet.auto_cast():
+            loss = wrapped(x).float().square().mean()
+        seen.append(("after forward", masters._refreshing is None))
+        opt.backward(loss)
+        opt.step()
+        seen.append(("after step", masters._refreshing is None))
+        # The first layer lies in rank 0's slice, the last in rank 1's: each rank has its own slice only.
+        first, last = model[0].weight.detach().clone(), model[3].weight.detach().clone()
+        model[0](x.bfloat16())  # the pre-hook of the first Linear finishes the rounds it needs
+        seen.append(("first layer's rounds", masters._refreshing is None, not torch.equal(first, model[0].weight)))
+        opt.finish_param_gather()
+        seen.append(("finished", masters._refreshing is None, not torch.equal(last, model[3].weight),
+                     not torch.equal(before, _flat(model))))
+    return out, seen
+
+
+@pytest.mark.timeout(240)
+def test_overlap_param_gather_trains_bitwise_as_without_and_finishes_in_forward():
+    results = run_workers(_overlapped, 2, timeout=220)
+    for rank, (out, seen) in enumerate(results):
+        for stage in (1, 2):
+            plain, overlapped = out[stage, False], out[stage, True]
+            assert plain["applied"] == overlapped["applied"] == [True, True, False, True, True]
+            assert torch.equal(plain["params"], overlapped["params"]), (rank, stage)
+            assert torch.equal(plain["fp32"], overlapped["fp32"]), (rank, stage)
+            assert plain["gather_bytes"] == overlapped["gather_bytes"]
+            assert torch.equal(overlapped["params"], results[0][0][stage, True]["params"])  # every rank alike
+        # The step leaves the gather running: in O2 even a rank's own slice reaches its 16-bit model through
+        # the gather. The first Linear's pre-hook brings in its new weights, not the last layer's; finish does.
+        assert seen[0] == ("after forward", True)
+        assert seen[1] == ("after step", False)
+        assert seen[2] == ("first layer's rounds", False, True)
+        assert seen[3] == ("finished", True, True, True)
+        assert seen[4] == ("after forward", True)
