@@ -10,7 +10,7 @@ their values stay exact).
 The gather goes in rounds, and at most ``chunk_bytes`` (the strategy's
 bucket size) are received per rank at a time, so the receive buffers never
 hold a second copy of the whole model. On gloo a round sends at most
-:data:`~distamp.distributed.wire_rounds.GLOO_ROUND_BYTES` per rank and as
+:data:`~distamp.distributed.wire_rounds.GLOO_ROUND_BYTES` to each peer and as
 many rounds as fit in ``chunk_bytes`` are in flight at once (see
 :mod:`distamp.distributed.wire_rounds`); elsewhere a round receives
 ``chunk_bytes``, one at a time. With one rank it is a copy.
@@ -152,6 +152,7 @@ class SliceAllGather:
             chunk = max(1, min(longest, self.chunk_bytes // (world * element)))
             if self.round_bytes is not None:
                 chunk = min(chunk, max(1, self.round_bytes // element))
+            chunk = -(-longest // -(-longest // chunk))  # the same rounds, evened out: the last is least padded
             for start in range(0, longest, chunk):
                 for entries in plan:
                     for entry, _, _ in _overlap(entries, start, start + chunk):

@@ -12,8 +12,8 @@ in FP32 into its FP32 gradient slice (``ShardedMasters.grads``), where
 several backward passes (and gradient
 merge's micro-batches) accumulate without 16-bit rounding. On gloo a
 bucket's exchange is cut into rounds of at most
-:data:`~distamp.distributed.wire_rounds.GLOO_ROUND_BYTES` sent per rank
-(each rank's share of each destination's elements, round by round), all
+:data:`~distamp.distributed.wire_rounds.GLOO_ROUND_BYTES` sent to each
+peer (each destination's elements cut evenly, round by round), all
 launched at once; see :mod:`distamp.distributed.wire_rounds`. No pre-division
 is needed: the sum is FP32, so it cannot overflow. That work runs on the
 backward thread: each hook first finishes the exchanges already done, and
@@ -122,7 +122,7 @@ class ShardedGradReduce:
         self.in_flight: list[_Exchange] = []
         limit = round_bytes(process_group)
         self.round_elements = None if limit is None else max(1, limit // wire_dtype.itemsize)
-        """Most elements a rank sends per round (``None``: a bucket in one round)."""
+        """Most elements a rank sends to one peer per round (``None``: a bucket in one round)."""
         self._owner = {id(p): (shard, i) for shard in shards for i, p in enumerate(shard.model_params)}
         self._plans: dict[tuple[int, ...], _BucketPlan] = {}
 
@@ -164,7 +164,7 @@ class ShardedGradReduce:
             position += p.numel()
         totals = [sum(e[1] for e in entries) for entries in per_rank]
         # The same count on every rank: it depends only on the bucket and the layout.
-        count = 1 if self.round_elements is None else max(1, -(-sum(totals) // self.round_elements))
+        count = 1 if self.round_elements is None else max(1, -(-max(totals) // self.round_elements))
         rounds = []
         for j in range(count):
             parts = [_window(entries, j * n // count, (j + 1) * n // count)

@@ -17,6 +17,6 @@ def _on_gloo(rank, world):
 
 
 @pytest.mark.timeout(60)
-def test_gloo_rounds_are_512_kib():
-    assert run_workers(_on_gloo, 1, timeout=50) == [512 * 1024]
-    assert wire_rounds.GLOO_ROUND_BYTES == 512 * 1024
+def test_gloo_rounds_are_1_mib_per_peer():
+    assert run_workers(_on_gloo, 1, timeout=50) == [1 << 20]
+    assert wire_rounds.GLOO_ROUND_BYTES == 1 << 20
