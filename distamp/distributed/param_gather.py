@@ -148,6 +148,8 @@ class SliceAllGather:
         for dtype, members in key:  # classes in the same order on every rank
             plan = self._plan(set(members))
             longest = max(sum(e.piece.length for e in entries) for entries in plan)
+            if longest == 0:  # only empty parameters: nothing to send
+                continue
             element = torch.empty((), dtype=dtype).element_size()
             chunk = max(1, min(longest, self.chunk_bytes // (world * element)))
             if self.round_bytes is not None:

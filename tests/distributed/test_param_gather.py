@@ -60,6 +60,9 @@ def _worker(rank, world_size):
     SliceAllGather(layout, rank, dist.group.WORLD, 1 << 20).run(_sources(layout, rank, truth), subset.__getitem__,
                                                                 params=[0, 4])
     out["subset"] = subset
+    empty = SliceAllGather(layout, rank, dist.group.WORLD, 1 << 20)
+    empty.run(_sources(layout, rank, truth), subset.__getitem__, params=[2])  # a class of empty parameters only
+    out["empty_calls"] = empty.stats.calls
     return out
 
 
@@ -89,6 +92,7 @@ def test_two_ranks_get_every_value_bitwise_in_its_wire_dtype():
             else:
                 # bf16: 4 bytes // (2 ranks * 2 bytes) = 1 element per round; fp32: max(1, 4 // 8) = 1
                 assert calls == longest[torch.bfloat16] + longest[torch.float32]
+        assert got["empty_calls"] == 0
         subset = got["subset"]
         assert torch.equal(subset[0], truth[0].to(torch.bfloat16))
         assert torch.equal(subset[4], truth[4])
