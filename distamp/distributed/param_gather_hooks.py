@@ -5,7 +5,8 @@ With ``sharding_configs["overlap_param_gather"]`` a sharded optimizer's
 rounds go over the wire while the next forward computes. Before a module
 runs, its pre-hook finishes the rounds up to the last one that writes the
 module's own parameters (``recurse=False``); after the whole model's
-forward, everything left is finished. This is Megatron-LM's
+forward, and before ``state_dict()`` of the model (wrapped or not),
+everything left is finished. This is Megatron-LM's
 ``overlap_param_gather`` on a flat slice layout: the rounds follow the
 optimizer's parameter order, so a model whose parameters are listed in the
 order its forward uses them overlaps the most.
@@ -57,6 +58,7 @@ class ForwardParamGather:
                 if own:
                     self.handles.append(sub.register_forward_pre_hook(_PreHook(self.optimizers, own)))
             self.handles.append(self.module.register_forward_hook(_PreHook(self.optimizers, None)))
+            self.handles.append(self.module.register_state_dict_pre_hook(_PreHook(self.optimizers, None)))
         precision.gather_hooked = True
 
     def remove(self) -> None:

@@ -48,12 +48,17 @@ def test_each_module_with_parameters_finishes_its_own_before_running_and_the_mod
     hooks.attach(opt)
     hooks.attach(opt)  # attaching twice changes nothing
     assert opt.precision.gather_hooked is True
-    assert len(hooks.handles) == 4  # three Linear pre-hooks (not ReLU, not the containers) + the model's post-hook
+    assert len(hooks.handles) == 5  # three Linear pre-hooks (not ReLU, not the containers), forward and state_dict
     model(torch.randn(2, 3))
     assert opt.calls == [["0.weight", "0.bias"], ["2.0.weight", "2.0.bias"], ["2.1.weight", "2.1.bias"], None]
+    opt.calls.clear()
+    model.state_dict()
+    assert opt.calls == [None]
+    opt.calls.clear()
     hooks.remove()
     assert opt.precision.gather_hooked is False
-    assert opt.calls[-1] is None  # removal finishes what is running
+    assert opt.calls == [None]  # removal finishes what is running
     opt.calls.clear()
     model(torch.randn(2, 3))
+    model.state_dict()
     assert opt.calls == []

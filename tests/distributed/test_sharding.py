@@ -305,6 +305,13 @@ def _overlapped(rank, world):
         opt.finish_param_gather()
         seen.append(("finished", masters._refreshing is None, not torch.equal(last, model[3].weight),
                      not torch.equal(before, _flat(model))))
+    with fleet.auto_cast():
+        loss = wrapped(x).float().square().mean()
+    opt.backward(loss)
+    opt.step()
+    pending, stale = masters._refreshing is not None, model[3].weight.detach().clone()
+    state = wrapped.state_dict()  # the model's state_dict finishes the gather before reading
+    seen.append(("state_dict", pending, masters._refreshing is None, not torch.equal(state["module.3.weight"], stale)))
     return out, seen
 
 
@@ -326,3 +333,4 @@ def test_overlap_param_gather_trains_bitwise_as_without_and_finishes_in_forward(
         assert seen[2] == ("first layer's rounds", False, True)
         assert seen[3] == ("finished", True, True, True)
         assert seen[4] == ("after forward", True)
+        assert seen[-1] == ("state_dict", True, True, True)
