@@ -35,13 +35,13 @@ from torch import nn
 from distamp.amp.auto_cast import auto_cast as _auto_cast
 from distamp.distributed.data_parallel import DataParallel
 from distamp.distributed.process_group import (
+    SELECTED_GPUS_VAR,
     WorldInfo,
     default_device,
     init_process_group,
     validate_timeout,
     world_info_from_env,
 )
-from distamp.launcher.env import SELECTED_GPUS_VAR
 from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
 

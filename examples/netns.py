@@ -3,7 +3,7 @@
 Used by ``benchmark.py --link_gbit``. Each namespace gets its own address,
 its own hostname (the workers run under ``unshare --uts``) and a hosts file
 naming both, because torch's rendezvous needs the two sides to look like two
-real hosts (see DESIGN.md section 6). Needs root and iproute2.
+real hosts (without it torchrun's c10d rendezvous timed out across them). Needs root and iproute2.
 
     with LinkedNamespaces(rate_gbit=1.0) as link:
         procs = [link.popen(i, ["python", "worker.py"], env) for i in range(2)]

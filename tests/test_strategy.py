@@ -19,13 +19,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distamp.amp.op_lists import known_op_names
 from distamp.strategy import (
     AmpConfig,
     DistributedStrategy,
     GradientMergeConfig,
     ShardingConfig,
 )
+from distamp.strategy.op_names import known_op_names
 from distamp.suggest import did_you_mean
 
 # The contract's defaults (README's amp_configs table), copied by hand so a changed default fails here.

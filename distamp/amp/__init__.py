@@ -12,7 +12,6 @@ Modules:
   the custom op lists when given).
 - :mod:`~distamp.amp.op_list_mode`: the torch function mode behind
   ``custom_white_list`` / ``custom_black_list``.
-- :mod:`~distamp.amp.op_names`: how ops are named in those lists.
 - :mod:`~distamp.amp.black_modules`: ``custom_black_varnames`` submodules run in FP32.
 - :mod:`~distamp.amp.fp32_parameters`: which parameters O2 keeps in FP32.
 """

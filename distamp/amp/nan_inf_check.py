@@ -39,10 +39,12 @@ class NanInfChecker:
     Args:
         model: the model (root name shown as its class name).
         step: returns the number of the step in progress, for messages.
+        rank: this process's data-parallel rank, for messages.
     """
 
-    def __init__(self, model: nn.Module, step: Callable[[], int]) -> None:
+    def __init__(self, model: nn.Module, step: Callable[[], int], rank: int = 0) -> None:
         self._step = step
+        self._rank = rank
         self._handles: list[Any] = []
         root = type(model).__name__
         for name, module in model.named_modules():
@@ -54,11 +56,8 @@ class NanInfChecker:
                 self._handles.append(param.register_hook(hook))
 
     def _fail(self, what: str, kind: str, dtype: torch.dtype) -> None:
-        # Imported here: distamp.distributed's package imports the optimizer, which imports this module.
-        from distamp.distributed.groups import group_rank
-
         raise FloatingPointError(
-            f"check_nan_inf: {kind} in {what} on rank {group_rank()} at step {self._step()}, dtype {dtype}. "
+            f"check_nan_inf: {kind} in {what} on rank {self._rank} at step {self._step()}, dtype {dtype}. "
             "Look at that layer's inputs and weights; if it overflows only in 16 bits, keep it in FP32 with "
             "custom_black_varnames."
         )

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._pytree import tree_map_only
 
-from distamp.amp.op_names import expand_op_names, functions_named
+from distamp.strategy.op_names import expand_op_names, functions_named
 
 __all__ = ["OpListMode", "checkpoint_context_fn"]
 
@@ -63,7 +63,7 @@ class OpListMode(TorchFunctionMode):
         device_type: the autocast device type this mode follows (``"cpu"``,
             ``"cuda"``); it acts only while autocast is enabled there.
         dtype: the low-precision dtype for white-listed ops.
-        white: op names (see :mod:`distamp.amp.op_names`; aliases such as
+        white: op names (see :mod:`distamp.strategy.op_names`; aliases such as
             ``"conv"`` are expanded) forced to ``dtype``.
         black: op names forced to ``float32``. Must not overlap ``white``.
 

@@ -11,10 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from distamp.distributed.process_group import validate_timeout
 from distamp.optim import flat_state
 
 from . import rng, storage
-from .collective import Coordinator, check_timeout
+from .collective import Coordinator
 from .manifest import COMMON, CheckpointCorrupt, Manifest, manifest_name, rank_part
 from .state import (
     UnusablePayload,
@@ -119,7 +120,7 @@ def load_latest_checkpoint(
     path = storage.check_directory(directory)
     check_objects(model, optimizer, scheduler)
     target = flat_state.describe(optimizer)
-    coordinator = Coordinator("load", check_timeout(timeout))
+    coordinator = Coordinator("load", validate_timeout(timeout))
     candidates, failure = coordinator.broadcast(_list(path) if coordinator.rank == 0 else None)
     if failure is not None:
         raise RuntimeError(f"rank 0 could not list checkpoints in {path!r}: {failure}")

@@ -12,10 +12,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from distamp.distributed.process_group import validate_timeout
 from distamp.optim import flat_state
 
 from . import rng, storage
-from .collective import Coordinator, check_timeout
+from .collective import Coordinator
 from .manifest import COMMON, Manifest, PayloadFile, rank_part
 from .state import (
     build_payload,
@@ -97,7 +98,7 @@ def save_checkpoint(
     path = storage.check_directory(directory)
     step = _check_count(step, "step", 0, "")
     keep = _check_count(keep, "keep", 1, ": the newest checkpoint is always kept")
-    wait = check_timeout(timeout)
+    wait = validate_timeout(timeout)
     check_objects(model, optimizer, scheduler)
     extra = check_extra(extra)
     # Checked on every rank (the states are replicated), so all raise alike.

@@ -10,18 +10,19 @@ FP32".
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["CommStats", "LowPrecisionAllReduce", "add_pending_fp32", "low_precision_allreduce_hook"]
+__all__ = ["CommStats", "LowPrecisionAllReduce", "PendingFp32Grads", "add_pending_fp32", "low_precision_allreduce_hook"]
 
 Pending = Callable[[Sequence[torch.Tensor]], "list[torch.Tensor | None] | None"]
 
 
 @dataclass
 class CommStats:
-    """What a hook has sent since it was created (or last reset).
+    """What a hook has sent since it was created.
 
     Attributes:
         calls: number of bucket all-reduces launched.
@@ -30,11 +31,6 @@ class CommStats:
 
     calls: int = 0
     bytes: int = 0
-
-    def reset(self) -> None:
-        """Set the counters back to zero."""
-        self.calls = 0
-        self.bytes = 0
 
 
 class LowPrecisionAllReduce:
@@ -64,7 +60,7 @@ class LowPrecisionAllReduce:
         pending: returns, for a bucket's parameters, FP32 sums to add to the
             bucket before the wire cast (gradient merge's earlier
             micro-batches in O2, see
-            :class:`~distamp.optim.grad_accumulator.PendingFp32Grads`), or None.
+            :class:`PendingFp32Grads`), or None.
     """
 
     def __init__(
@@ -147,3 +143,35 @@ def add_pending_fp32(buffer: torch.Tensor, params: Sequence[torch.Tensor], pendi
     if sums:
         torch._foreach_add_(sums, grads)
         torch._foreach_copy_(grads, sums)
+
+
+class PendingFp32Grads:
+    """What a comm hook adds to a bucket before the wire cast: the attached optimizers' pending FP32 sums.
+
+    Looked up at every bucket (accumulators appear lazily); costs one pass
+    over the optimizers when none is pending.
+
+    Args:
+        optimizers: the live list of meta-optimizers attached to the model.
+    """
+
+    def __init__(self, optimizers: Sequence[Any]) -> None:
+        self.optimizers = optimizers
+
+    def __call__(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None] | None:
+        """FP32 sums aligned with ``params`` (None where there is none), or None when nothing is pending."""
+        pending = [acc for acc in (getattr(opt.precision, "grad_accumulator", None) for opt in self.optimizers)
+                   if acc is not None and acc.pending]
+        if not pending:
+            return None
+        out = []
+        for p in params:
+            view = None
+            for acc in pending:
+                view = acc.view_of(p)
+                if view is not None:
+                    break
+            out.append(view)
+        for acc in pending:
+            acc.consumed = True
+        return out

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,16 +36,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distamp.amp.black_modules import keep_in_fp32
 from distamp.amp.fp32_parameters import fp32_parameters
+from distamp.distributed.attached import AttachedOptimizer
 from distamp.distributed.comm_hooks import CommStats, LowPrecisionAllReduce
 from distamp.distributed.ddp_preparation import DDPPreparation, check_device
 from distamp.distributed.groups import group_size
 from distamp.distributed.param_gather_hooks import ForwardParamGather
 from distamp.distributed.reduce_scatter import ShardedGradReduce
-from distamp.optim.master_weights import fp32_model_state_dict
+from distamp.model_views import fp32_model_state_dict
 from distamp.strategy import DistributedStrategy
-
-if TYPE_CHECKING:
-    from distamp.optim.optimizer import AmpOptimizer
 
 __all__ = ["DataParallel", "strategy_fp32_parameters"]
 
@@ -70,7 +68,7 @@ class _Runtime:
     def __init__(self, module: nn.Module) -> None:
         self.ddp: DistributedDataParallel | None = None
         self.comm_hook: LowPrecisionAllReduce | ShardedGradReduce | None = None
-        self.optimizers: list[AmpOptimizer] = []
+        self.optimizers: list[AttachedOptimizer] = []
         self.optimizer_sync: dict[int, bool] = {}
         self.merge_sync = True  # all(optimizer_sync): a plain bool for forward (torch.compile guards on it)
         self.reduce_scatter = False  # sharding stage 2: every micro-batch communicates
@@ -163,11 +161,6 @@ class DataParallel(nn.Module):
         hook = self._runtime.comm_hook
         return hook.stats if hook is not None else None
 
-    @property
-    def black_parameters(self) -> list[nn.Parameter]:
-        """Parameters O2 keeps in FP32 (``custom_black_varnames`` modules and normalization layers)."""
-        return list(self._fp32_params)
-
     def owns_any(self, params: list[nn.Parameter]) -> bool:
         """Whether any of ``params`` belongs to the wrapped module."""
         own = {id(p) for p in self.module.parameters()}
@@ -189,7 +182,7 @@ class DataParallel(nn.Module):
                 "optimizers on one model, before fleet.distributed_model."
             )
 
-    def attach_optimizer(self, optimizer: AmpOptimizer) -> None:
+    def attach_optimizer(self, optimizer: AttachedOptimizer) -> None:
         """Tie ``optimizer`` to this model (``fleet`` calls it for either order of the two calls).
 
         Its FP32-kept parameters get their exact values back now; its masters
@@ -210,7 +203,7 @@ class DataParallel(nn.Module):
             # The second of the two fleet calls prepares (collective: every rank makes both calls).
             self.prepare()
 
-    def set_grad_sync(self, optimizer: AmpOptimizer, flag: bool) -> None:
+    def set_grad_sync(self, optimizer: AttachedOptimizer, flag: bool) -> None:
         """Called by an attached optimizer: whether its next backward closes a merge window."""
         runtime = self._runtime
         runtime.optimizer_sync[id(optimizer)] = flag

@@ -8,23 +8,19 @@ dtypes are final, so DDP (whose buckets are per dtype) is built exactly once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distamp.distributed.comm_hooks import LowPrecisionAllReduce
+from distamp.distributed.attached import AttachedOptimizer, SliceOwner
+from distamp.distributed.comm_hooks import LowPrecisionAllReduce, PendingFp32Grads
 from distamp.distributed.fingerprint import check_ranks_agree
 from distamp.distributed.reduce_scatter import ShardedGradReduce
 from distamp.distributed.timeouts import named_collective
-from distamp.optim.grad_accumulator import PendingFp32Grads
 from distamp.strategy import DistributedStrategy
-
-if TYPE_CHECKING:
-    from distamp.optim.optimizer import AmpOptimizer
-    from distamp.optim.sharded_masters import ShardedMasters
 
 __all__ = ["DDPPreparation", "PreparedDDP", "check_device"]
 
@@ -78,7 +74,7 @@ class DDPPreparation:
     find_unused_parameters: bool
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)
 
-    def run(self, optimizers: list[AmpOptimizer]) -> PreparedDDP:
+    def run(self, optimizers: list[AttachedOptimizer]) -> PreparedDDP:
         """Check the ranks agree, make them identical and build DDP with its comm hook (collective)."""
         reduce_scatter = self.check_sharding(optimizers)
         # 0. Ranks that disagree on the strategy or the model fail here, naming the difference,
@@ -111,15 +107,15 @@ class DDPPreparation:
         )
 
     def _comm_hook(
-        self, optimizers: list[AmpOptimizer], reduce_scatter: bool
+        self, optimizers: list[AttachedOptimizer], reduce_scatter: bool
     ) -> LowPrecisionAllReduce | ShardedGradReduce | None:
         """Stage 2: reduce-scatter into the owners' FP32 slices; AMP: a 16-bit all-reduce; else DDP's own."""
         cfg = self.strategy.amp_config
         pending = PendingFp32Grads(optimizers)
         if reduce_scatter:
             wire = cfg.comm_torch_dtype if self.strategy.amp else torch.float32
-            # check_sharding made every optimizer stage 2, whose masters are ShardedMasters.
-            shards = cast("list[ShardedMasters]", [opt.master_weights for opt in optimizers])
+            # check_sharding made every optimizer stage 2, whose masters are sharded.
+            shards: list[SliceOwner] = [opt.master_weights for opt in optimizers]
             return ShardedGradReduce(shards, wire, self.process_group, pending)
         if self.strategy.amp:
             return LowPrecisionAllReduce(
@@ -127,7 +123,7 @@ class DDPPreparation:
             )
         return None
 
-    def check_sharding(self, optimizers: list[AmpOptimizer]) -> bool:
+    def check_sharding(self, optimizers: list[AttachedOptimizer]) -> bool:
         """Whether gradients are reduce-scattered (sharding stage 2); raises before any collective on a mismatch.
 
         Raises:

@@ -1,7 +1,7 @@
 """All-gather of the slices each rank updated, into every rank's parameters.
 
 After a sharded step each rank holds the new values of its slice of the
-flat parameter space only (see :mod:`distamp.optim.flat_layout`). This
+flat parameter space only (see :mod:`distamp.distributed.flat_layout`). This
 module puts every slice into every rank's copy of the parameters, in each
 parameter's own dtype on the wire: 16 bits for O2's low-precision
 parameters (half the bytes of FP32), FP32 for parameters kept in FP32 (so
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from distamp.distributed.comm_hooks import CommStats
+from distamp.distributed.flat_layout import FlatLayout, Piece
 from distamp.distributed.wire_rounds import round_bytes
-from distamp.optim.flat_layout import FlatLayout, Piece
 
 __all__ = ["GatherInFlight", "SliceAllGather"]
 

@@ -18,16 +18,13 @@ The optimizer defers its gather only once these hooks are installed for it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from distamp.optim.sharded_precision import ShardedPrecision
-
-if TYPE_CHECKING:
-    from distamp.optim.optimizer import AmpOptimizer
+from distamp.distributed.attached import AttachedOptimizer
 
 __all__ = ["ForwardParamGather"]
 
@@ -41,15 +38,12 @@ class ForwardParamGather:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.optimizers: list[AmpOptimizer] = []
+        self.optimizers: list[AttachedOptimizer] = []
         self.handles: list[RemovableHandle] = []
 
-    def attach(self, optimizer: AmpOptimizer) -> None:
+    def attach(self, optimizer: AttachedOptimizer) -> None:
         """Finish ``optimizer``'s gathers in this model's forward, if it overlaps them; installs the hooks once."""
-        precision = optimizer.precision
-        if not isinstance(precision, ShardedPrecision) or not precision.overlap_param_gather:
-            return
-        if optimizer in self.optimizers:
+        if optimizer in self.optimizers or not optimizer.defer_param_gather(True):
             return
         self.optimizers.append(optimizer)
         if not self.handles:
@@ -59,7 +53,6 @@ class ForwardParamGather:
                     self.handles.append(sub.register_forward_pre_hook(_PreHook(self.optimizers, own)))
             self.handles.append(self.module.register_forward_hook(_PreHook(self.optimizers, None)))
             self.handles.append(self.module.register_state_dict_pre_hook(_PreHook(self.optimizers, None)))
-        precision.gather_hooked = True
 
     def remove(self) -> None:
         """Remove the hooks; the optimizers finish their gathers inside ``step()`` again."""
@@ -67,15 +60,14 @@ class ForwardParamGather:
             handle.remove()
         self.handles.clear()
         for optimizer in self.optimizers:
-            cast("ShardedPrecision", optimizer.precision).gather_hooked = False
-            optimizer.finish_param_gather()
+            optimizer.defer_param_gather(False)
         self.optimizers.clear()
 
 
 class _PreHook:
     """Finish every attached optimizer's gather for ``params`` (``None``: all of it)."""
 
-    def __init__(self, optimizers: list[AmpOptimizer], params: list[nn.Parameter] | None) -> None:
+    def __init__(self, optimizers: list[AttachedOptimizer], params: list[nn.Parameter] | None) -> None:
         self.optimizers, self.params = optimizers, params
 
     @torch.compiler.disable

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "SELECTED_GPUS_VAR",
     "WorldInfo",
     "default_backend",
     "default_device",
@@ -37,6 +38,11 @@ DEFAULT_TIMEOUT = timedelta(minutes=30)
 torch's own defaults are 30 minutes for gloo but 10 for NCCL, whose
 watchdog then aborts the job; a rank that writes a checkpoint or compiles a
 model while the others wait in a collective can take longer than 10."""
+
+SELECTED_GPUS_VAR = "DISTAMP_SELECTED_GPUS"
+"""Set by ``distrun`` in every worker's environment (the ``--gpus`` it was given, or empty): a worker
+started by distrun can tell so, e.g. to leave the rank prefix of log lines to distrun's console tee."""
+
 
 @dataclass(frozen=True)
 class WorldInfo:

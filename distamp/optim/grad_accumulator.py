@@ -18,13 +18,12 @@ reduce-scattered and summed into the rank's FP32 gradient slice.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-__all__ = ["Fp32GradAccumulator", "PendingFp32Grads"]
+__all__ = ["Fp32GradAccumulator"]
 
 
 class Fp32GradAccumulator:
@@ -106,35 +105,3 @@ class Fp32GradAccumulator:
         """The window was stepped: the next merged micro-batch starts a new sum."""
         self.pending = False
         self.consumed = False
-
-
-class PendingFp32Grads:
-    """What a comm hook adds to a bucket before the wire cast: the attached optimizers' pending FP32 sums.
-
-    Looked up at every bucket (accumulators appear lazily); costs one pass
-    over the optimizers when none is pending.
-
-    Args:
-        optimizers: the live list of meta-optimizers attached to the model.
-    """
-
-    def __init__(self, optimizers: Sequence[Any]) -> None:
-        self.optimizers = optimizers
-
-    def __call__(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor | None] | None:
-        """FP32 sums aligned with ``params`` (None where there is none), or None when nothing is pending."""
-        pending = [acc for acc in (getattr(opt.precision, "grad_accumulator", None) for opt in self.optimizers)
-                   if acc is not None and acc.pending]
-        if not pending:
-            return None
-        out = []
-        for p in params:
-            view = None
-            for acc in pending:
-                view = acc.view_of(p)
-                if view is not None:
-                    break
-            out.append(view)
-        for acc in pending:
-            acc.consumed = True
-        return out

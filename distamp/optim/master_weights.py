@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["MasterWeights", "MasterWeightsSurface", "clear_grads", "fp32_model_state_dict"]
+__all__ = ["MasterWeights", "MasterWeightsSurface", "clear_grads"]
 
 
 class MasterWeightsSurface(Protocol):
@@ -301,23 +301,6 @@ class MasterWeights:
                     )
                 master.copy_(t)
         self.copy_masters_to_model()
-
-
-def fp32_model_state_dict(module: nn.Module, master_weights: Sequence[MasterWeightsSurface]) -> dict:
-    """``module.state_dict()`` with each parameter replaced by an FP32 copy of its master.
-
-    Parameters without a master (O1, AMP off, other dtypes) are copied as
-    they are, in FP32 when floating point. Buffers are left unchanged.
-    """
-    masters: dict[int, torch.Tensor] = {}
-    for weights in master_weights:
-        masters.update(weights.exact_fp32())  # collective for sharded masters
-    state = module.state_dict()
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if name in state:
-            source = masters.get(id(p), p).detach()
-            state[name] = source.float().clone() if source.is_floating_point() else source.clone()
-    return state
 
 
 def clear_grads(params: Iterable[nn.Parameter], set_to_none: bool = True) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 
 from distamp.amp.fp32_parameters import NORM_LAYER_TYPES
 from distamp.amp.nan_inf_check import NanInfChecker
+from distamp.distributed.groups import group_rank
 from distamp.optim.master_weights import MasterWeightsSurface
 from distamp.strategy import AmpConfig
 
@@ -64,7 +65,7 @@ class ModelBinding:
             if not self._config.keep_norm_fp32:
                 self._norm_buffers_to_low(model, keep_fp32)
         if self._amp and self._config.check_nan_inf:
-            self.checker = NanInfChecker(model, self._step)
+            self.checker = NanInfChecker(model, self._step, group_rank())
 
     def _norm_buffers_to_low(self, model: nn.Module, keep_fp32: list[nn.Parameter]) -> None:
         # Torch's normalization kernels want 16-bit running statistics with 16-bit parameters.

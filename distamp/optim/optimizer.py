@@ -24,19 +24,20 @@ from torch import nn
 
 from distamp.distributed.groups import data_parallel_group
 from distamp.distributed.timeouts import named_collective
+from distamp.model_views import fp32_model_state_dict, unwrap_model
 from distamp.optim.accumulation import GradientMerge
 from distamp.optim.amp_status import AmpStatus
 from distamp.optim.delegating import DelegatingOptimizer
 from distamp.optim.first_forward import FirstForwardFinder
 from distamp.optim.grad_clipping import GradClipper
 from distamp.optim.grad_watch import GradWatch
-from distamp.optim.master_weights import fp32_model_state_dict
 from distamp.optim.model_binding import ModelBinding
-from distamp.optim.precision import FullPrecision, precision_for
+from distamp.optim.precision import FullPrecision
+from distamp.optim.precision_choice import precision_for
+from distamp.optim.sharded_precision import ShardedPrecision
 from distamp.optim.state import load_optimizer_state, optimizer_state
 from distamp.optim.step_policy import StepPolicy
 from distamp.strategy import DistributedStrategy
-from distamp.wrappers import unwrap_model
 
 __all__ = ["AmpOptimizer"]
 
@@ -251,6 +252,23 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         pre-hooks of ``fleet.distributed_model`` call it per module.
         """
         self.master_weights.finish_refresh(params)
+
+    def defer_param_gather(self, deferred: bool) -> bool:
+        """Let ``step()`` leave its parameter all-gather running for forward hooks to finish (or stop it).
+
+        Called by ``fleet.distributed_model`` when it installs (``True``) or
+        removes (``False``) the forward hooks that finish the gather module by
+        module. Returns whether this optimizer overlaps its gather at all
+        (``sharding_configs["overlap_param_gather"]``); when it does not, this
+        is a no-op. Stopping finishes whatever is still running.
+        """
+        precision = self.precision
+        if not isinstance(precision, ShardedPrecision) or not precision.overlap_param_gather:
+            return False
+        precision.gather_hooked = deferred
+        if not deferred:
+            self.finish_param_gather()
+        return True
 
     def add_sync_listener(self, listener: Any) -> None:
         """Keep ``listener.set_grad_sync(optimizer, flag)`` told whether the next backward communicates."""

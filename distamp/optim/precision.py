@@ -13,7 +13,8 @@ as Lightning's precision plugins do:
   gradients are copied into the masters before the same check, and applied
   masters are copied back.
 
-:func:`precision_for` picks one from a strategy (with ``strategy.sharding``,
+:func:`~distamp.optim.precision_choice.precision_for` picks one from a
+strategy (with ``strategy.sharding``,
 :class:`~distamp.optim.sharded_precision.ShardedPrecision`).
 """
 
@@ -31,9 +32,9 @@ from distamp.distributed.flag_sync import all_reduce_max
 from distamp.optim.grad_accumulator import Fp32GradAccumulator
 from distamp.optim.loss_scaler import LossScaler, build_loss_scaler
 from distamp.optim.master_weights import MasterWeights, MasterWeightsSurface
-from distamp.strategy import AmpConfig, DistributedStrategy
+from distamp.strategy import AmpConfig
 
-__all__ = ["FullPrecision", "MixedPrecision", "PureLowPrecision", "precision_for"]
+__all__ = ["FullPrecision", "MixedPrecision", "PureLowPrecision"]
 
 logger = logging.getLogger("distamp")
 
@@ -272,21 +273,6 @@ class PureLowPrecision(MixedPrecision):
     def state_dict(self) -> dict:
         """Scaler state plus the FP32 masters."""
         return {**super().state_dict(), "master_weights": self.master_weights.state_dict()}
-
-
-def precision_for(
-    strategy: DistributedStrategy, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None = None
-) -> FullPrecision:
-    """The plugin ``strategy`` asks for: AMP off, O1 or O2, sharded over ``group`` with ``strategy.sharding``."""
-    if strategy.sharding:
-        # Imported here: the sharded plugin builds on the classes of this module.
-        from distamp.optim.sharded_precision import ShardedPrecision
-
-        return ShardedPrecision(params, strategy, group)
-    config = strategy.amp_config
-    if not strategy.amp:
-        return FullPrecision(params, config)
-    return PureLowPrecision(params, config) if config.use_pure_fp16 else MixedPrecision(params, config)
 
 
 def _check_scaler_type(saved: str, scaler: LossScaler | None) -> None:

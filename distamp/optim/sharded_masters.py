@@ -1,7 +1,7 @@
 """One rank's slice of the optimizer: FP32 masters, FP32 gradients and the inner optimizer's pieces.
 
 With ``strategy.sharding`` each rank owns a balanced contiguous slice of the
-flat parameter space (:mod:`distamp.optim.flat_layout`) and keeps, for that
+flat parameter space (:mod:`distamp.distributed.flat_layout`) and keeps, for that
 slice only:
 
 * the FP32 values the inner optimizer updates: in O2 a flat FP32 buffer
@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.distributed.flat_layout import FlatLayout, Piece
 from distamp.distributed.param_gather import GatherInFlight, SliceAllGather
-from distamp.optim.flat_layout import FlatLayout, Piece
 from distamp.optim.master_weights import clear_grads
 from distamp.optim.slice_grads import SliceGrads
 

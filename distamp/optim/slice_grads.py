@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from distamp.optim.flat_layout import Piece
+from distamp.distributed.flat_layout import Piece
 
 __all__ = ["SliceGrads"]
 

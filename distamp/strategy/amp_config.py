@@ -49,7 +49,7 @@ def _user_stacklevel() -> int:
 class AmpConfig(Config):
     """Mixed-precision settings: the typed form of ``strategy.amp_configs``.
 
-    Keys and defaults are Paddle Fleet's (DESIGN.md section 2) plus
+    Keys and defaults are Paddle Fleet's (the README's ``amp_configs`` table) plus
     ``comm_dtype``, ``gradient_predivide_factor`` and ``stuck_scale_patience``.
     Every field is validated on construction; a bad one raises ``ValueError``
     naming it, the value and what is allowed. Lists are stored as tuples.

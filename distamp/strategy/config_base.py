@@ -43,7 +43,7 @@ class Config:
             return mapping
         names = [f.name for f in fields(cls)]
         if not isinstance(mapping, Mapping):
-            # DESIGN.md section 2: any bad configuration, wrong types included, is a ValueError.
+            # Any bad configuration, wrong types included, is a ValueError (the README's contract).
             raise ValueError(  # noqa: TRY004
                 f"{cls._OWNER} must be a dict of config keys; got {show(mapping)} "
                 f"({type(mapping).__name__}). Valid keys: {', '.join(names)}."

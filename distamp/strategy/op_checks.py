@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from distamp.strategy.checks import as_choice, as_names, where
+from distamp.strategy.op_names import canonical_op_name, expand_op_names, is_inplace_op_name, known_op_names
 from distamp.suggest import did_you_mean
 
 __all__ = ["validate_dtype", "validate_op_lists"]
@@ -14,13 +15,6 @@ def _canonical_ops(owner: str, key: str, names: tuple[str, ...]) -> tuple[str, .
     """Canonical op names (``"torch.matmul"`` -> ``"matmul"``); unknown and in-place ones raise."""
     if not names:
         return names
-    # Imported here, not at module level: distamp.amp imports this module.
-    from distamp.amp.op_names import (
-        canonical_op_name,
-        is_inplace_op_name,
-        known_op_names,
-    )
-
     known = known_op_names()
     canonical = tuple(canonical_op_name(name) for name in names)
     for name, op in zip(names, canonical, strict=True):
@@ -28,7 +22,7 @@ def _canonical_ops(owner: str, key: str, names: tuple[str, ...]) -> tuple[str, .
             hint = did_you_mean(op, known) or " Ops are torch function names such as 'matmul' or 'softmax'."
             raise ValueError(
                 f"{where(owner, key)} contains {name!r}, which is not an op distamp knows.{hint} "
-                f"The full list is distamp.amp.op_names.known_op_names()."
+                f"The full list is distamp.strategy.op_names.known_op_names()."
             )
         if is_inplace_op_name(op):
             raise ValueError(
@@ -49,8 +43,6 @@ def validate_op_lists(owner: str, white: Any, black: Any) -> tuple[tuple[str, ..
             closest valid name), or an op on both lists (after expanding aliases
             such as ``"conv"``).
     """
-    from distamp.amp.op_names import expand_op_names
-
     lists = []
     for key, value in (("custom_white_list", white), ("custom_black_list", black)):
         lists.append(_canonical_ops(owner, key, as_names(owner, key, value, "op names")))

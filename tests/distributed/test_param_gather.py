@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from distamp.distributed.flat_layout import FlatLayout
 from distamp.distributed.param_gather import SliceAllGather
-from distamp.optim.flat_layout import FlatLayout
 from tests.multiprocess import run_workers
 
 NUMELS = [5, 3, 0, 4, 7]

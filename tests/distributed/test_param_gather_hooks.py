@@ -14,7 +14,7 @@ class RecordingOptimizer:
 
     def __init__(self, params: list[nn.Parameter], overlap: bool, sharding: bool = True) -> None:
         from distamp import fleet
-        from distamp.optim.precision import precision_for
+        from distamp.optim.precision_choice import precision_for
 
         strategy = fleet.DistributedStrategy(sharding=sharding)
         strategy.sharding_configs = {"overlap_param_gather": overlap}

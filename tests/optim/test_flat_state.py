@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distamp.distributed.flat_layout import FlatLayout
 from distamp.optim import flat_state
-from distamp.optim.flat_layout import FlatLayout
 from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
 

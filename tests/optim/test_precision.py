@@ -13,8 +13,8 @@ from distamp.optim.precision import (
     MixedPrecision,
     PureLowPrecision,
     _max_abs,
-    precision_for,
 )
+from distamp.optim.precision_choice import precision_for
 from distamp.optim.sharded_precision import ShardedPrecision
 from distamp.strategy import AmpConfig, DistributedStrategy
 

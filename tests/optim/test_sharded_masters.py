@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from distamp.optim.flat_layout import Piece
+from distamp.distributed.flat_layout import Piece
 from distamp.optim.sharded_masters import ShardedMasters
 
 

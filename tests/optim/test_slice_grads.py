@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distamp.optim.flat_layout import FlatLayout, Piece
+from distamp.distributed.flat_layout import FlatLayout, Piece
 from distamp.optim.slice_grads import SliceGrads
 
 

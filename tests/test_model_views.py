@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distamp.wrappers import unwrap_model
+from distamp.model_views import unwrap_model
 
 
 class Wrapper(nn.Module):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distamp.amp.op_names import (
+from distamp.strategy.op_names import (
     OP_ALIASES,
     canonical_op_name,
     expand_op_names,

@@ -1,0 +1,30 @@
+"""Choosing the precision plugin a strategy asks for.
+
+Apart from :mod:`distamp.optim.precision` because the sharded plugin
+(:mod:`distamp.optim.sharded_precision`) builds on that module's classes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from torch import nn
+
+from distamp.optim.precision import FullPrecision, MixedPrecision, PureLowPrecision
+from distamp.optim.sharded_precision import ShardedPrecision
+from distamp.strategy import DistributedStrategy
+
+__all__ = ["precision_for"]
+
+
+def precision_for(
+    strategy: DistributedStrategy, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None = None
+) -> FullPrecision:
+    """The plugin ``strategy`` asks for: AMP off, O1 or O2, sharded over ``group`` with ``strategy.sharding``."""
+    if strategy.sharding:
+        return ShardedPrecision(params, strategy, group)
+    config = strategy.amp_config
+    if not strategy.amp:
+        return FullPrecision(params, config)
+    return PureLowPrecision(params, config) if config.use_pure_fp16 else MixedPrecision(params, config)
