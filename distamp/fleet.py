@@ -41,6 +41,7 @@ from distamp.distributed.process_group import (
     init_process_group,
     validate_timeout,
     world_info_from_env,
+    world_info_from_group,
 )
 from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
@@ -146,8 +147,11 @@ def init(
     if init_process_group(world, group_timeout) and not existed:
         _state.group_timeout = group_timeout
     if dist.is_available() and dist.is_initialized() and not world.from_env:
-        # A group created by the user (e.g. mp.spawn): trust it.
-        world = WorldInfo(dist.get_rank(), dist.get_world_size(), world.local_rank, world.local_world_size)
+        # A group created by the user (e.g. mp.spawn): its ranks, and each one's place on its host.
+        known = _state.world
+        same_group = known is not None and (known.rank, known.world_size) == (dist.get_rank(), dist.get_world_size())
+        world = known if known is not None and same_group and not known.from_env else (
+            world_info_from_group(group_timeout))
     _state.world = world
     if level is not None:
         logging.getLogger("distamp").setLevel(level)

@@ -52,5 +52,8 @@ class AttachedOptimizer(Protocol):
     def finish_param_gather(self, params: Iterable[nn.Parameter] | None = None) -> None:
         """Complete the all-gather ``overlap_param_gather`` left running (for ``params``, or all)."""
 
+    def grads_reseated(self) -> None:
+        """The model's ``.grad`` tensors were replaced by equal ones (DDP rebuilt its buckets)."""
+
     def defer_param_gather(self, deferred: bool) -> bool:
         """Whether ``step()`` may leave its all-gather to the model's forward hooks; True when it overlaps."""

@@ -253,12 +253,19 @@ class DataParallel(nn.Module):
             # Stage 2 reduce-scatters every micro-batch: the owners sum them in FP32 slices.
             ddp.require_backward_grad_sync = runtime.sync_enabled and (runtime.reduce_scatter or runtime.merge_sync)
             ddp.training = self.training
-            return ddp(*args, **kwargs)
+            rebuilt = ddp._has_rebuilt_buckets
+            output = ddp(*args, **kwargs)
         except RuntimeError as exc:
             hint = self._outside_auto_cast_hint(exc)
             if hint is None:
                 raise
             raise RuntimeError(f"{exc}\n{hint}") from exc
+        if not rebuilt and ddp._has_rebuilt_buckets:
+            # The first forward after the first backward rebuilds DDP's buckets; with
+            # gradient_as_bucket_view each .grad becomes a view of a new bucket: same values, new tensor.
+            for optimizer in runtime.optimizers:
+                optimizer.grads_reseated()
+        return output
 
     def _outside_auto_cast_hint(self, exc: RuntimeError) -> str | None:
         """The fix for torch's bare dtype error when an O2 model runs outside ``fleet.auto_cast()``."""

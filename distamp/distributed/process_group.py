@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distamp.distributed.store_exchange import StoreExchange
+
 __all__ = [
     "DEFAULT_TIMEOUT",
     "SELECTED_GPUS_VAR",
@@ -30,6 +32,7 @@ __all__ = [
     "init_process_group",
     "validate_timeout",
     "world_info_from_env",
+    "world_info_from_group",
 ]
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
@@ -126,6 +129,31 @@ def world_info_from_env() -> WorldInfo:
             f"LOCAL_RANK={local_rank!r} must be in [0, LOCAL_WORLD_SIZE={local_world_size})"
         )
     return WorldInfo(rank, world_size, local_rank, local_world_size, from_env=True)
+
+
+def world_info_from_group(timeout: timedelta = DEFAULT_TIMEOUT) -> WorldInfo:
+    """This worker's place in a process group the user created (e.g. under ``mp.spawn``, no RANK set).
+
+    Rank and world size come from the group. The local rank (which GPU is
+    this worker's) is LOCAL_RANK when that is set; otherwise the ranks
+    exchange their host names through the group's store (collective: every
+    rank calls ``fleet.init``), and the local rank is this worker's index
+    among the ranks on its host, in global-rank order, as torchrun numbers
+    them. The store, not a collective, carries the names: an NCCL collective
+    would need each rank's GPU, which is what is being worked out.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if "LOCAL_RANK" in os.environ:
+        local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+        local_rank = _env_int("LOCAL_RANK", None)
+        if not 0 <= local_rank < local_world_size:
+            raise ValueError(f"LOCAL_RANK={local_rank!r} must be in [0, LOCAL_WORLD_SIZE={local_world_size})")
+        return WorldInfo(rank, world_size, local_rank, local_world_size)
+    exchange = StoreExchange("distamp.fleet", "fleet.init's host-name exchange", timeout,
+                             hint="every rank of the group must call fleet.init()")
+    hosts = exchange.all_gather(socket.gethostname())
+    same_host = [r for r, host in enumerate(hosts) if host == hosts[rank]]
+    return WorldInfo(rank, world_size, same_host.index(rank), len(same_host))
 
 
 def default_backend() -> str:

@@ -2,12 +2,18 @@
 
 ``fleet.distributed_optimizer`` alone sees only parameters, not the modules
 they belong to, so it cannot tell which ones are normalization layers that
-O2 keeps in FP32, nor name a parameter whose gradient overflowed. A
-:class:`FirstForwardFinder` waits for the first forward of a module that
-owns every parameter of the optimizer (the model), hands it to the
-optimizer (:meth:`~distamp.optim.optimizer.AmpOptimizer.adopt_model`), and
-removes itself. It is a global forward pre-hook only until then: one set
-comparison per module call, and nothing afterwards.
+O2 keeps in FP32, which submodules ``custom_black_varnames`` names, nor
+name a parameter whose gradient overflowed. A :class:`FirstForwardFinder`
+waits for the first forward of a module that owns every parameter of the
+optimizer (the model), hands it to the optimizer
+(:meth:`~distamp.optim.optimizer.AmpOptimizer.adopt_model`) with its
+FP32-kept parameters and its ``custom_black_varnames`` modules switched to
+FP32, and removes itself. It is a global forward pre-hook only until then:
+one set comparison per module call, and nothing afterwards.
+
+The first such module is the outermost: a model the user wrapped in
+torch's own ``DistributedDataParallel`` is seen as the DDP module, whose
+reducer all-reduces the gradients; the bare model called directly is not.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.parallel import DistributedDataParallel
 
+from distamp.amp.black_modules import keep_in_fp32
 from distamp.amp.fp32_parameters import fp32_parameters
 
 if TYPE_CHECKING:
@@ -30,10 +38,10 @@ logger = logging.getLogger("distamp")
 
 
 class FirstForwardFinder:
-    """Hands an O2 optimizer its model at the model's first forward.
+    """Hands a meta-optimizer its model at the model's first forward.
 
     Args:
-        optimizer: the O2 meta-optimizer (held weakly); its
+        optimizer: the meta-optimizer (held weakly); its
             :meth:`~distamp.optim.optimizer.AmpOptimizer.adopt_model` is called.
     """
 
@@ -59,8 +67,15 @@ class FirstForwardFinder:
         if not self._param_ids <= {id(p) for p in module.parameters()}:
             return
         self.remove()
-        keep_norm = optimizer.strategy.amp_config.keep_norm_fp32
-        optimizer.adopt_model(module, fp32_parameters(module, keep_norm_fp32=keep_norm))
+        reduces_grads = isinstance(module, DistributedDataParallel)
+        model: nn.Module = module.module if isinstance(module, DistributedDataParallel) else module
+        if not optimizer.amp_enabled:
+            optimizer.adopt_model(model, [], reduces_grads=reduces_grads)
+            return
+        cfg = optimizer.strategy.amp_config
+        keep = fp32_parameters(model, cfg.custom_black_varnames, keep_norm_fp32=cfg.keep_norm_fp32)
+        black = keep_in_fp32(model, cfg.custom_black_varnames) if cfg.custom_black_varnames else None
+        optimizer.adopt_model(model, keep, reduces_grads=reduces_grads, black_modules=black)
 
     def remove(self) -> None:
         """Stop watching forwards."""

@@ -21,11 +21,12 @@ alive) and version counter; a check is one pass over the parameters.
 from __future__ import annotations
 
 import logging
-import warnings
 import weakref
 from collections.abc import Iterable
 
 from torch import nn
+
+from distamp.user_warning import warn_user
 
 __all__ = ["GradWatch"]
 
@@ -100,12 +101,11 @@ class GradWatch:
             return True
         if self._unchanged_since(self._after_step):
             if self._once("nothing"):
-                warnings.warn(
+                warn_user(
                     "optimizer.step() found no new gradients since the last step, so it did nothing and "
-                    "returned False. Call optimizer.backward(loss) (or optimizer.minimize(loss)) before each "
-                    "step().",
-                    UserWarning,
-                    stacklevel=3,
+                    "returned False (with a closure: returned the closure's loss, step_was_skipped True). "
+                    "Call optimizer.backward(loss) (or optimizer.minimize(loss)) before each step(); a "
+                    "closure must call optimizer.backward(loss) itself."
                 )
             return False
         if loss_scale != 1.0:
@@ -116,6 +116,15 @@ class GradWatch:
                 f"optimizer.minimize(loss))."
             )
         return True
+
+    def reseated(self) -> None:
+        """The ``.grad`` tensors were replaced by equal ones (in a forward, before any new backward).
+
+        What was unchanged since the last step still is, so the step snapshot
+        follows the new tensors.
+        """
+        if not self._backward_since_step:
+            self._after_step = self._snapshot()
 
     def after_step(self) -> None:
         """A step was taken (or skipped for inf/NaN): start watching for the next backward."""

@@ -10,18 +10,25 @@ calls) or, without it, at the model's first forward
   ``custom_black_varnames``) their exact FP32 values back from the masters,
   or with ``keep_norm_fp32=False`` stores normalization buffers in 16 bits;
 * learns the qualified parameter names that overflow attribution reports;
-* installs the ``check_nan_inf`` hooks.
+* installs the ``check_nan_inf`` hooks;
+* keeps the ``custom_black_varnames`` modules a first-forward adoption
+  switched to FP32 (``fleet.distributed_model`` keeps its own);
+* remembers whether a data-parallel wrapper all-reduces the gradients, so
+  that an optimizer used without one on several ranks fails at its first
+  step instead of letting each rank train on its own gradients.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch.distributed as dist
 from torch import nn
 
+from distamp.amp.black_modules import BlackModulesHandle
 from distamp.amp.fp32_parameters import NORM_LAYER_TYPES
 from distamp.amp.nan_inf_check import NanInfChecker
-from distamp.distributed.groups import group_rank
+from distamp.distributed.groups import group_rank, group_size
 from distamp.optim.master_weights import MasterWeightsSurface
 from distamp.strategy import AmpConfig
 
@@ -47,17 +54,26 @@ class ModelBinding:
         self._step = step
         self.adopted = False
         self.checker: NanInfChecker | None = None
+        self.black_modules: BlackModulesHandle | None = None
+        self.reduces_grads = False
         self._names: dict[int, str] = {}
 
     def name_of(self, param: nn.Parameter, index: int) -> str:
         """The qualified name of ``param`` in the adopted model, else ``"params[index]"``."""
         return self._names.get(id(param), f"params[{index}]")
 
-    def adopt(self, model: nn.Module, keep_fp32: list[nn.Parameter]) -> None:
-        """The model is known: names, O2's FP32-kept parameters, ``check_nan_inf`` hooks (once)."""
+    def adopt(self, model: nn.Module, keep_fp32: list[nn.Parameter], *, reduces_grads: bool = True,
+              black_modules: BlackModulesHandle | None = None) -> None:
+        """The model is known: names, O2's FP32-kept parameters, ``check_nan_inf`` hooks (once).
+
+        ``reduces_grads`` says whether a data-parallel wrapper all-reduces the
+        model's gradients; ``black_modules`` are kept alive with the binding.
+        """
+        self.reduces_grads = self.reduces_grads or reduces_grads  # wrapped after a bare first forward
         if self.adopted:
             return
         self.adopted = True
+        self.black_modules = black_modules
         for name, param in model.named_parameters(remove_duplicate=False):
             self._names.setdefault(id(param), name)
         if self._master_weights.enabled:
@@ -75,3 +91,22 @@ class ModelBinding:
                 for name, buffer in module.named_buffers(recurse=False):
                     if buffer.is_floating_point():
                         setattr(module, name, buffer.to(low))
+
+    def check_grads_reduced(self, group: dist.ProcessGroup | None) -> None:
+        """Raise when several ranks would each apply their own gradients.
+
+        Raises:
+            RuntimeError: the data-parallel group has more than one rank and
+                no data-parallel wrapper (``fleet.distributed_model`` or
+                torch's ``DistributedDataParallel``) ran the model's forward.
+        """
+        if self.reduces_grads or group_size(group) == 1:
+            return
+        seen = "its model ran a forward outside any data-parallel wrapper" if self.adopted else (
+            "no module owning all its parameters ran a forward")
+        raise RuntimeError(
+            f"fleet.distributed_optimizer(...) runs on {group_size(group)} ranks, but nothing all-reduces the "
+            f"gradients it applies ({seen}), so every rank would train on its own gradients and the ranks would "
+            "silently diverge. Wrap the model: model = fleet.distributed_model(model) (or torch's "
+            "DistributedDataParallel) and call that wrapper in the forward."
+        )

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.amp.black_modules import BlackModulesHandle
 from distamp.distributed.groups import data_parallel_group
 from distamp.distributed.timeouts import named_collective
 from distamp.model_views import fp32_model_state_dict, unwrap_model
@@ -38,6 +39,7 @@ from distamp.optim.sharded_precision import ShardedPrecision
 from distamp.optim.state import load_optimizer_state, optimizer_state
 from distamp.optim.step_policy import StepPolicy
 from distamp.strategy import DistributedStrategy
+from distamp.user_warning import warn_user
 
 __all__ = ["AmpOptimizer"]
 
@@ -93,6 +95,12 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
             raise TypeError(f"strategy must be a fleet.DistributedStrategy, got {type(strategy).__name__}")
         self.strategy = strategy
         self.amp_enabled: bool = bool(strategy.amp)
+        if not self.amp_enabled and strategy.amp_config.check_nan_inf:
+            warn_user(
+                "amp_configs['check_nan_inf'] = True has no effect: strategy.amp is False, and check_nan_inf is a "
+                "check of the AMP meta-optimizer. Set strategy.amp = True (with dtype and use_pure_fp16 as you "
+                "train), or remove check_nan_inf."
+            )
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.precision: FullPrecision = precision_for(strategy, params, data_parallel_group(process_group))
         self.precision.master_weights.install(optimizer)  # masters (or this rank's slices) replace the params
@@ -103,7 +111,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         self.policy = StepPolicy(optimizer, self.precision, self.merge, self._watch, self.binding, process_group)
         self.clipper = GradClipper(self.precision, self.policy, self.merge)
         # Alone, the optimizer sees parameters, not modules: learn the model at its first forward.
-        self._finder = FirstForwardFinder(self) if self.amp_enabled else None
+        self._finder: FirstForwardFinder | None = FirstForwardFinder(self)
 
     def __repr__(self) -> str:
         mode = self.precision.mode
@@ -122,12 +130,22 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         self.finish_param_gather()
         return fp32_model_state_dict(unwrap_model(model), [self.master_weights])
 
-    def adopt_model(self, model: nn.Module, keep_fp32: list[nn.Parameter]) -> None:
-        """The model is known (``fleet.distributed_model``, or its first forward); see :class:`ModelBinding`."""
+    def adopt_model(self, model: nn.Module, keep_fp32: list[nn.Parameter], *, reduces_grads: bool = True,
+                    black_modules: BlackModulesHandle | None = None) -> None:
+        """The model is known (``fleet.distributed_model``, or its first forward); see :class:`ModelBinding`.
+
+        Args:
+            model: the user's model.
+            keep_fp32: its parameters that O2 keeps in FP32.
+            reduces_grads: whether a data-parallel wrapper all-reduces its
+                gradients (``fleet.distributed_model``, torch's DDP).
+            black_modules: the ``custom_black_varnames`` modules switched to
+                FP32 for this optimizer (kept as long as the optimizer lives).
+        """
         if self._finder is not None:
             self._finder.remove()
             self._finder = None
-        self.binding.adopt(model, keep_fp32)
+        self.binding.adopt(model, keep_fp32, reduces_grads=reduces_grads, black_modules=black_modules)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward of ``loss * scale`` (divided by K inside a gradient-merge window).
@@ -209,14 +227,18 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         under ``fleet.auto_cast()``, calls ``optimizer.backward(loss)`` and
         returns the loss), it returns the closure's loss, as torch's
         optimizers do; ``step_was_skipped`` tells whether it was applied.
+        The closure runs once per call (and once more per retry), with AMP
+        on or off; optimizers that evaluate a closure several times per step
+        (``torch.optim.LBFGS``) are not supported.
         With ``amp_configs["overflow_retries"] = N`` an overflowing step
         lowers the loss scale at once and calls the closure again, up to N
         times, on every rank together, so the batch is not dropped.
         """
         self.finish_param_gather()
-        if closure is not None and self.amp_enabled:
-            return self.policy.step_with_closure(closure, self.strategy.amp_config.overflow_retries)
-        return self.policy.step(closure)
+        if closure is not None:
+            retries = self.strategy.amp_config.overflow_retries if self.amp_enabled else 0
+            return self.policy.step_with_closure(closure, retries)
+        return self.policy.step()
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a param group (converted to FP32 masters in O2)."""
@@ -252,6 +274,15 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         pre-hooks of ``fleet.distributed_model`` call it per module.
         """
         self.master_weights.finish_refresh(params)
+
+    def grads_reseated(self) -> None:
+        """The model's ``.grad`` tensors were replaced by equal ones (``fleet.distributed_model`` calls it).
+
+        DDP rebuilds its buckets at the first forward after the first
+        backward, and each ``.grad`` then views a new bucket; without this the
+        check that ``step()`` has new gradients would take them for new ones.
+        """
+        self._watch.reseated()
 
     def defer_param_gather(self, deferred: bool) -> bool:
         """Let ``step()`` leave its parameter all-gather running for forward hooks to finish (or stop it).

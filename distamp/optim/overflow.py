@@ -69,7 +69,12 @@ def nonfinite_parameters(
 
 
 def _module_of(name: str) -> str:
-    return name.rpartition(".")[0] or name
+    """The qualified name of the module holding parameter ``name`` (``""``: the model's root)."""
+    return name.rpartition(".")[0]
+
+
+def _times(count: int, what: str) -> str:
+    return f"{count} {what}{'' if count == 1 else 's'}"
 
 
 class OverflowLog:
@@ -78,7 +83,7 @@ class OverflowLog:
     def __init__(self) -> None:
         self.last_overflow: dict | None = None
         self.overflows = 0
-        self._module_counts: collections.Counter[str] = collections.Counter()
+        self._module_counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
         self._suggested: set[str] = set()
 
     def record(self, step: int, names: list[str], loss_scale: float, retrying: bool = False) -> None:
@@ -92,14 +97,30 @@ class OverflowLog:
             "step %d %s: non-finite gradients in %s (loss scale %g)", step, action, shown or "no parameter", loss_scale
         )
         for module in dict.fromkeys(_module_of(n) for n in names):
-            self._module_counts[module] += 1
-            if self._module_counts[module] >= SUGGEST_AFTER and module not in self._suggested:
+            counts = self._module_counts[module]
+            counts["retried" if retrying else "skipped"] += 1
+            if counts.total() >= SUGGEST_AFTER and module not in self._suggested:
                 self._suggested.add(module)
-                logger.warning(
-                    "module %r had non-finite gradients in %d skipped steps; if it keeps overflowing, run it in "
-                    "FP32: strategy.amp_configs = {..., 'custom_black_varnames': [%r]}",
-                    module, self._module_counts[module], module,
-                )
+                self._suggest(module, names, counts)
+
+    @staticmethod
+    def _suggest(module: str, names: list[str], counts: collections.Counter[str]) -> None:
+        seen = " and ".join(_times(counts[kind], f"{kind} step") for kind in ("skipped", "retried") if counts[kind])
+        if module:
+            logger.warning(
+                "module %r had non-finite gradients in %s; if it keeps overflowing, run it in FP32: "
+                "strategy.amp_configs = {..., 'custom_black_varnames': [%r]}",
+                module, seen, module,
+            )
+            return
+        params = [n for n in names if "." not in n]
+        logger.warning(
+            "the model's own parameters %s (of its root module, not of a submodule) had non-finite gradients in "
+            "%s; custom_black_varnames names submodules and cannot keep the root in FP32. Move them into a "
+            "submodule and list that one in custom_black_varnames, or train with amp_configs['dtype'] = "
+            "'bfloat16', whose range is FP32's",
+            ", ".join(repr(n) for n in params), seen,
+        )
 
     def state_dict(self) -> dict:
         """Counts as plain numbers (``last_overflow`` is diagnostic and not saved)."""

@@ -58,6 +58,7 @@ class StepPolicy:
 
     def unscale_and_check(self) -> None:
         """Unscale, check and agree on the verdict (once per step)."""
+        self.binding.check_grads_reduced(data_parallel_group(self.process_group))
         self.watch.before_unscale()
         with named_collective(f"the inf/NaN verdict all-reduce of step {self.step_number + 1}"):
             self.found_inf, self.grad_max = self.precision.unscale_and_check(self._group())
@@ -77,26 +78,41 @@ class StepPolicy:
         """The model parameters, in the masters' order."""
         return self.precision.master_weights.model_params
 
-    def step(self, closure: Callable[[], Any] | None) -> bool:
+    def step(self) -> bool:
         """``optimizer.step()``: see :meth:`distamp.optim.optimizer.AmpOptimizer.step`."""
         if self.merge.is_accumulating:
             return False
-        if closure is None and not self.unscaled and not self.watch.before_step(self.precision.loss_scale):
+        if not self.unscaled and not self.watch.before_step(self.precision.loss_scale):
+            self.last_step_skipped = True
             return False
         if not self.unscaled:
             self.unscale_and_check()
-        return self.finish(closure)
+        return self.finish()
 
     def step_with_closure(self, closure: Callable[[], Any], retries: int) -> Any:
-        """``optimizer.step(closure)`` under AMP, retrying an overflow up to ``retries`` times."""
+        """``optimizer.step(closure)``: run the closure, then decide as ``step()`` does; returns its loss.
+
+        An overflowing step is retried up to ``retries`` times at a lower
+        loss scale. A closure that produced no new gradients (it never called
+        ``optimizer.backward``) is treated like ``step()`` without gradients:
+        a warning, nothing applied or counted, ``step_was_skipped`` True.
+        """
         if self.merge.k_steps > 1:
             raise RuntimeError(
                 "step(closure) runs one micro-batch per call and cannot close a gradient-merge window of "
                 f"k_steps={self.merge.k_steps}; call optimizer.backward(loss) per micro-batch and step() instead"
             )
+        if self.unscaled:
+            raise RuntimeError(
+                "step(closure) was called after the gradients were unscaled (by clip_grad_norm_ or unscale_); "
+                "with a closure, clip inside it after optimizer.backward(loss), or call step() without one"
+            )
         while True:
             with torch.enable_grad():
                 loss = closure()
+            if not self.watch.before_step(self.precision.loss_scale):
+                self.last_step_skipped = True
+                return loss
             self.unscale_and_check()
             if not self.found_inf or retries == 0 or not self.precision.lower_scale_now():
                 break
@@ -104,17 +120,18 @@ class StepPolicy:
             self.retries += 1
             self.attribute_overflow(retrying=True)
             self.unscaled = False
-        self.finish(None)
+            self.watch.after_step()  # the retried closure must call optimizer.backward again
+        self.finish()
         return loss
 
-    def finish(self, closure: Callable[[], Any] | None) -> bool:
+    def finish(self) -> bool:
         """Apply or skip on the agreed verdict, count, update the scale; True when applied."""
         found_inf = self.found_inf
         if found_inf:
             self.attribute_overflow(retrying=False)
         else:
             self.precision.take_user_grad_changes()
-            self.inner_opt.step(closure) if closure is not None else self.inner_opt.step()
+            self.inner_opt.step()
             self.precision.after_applied_step()
         self.unscaled = False
         self.merge.reset()

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import sys
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any, ClassVar
 
 import torch
@@ -22,27 +18,14 @@ from distamp.strategy.checks import (
 )
 from distamp.strategy.config_base import Config
 from distamp.strategy.op_checks import validate_dtype, validate_op_lists
+from distamp.user_warning import warn_user
 
 __all__ = ["AmpConfig"]
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 _LOSS_SCALING_KEYS = (
     "init_loss_scaling", "use_dynamic_loss_scaling", "incr_every_n_steps", "decr_every_n_nan_or_inf",
     "incr_ratio", "decr_ratio", "loss_scaling_algorithm", "min_loss_scaling", "max_loss_scaling",
 )
-
-
-def _user_stacklevel() -> int:
-    """Stack level of the first frame outside distamp.strategy (and dataclass __init__)."""
-    frame: FrameType | None = sys._getframe(2)
-    level = 2
-    while frame is not None and (
-        frame.f_code.co_filename == "<string>"
-        or os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE_DIR
-    ):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 @dataclass(frozen=True)
@@ -178,12 +161,10 @@ class AmpConfig(Config):
         default = AmpConfig()
         ignored = [f"{k}={getattr(self, k)!r}" for k in _LOSS_SCALING_KEYS if getattr(self, k) != getattr(default, k)]
         if ignored:
-            warnings.warn(
+            warn_user(
                 f"amp_configs: with dtype='bfloat16' the loss scale is fixed at 1.0 (BF16 has FP32's "
                 f"range), so these loss-scaling settings have no effect: {', '.join(ignored)}. "
-                f"Remove them, or use dtype='float16' for dynamic loss scaling.",
-                UserWarning,
-                stacklevel=_user_stacklevel(),
+                f"Remove them, or use dtype='float16' for dynamic loss scaling."
             )
 
     @property

@@ -41,16 +41,17 @@ SLOW_WRITE = 5.0  # longer than PG_TIMEOUT
 def test_a_bad_timeout_is_refused_before_anything_is_written(tmp_path, call, timeout, error, match):
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = {
+        "save": lambda: save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, timeout=timeout),
+        "load": lambda: load_latest_checkpoint(tmp_path, model=model, optimizer=optimizer, timeout=timeout),
+    }
     with pytest.raises(error, match=match):
-        if call == "save":
-            save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, timeout=timeout)
-        else:
-            load_latest_checkpoint(tmp_path, model=model, optimizer=optimizer, timeout=timeout)
+        calls[call]()
     assert list(tmp_path.iterdir()) == []
 
 
 def test_the_default_wait_is_fleets_thirty_minutes():
-    assert DEFAULT_TIMEOUT == timedelta(minutes=30)
+    assert timedelta(minutes=30) == DEFAULT_TIMEOUT
 
 
 def test_one_process_needs_no_store():

@@ -7,10 +7,13 @@ import torch
 from torch import nn
 
 from distamp.distributed.param_gather_hooks import ForwardParamGather
+from distamp.optim.optimizer import AmpOptimizer
 
 
 class RecordingOptimizer:
-    """What ForwardParamGather uses of an AmpOptimizer: ``precision`` and ``finish_param_gather``."""
+    """What ForwardParamGather uses of an AmpOptimizer: ``defer_param_gather`` and ``finish_param_gather``."""
+
+    defer_param_gather = AmpOptimizer.defer_param_gather  # the real rule, on this object's precision
 
     def __init__(self, params: list[nn.Parameter], overlap: bool, sharding: bool = True) -> None:
         from distamp import fleet

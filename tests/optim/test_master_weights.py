@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+from distamp.model_views import fp32_model_state_dict
 from distamp.optim.master_weights import (
     MasterWeights,
     clear_grads,
-    fp32_model_state_dict,
 )
 
 

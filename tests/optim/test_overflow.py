@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 from torch import nn
 
@@ -60,9 +61,40 @@ def test_suggests_fp32_once_per_module_after_repeated_overflows(caplog):
     assert hints == [
         (f"module 'head' had non-finite gradients in {SUGGEST_AFTER} skipped steps; if it keeps overflowing, "
          "run it in FP32: strategy.amp_configs = {..., 'custom_black_varnames': ['head']}"),
-        (f"module 'bias' had non-finite gradients in {SUGGEST_AFTER} skipped steps; if it keeps overflowing, "
-         "run it in FP32: strategy.amp_configs = {..., 'custom_black_varnames': ['bias']}"),
+        # 'bias' is the root's own parameter: no module name could keep it in FP32.
+        (f"the model's own parameters 'bias' (of its root module, not of a submodule) had non-finite gradients "
+         f"in {SUGGEST_AFTER} skipped steps; custom_black_varnames names submodules and cannot keep the root in "
+         "FP32. Move them into a submodule and list that one in custom_black_varnames, or train with "
+         "amp_configs['dtype'] = 'bfloat16', whose range is FP32's"),
     ]
+
+
+def test_the_hint_tells_retries_from_skipped_steps(caplog):
+    log = OverflowLog()
+    with caplog.at_level(logging.WARNING, logger="distamp"):
+        for _ in range(SUGGEST_AFTER - 1):
+            log.record(1, ["head.weight"], 8.0, retrying=True)  # step 1 retried SUGGEST_AFTER - 1 times...
+        log.record(1, ["head.weight"], 8.0)  # ...then skipped
+    hints = [r.getMessage() for r in caplog.records if "custom_black_varnames" in r.getMessage()]
+    assert hints == [
+        f"module 'head' had non-finite gradients in 1 skipped step and {SUGGEST_AFTER - 1} retried steps; if it "
+        "keeps overflowing, run it in FP32: strategy.amp_configs = {..., 'custom_black_varnames': ['head']}"
+    ]
+
+
+def test_the_suggested_name_is_accepted_by_custom_black_varnames():
+    from distamp.amp.black_modules import keep_in_fp32
+
+    model = torch.nn.Sequential()
+    model.add_module("head", torch.nn.Linear(2, 2))
+    model.register_parameter("bias", torch.nn.Parameter(torch.zeros(2)))
+    log = OverflowLog()
+    for step in range(SUGGEST_AFTER):
+        log.record(step, ["head.weight", "bias"], 8.0)
+    assert log._suggested == {"head", ""}
+    keep_in_fp32(model, ["head"]).remove()  # the suggested pattern works
+    with pytest.raises(ValueError, match="'bias'"):
+        keep_in_fp32(model, ["bias"])  # what the old hint suggested for a root parameter
 
 
 def test_state_dict_saves_counts_only():

@@ -39,7 +39,7 @@ def test_finite_step_is_applied_with_unscaled_gradients():
     policy, model = _policy()
     before = model.weight.detach().clone()
     _backward(policy, model, [0.5, -1.0])
-    assert policy.step(None) is True
+    assert policy.step() is True
     assert torch.equal(model.weight.detach(), before - torch.tensor([[0.5, -1.0]]))
     assert (policy.steps_applied, policy.steps_skipped, policy.step_number) == (1, 0, 1)
     assert policy.last_step_skipped is False
@@ -50,7 +50,7 @@ def test_overflow_skips_attributes_and_counts():
     policy, model = _policy()
     before = model.weight.detach().clone()
     _backward(policy, model, [float("nan"), 1.0])
-    assert policy.step(None) is False
+    assert policy.step() is False
     assert torch.equal(model.weight.detach(), before)
     assert (policy.steps_applied, policy.steps_skipped) == (0, 1)
     assert policy.last_step_skipped is True
@@ -60,17 +60,17 @@ def test_overflow_skips_attributes_and_counts():
 def test_step_without_new_gradients_does_nothing():
     policy, _ = _policy()
     with pytest.warns(UserWarning, match="found no new gradients"):
-        assert policy.step(None) is False
+        assert policy.step() is False
     assert policy.step_number == 0
 
 
 def test_mid_window_step_is_refused_and_window_step_applies():
     policy, model = _policy(k_steps=2)
     _backward(policy, model, [1.0, 1.0])
-    assert policy.step(None) is False
+    assert policy.step() is False
     assert policy.step_number == 0
     _backward(policy, model, [1.0, 1.0])
-    assert policy.step(None) is True
+    assert policy.step() is True
     assert policy.merge.micro_steps == 0
 
 

@@ -1,0 +1,196 @@
+"""What real clients hit on 2 ranks: a group made by the user, the optimizer without the data-parallel
+model (and with torch's own DDP), and closures that do not go the documented way."""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from distamp import fleet
+from tests.multiprocess import run_workers
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _as_user_group(rank: int) -> None:
+    """Forget the launcher's variables: the group exists, as under ``mp.spawn``."""
+    for var in LAUNCHER_VARS:
+        os.environ.pop(var, None)
+
+
+def _place_in_user_group(rank: int, world_size: int, hosts: list[str]) -> dict:
+    _as_user_group(rank)
+    socket.gethostname = lambda: hosts[rank]  # this worker's "host"
+    fleet.init()
+    return {"index": fleet.worker_index(), "num": fleet.worker_num(), "local": fleet.local_rank(),
+            "device": str(fleet.device())}
+
+
+@pytest.mark.timeout(60)
+def test_a_user_made_group_gives_each_rank_its_local_rank():
+    one_host = run_workers(_place_in_user_group, 2, ["node-a", "node-a"], timeout=45)
+    assert [r["local"] for r in one_host] == [0, 1]  # was [0, 0]: every rank on cuda:0
+    assert [r["index"] for r in one_host] == [0, 1]
+    assert all(r["num"] == 2 and r["device"] == "cpu" for r in one_host)
+    two_hosts = run_workers(_place_in_user_group, 3, ["node-a", "node-b", "node-a"], timeout=45)
+    assert [r["local"] for r in two_hosts] == [0, 0, 1]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)  # each rank its own data
+    return torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+def _strategy(amp: bool) -> fleet.DistributedStrategy:
+    strategy = fleet.DistributedStrategy()
+    strategy.amp = amp
+    if amp:
+        strategy.amp_configs = {"dtype": "bfloat16"}
+    return strategy
+
+
+def _optimizer_alone(rank: int, world_size: int, amp: bool) -> dict:
+    fleet.init()
+    model = _model()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.5), _strategy(amp))
+    x, y = _batch(rank, 0)
+    with fleet.auto_cast():
+        loss = F.cross_entropy(model(x), y)
+    optimizer.backward(loss)
+    try:
+        optimizer.step()
+    except RuntimeError as exc:
+        error = str(exc)
+    else:
+        error = ""
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    return {"error": error, "unchanged": unchanged}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("amp", [False, True])
+def test_the_optimizer_without_a_data_parallel_model_refuses_to_step_on_two_ranks(amp):
+    results = run_workers(_optimizer_alone, 2, amp, timeout=60)
+    for result in results:  # was: each rank stepped on its own gradients, silently
+        assert "runs on 2 ranks, but nothing all-reduces the gradients it applies" in result["error"]
+        assert "model = fleet.distributed_model(model)" in result["error"]
+        assert result["unchanged"]
+
+
+def _with_torch_ddp(rank: int, world_size: int, amp: bool, inf_at: int) -> dict:
+    fleet.init()
+    model = _model()
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.5), _strategy(amp))
+    ddp = DistributedDataParallel(model)
+    applied = []
+    for step in range(4):
+        x, y = _batch(rank, step)
+        if step == inf_at and rank == 1:
+            x[0, 0] = float("inf")
+        optimizer.zero_grad()
+        with fleet.auto_cast():
+            loss = F.cross_entropy(ddp(x), y)
+        optimizer.backward(loss)
+        applied.append(optimizer.step())
+    return {"params": [p.detach().float().clone() for p in model.parameters()], "applied": applied}
+
+
+def _full_batch_reference(amp: bool, inf_at: int) -> list[torch.Tensor]:
+    """One process, both ranks' data in one batch (DDP averages the two halves' gradients)."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(4):
+        if step == inf_at:
+            continue
+        xs, ys = zip(*(_batch(rank, step) for rank in range(2)), strict=True)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+            loss = F.cross_entropy(model(torch.cat(xs)), torch.cat(ys))
+        loss.backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("amp", [False, True])
+def test_a_model_in_torch_ddp_keeps_working_reduced_once_with_the_verdict_agreed(amp):
+    inf_at = 2 if amp else -1  # AMP off checks nothing, as a plain optimizer
+    rank0, rank1 = run_workers(_with_torch_ddp, 2, amp, inf_at, timeout=60)
+    # Under AMP the inf on rank 1 skips step 2 on both ranks.
+    assert rank0["applied"] == rank1["applied"] == [step != inf_at for step in range(4)]
+    for a, b in zip(rank0["params"], rank1["params"], strict=True):
+        assert torch.equal(a, b)
+    # Reduced once: the average of the ranks' gradients, as one process on both batches (not twice that).
+    tolerance = 2e-2 if amp else 1e-5
+    for got, want in zip(rank0["params"], _full_batch_reference(amp, inf_at), strict=True):
+        torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+
+
+def _closures(rank: int, world_size: int, amp: bool) -> dict:
+    fleet.init()
+    model = _model()
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.5), _strategy(amp))
+    model = fleet.distributed_model(model)
+    x, y = _batch(rank, 0)
+
+    def documented() -> torch.Tensor:
+        optimizer.zero_grad()
+        with fleet.auto_cast():
+            loss = F.cross_entropy(model(x), y)
+        optimizer.backward(loss)
+        return loss
+
+    def no_backward() -> torch.Tensor:
+        with fleet.auto_cast():
+            return F.cross_entropy(model(x), y)
+
+    out: dict = {}
+    loss = optimizer.step(documented)
+    out["documented"] = (isinstance(loss, torch.Tensor), optimizer.step_was_skipped, optimizer.steps_applied)
+    before = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = optimizer.step(no_backward)
+    out["no_backward"] = (isinstance(loss, torch.Tensor), optimizer.step_was_skipped, optimizer.steps_applied)
+    out["no_backward_unchanged"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    out["warnings"] = [(str(w.message), os.path.basename(w.filename)) for w in caught]
+    if not amp:  # a plain loss.backward() is fine without a loss scale
+        def plain_backward() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        loss = optimizer.step(plain_backward)
+        out["plain_backward"] = (isinstance(loss, torch.Tensor), optimizer.step_was_skipped, optimizer.steps_applied)
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("amp", [False, True])
+def test_closures_return_the_loss_and_a_closure_without_backward_is_a_warned_skip(amp):
+    for result in run_workers(_closures, 2, amp, timeout=60):
+        # amp off was: "backward() called after the gradients were unscaled" (the unscale ran first).
+        assert result["documented"] == (True, False, 1)
+        # was: reported as applied (steps_applied 2), silently changing nothing.
+        assert result["no_backward"] == (True, True, 1)
+        assert result["no_backward_unchanged"]
+        assert len(result["warnings"]) == 1
+        message, filename = result["warnings"][0]
+        assert "found no new gradients since the last step" in message
+        assert filename == "test_client_scenarios.py"  # the user's line, not distamp's
+        if not amp:
+            assert result["plain_backward"] == (True, False, 2)  # was: returned True, not the loss
