@@ -7,6 +7,7 @@ dtypes are final, so DDP (whose buckets are per dtype) is built exactly once.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distamp.distributed.attached import AttachedOptimizer, SliceOwner
 from distamp.distributed.comm_hooks import LowPrecisionAllReduce, PendingFp32Grads
 from distamp.distributed.fingerprint import check_ranks_agree
+from distamp.distributed.process_group import wait_for_comm_threads
 from distamp.distributed.reduce_scatter import ShardedGradReduce
 from distamp.distributed.timeouts import named_collective
 from distamp.strategy import DistributedStrategy
@@ -94,7 +96,7 @@ class DDPPreparation:
 
     def _build_ddp(self) -> DistributedDataParallel:
         device = self.device or next((p.device for p in self.module.parameters()), torch.device("cpu"))
-        return DistributedDataParallel(
+        ddp = DistributedDataParallel(
             self.module,
             # A single-device CUDA module: DDP moves inputs to device_ids[0]
             # and its reducer works on that device; CPU modules must pass None.
@@ -105,6 +107,10 @@ class DDPPreparation:
             gradient_as_bucket_view=True,
             **self.ddp_kwargs,
         )
+        # Before the reducer (perhaps the process group's last owner) is freed, let gloo's threads
+        # release the comm hook's Python continuations: see wait_for_comm_threads.
+        weakref.finalize(ddp, wait_for_comm_threads)
+        return ddp
 
     def _comm_hook(
         self, optimizers: list[AttachedOptimizer], reduce_scatter: bool

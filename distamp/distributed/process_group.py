@@ -31,6 +31,7 @@ __all__ = [
     "default_device",
     "init_process_group",
     "validate_timeout",
+    "wait_for_comm_threads",
     "world_info_from_env",
     "world_info_from_group",
 ]
@@ -247,8 +248,8 @@ def init_process_group(world: WorldInfo, timeout: timedelta = DEFAULT_TIMEOUT) -
     store = _loopback_store(world, timeout)
     rendezvous: dict[str, Any] = {"store": store} if store is not None else {"init_method": "env://"}
     dist.init_process_group(default_backend(), **rendezvous, **kwargs)
-    atexit.unregister(_let_comm_threads_finish)  # once, whatever the number of inits
-    atexit.register(_let_comm_threads_finish)
+    atexit.unregister(wait_for_comm_threads)  # once, whatever the number of inits
+    atexit.register(wait_for_comm_threads)
     return True
 
 
@@ -322,19 +323,28 @@ _GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's work
 _EXIT_WAIT = 2.0  # seconds at most
 
 
-def _let_comm_threads_finish() -> None:
-    """At exit, wait (GIL released) until gloo's worker threads are idle.
+def wait_for_comm_threads() -> None:
+    """Wait, with the GIL released, until this process's gloo worker threads are idle (2 s at most).
 
-    ``destroy_process_group()`` leaves a group alive while something still
-    holds it (a DDP model does). A gloo thread that has just completed an
-    all-reduce with a Python callback (DDP comm hooks: distamp's, torch's
-    fp16_compress_hook) then takes the GIL once more to release the
-    callback. If the interpreter is already finalizing by then, Python ends
-    that thread with ``pthread_exit``, whose unwinding reaches a
-    ``noexcept`` destructor: "terminate called without an active
-    exception", exit 134, after a job that had finished. atexit handlers
-    run before finalization, so sleeping here lets such a thread finish;
-    a thread that needs the GIL gets it while this one sleeps, so two looks
+    A gloo thread that completes an all-reduce with a Python continuation
+    (DDP comm hooks: distamp's, torch's fp16_compress_hook) takes the GIL once
+    more after the waiting backward has already returned, to release the
+    continuation. Two places must not hold the GIL against it:
+
+    * freeing the last reference to a process group (``~ProcessGroupGloo``
+      joins its threads with the GIL held): when a DDP model outlives
+      ``destroy_process_group()``, that is the reducer's destructor, at the
+      model's garbage collection. ``DataParallel`` calls this from a
+      finalizer of its DDP, which runs before the reducer is freed.
+      Without it the job hangs after training (reproduced: DDP + comm hook,
+      one backward, ``destroy_process_group()``, ``del model``).
+    * interpreter exit: a thread that needs the GIL while the interpreter
+      finalizes is ended with ``pthread_exit``, whose unwinding reaches a
+      ``noexcept`` destructor ("terminate called without an active
+      exception", exit 134 after a job that had finished). This runs as an
+      atexit handler, before finalization.
+
+    A thread that needs the GIL gets it while this one sleeps, so two looks
     in a row at sleeping workers mean they are idle.
     """
     deadline = time.monotonic() + _EXIT_WAIT
