@@ -43,7 +43,7 @@ from distamp.distributed.attached import SliceOwner
 from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
 from distamp.distributed.wire_rounds import round_bytes
 
-__all__ = ["MAX_IN_FLIGHT", "ShardedGradReduce", "reduce_scatter_hook"]
+__all__ = ["MAX_IN_FLIGHT", "ShardedGradReduce", "bucket_future", "reduce_scatter_hook"]
 
 MAX_IN_FLIGHT = 2
 """Buckets exchanged at once: each holds a packed copy of its bucket and W received copies of its slice."""
@@ -202,11 +202,22 @@ def reduce_scatter_hook(state: ShardedGradReduce, bucket: dist.GradBucket) -> to
     for rnd in plan.rounds:
         for shard, _, _ in rnd.dest:
             shard.grads.reduced = True
-    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done = bucket_future(buffer)
     state.in_flight.append(_Exchange(launched, buffer, done))
     if bucket.is_last():
         state.finish_completed(wait=True)  # DDP waits for every bucket's future right after this hook
     return done
+
+
+def bucket_future(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """The future a comm hook returns for ``buffer``, completed later on the thread that runs backward.
+
+    DDP waits on it and reads the bucket from it. On CUDA it is told the
+    device: completing it then records an event on the current stream, and
+    a stream that waits on it waits for that event (a device-less future
+    refuses CUDA tensors).
+    """
+    return torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else None)
 
 
 @dataclass
@@ -230,7 +241,9 @@ class _RoundExchange:
             for r in range(world):
                 torch._foreach_add_(targets, list(self.received[r * n : (r + 1) * n].split(lengths)), alpha=1 / world)
         # Free the exchange buffers here and now: the communication thread may still hold them a moment
-        # (and would then free them where the profiler does not look).
+        # (and would then free them where the profiler does not look). On CUDA this is stream-safe:
+        # work.wait() made the current stream (the buffers' allocation stream, whose blocks the caching
+        # allocator reuses only for that stream) wait for NCCL's, and NCCL recorded its own use of them.
         for tensor in (self.send, self.received):
             if tensor.data_ptr() != buffer.data_ptr():
                 tensor.untyped_storage().resize_(0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from distamp.distributed.reduce_scatter import bucket_future
 from tests.multiprocess import run_workers
 
 
@@ -157,3 +158,24 @@ def _unsupported(rank, world):
 def test_unsupported_wire_dtype():
     out = run_workers(_unsupported, 1, timeout=50)
     assert out == ["wire_dtype=torch.float64 is not supported; use torch.float16, bfloat16 or float32"]
+
+
+def test_the_bucket_future_of_a_cpu_bucket_is_a_plain_future():
+    buffer = torch.ones(3)
+    future = bucket_future(buffer)
+    future.set_result(buffer)
+    assert future.wait() is buffer
+
+
+@pytest.mark.cuda
+def test_the_bucket_future_orders_a_cuda_bucket_for_the_stream_that_waits():
+    """Completed on a side stream (as the backward thread's stream may differ from DDP's), read on another."""
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        buffer = torch.zeros(1 << 20, device="cuda")
+        torch.cuda._sleep(10_000_000)  # keep the side stream busy, so an unordered read would see zeros
+        buffer.fill_(3.0)
+        future = bucket_future(buffer)
+        future.set_result(buffer)  # records an event on the side stream
+    value = future.wait()  # the current (default) stream waits for that event
+    assert bool((value == 3.0).all())
