@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 
 import pytest
@@ -76,14 +77,29 @@ def _keys_of(value) -> list:
 
 
 def _names_one_of(message: str, candidates) -> bool:
+    """Whether ``message`` names one of ``candidates`` as a setting, not merely contains its letters.
+
+    A key counts as named where the message spells it as a setting (``strategy.amp``,
+    ``amp_configs['dtype']``) or quotes it (``'dtyp'``, ``key 5``): a random one-letter key
+    such as ``'a'`` is in nearly every message as a letter, rarely as a setting.
+    """
     for c in candidates:
-        if isinstance(c, str) and c and c in message:
-            return True
-        try:
+        if isinstance(c, str) and c:
+            key = re.escape(c)
+            as_setting = rf"(?:^|[\s(])(?:DistributedStrategy\.|strategy\.)?{key}(?:\[| must\b| is\b|=|[\s.,;:]|$)"
+            if re.search(as_setting, message) and (len(c) > 1 or re.search(rf"(?:strategy\.|^){key}\b", message)):
+                return True
+            if f"[{c!r}]" in message:
+                return True
             if repr(c) in message:
                 return True
-        except ValueError:  # huge ints
-            pass
+        else:
+            try:
+                shown = repr(c)
+            except ValueError:  # huge ints
+                continue
+            if re.search(rf"\bkey {re.escape(shown)}(?!\w|\.\d)", message):
+                return True
     return False
 
 

@@ -72,3 +72,51 @@ def test_auto_cast_inside_a_compiled_function():
 
     assert forward(torch.randn(4, 8)).dtype == torch.bfloat16
     assert not counters["graph_break"]
+
+
+def _compile_stats(step) -> tuple[int, int]:
+    torch._dynamo.reset()
+    counters.clear()
+    for _ in range(2):
+        step()
+    return counters["stats"]["unique_graphs"], counters["stats"]["calls_captured"]
+
+
+def test_a_compiled_o1_model_is_one_graph_with_the_calls_of_compiled_torch_autocast():
+    """What the README claims of compiled distamp: the forward graph torch.autocast gives, and no other."""
+    from distamp import fleet
+
+    x = torch.randn(4, 8)
+    strategy = fleet.DistributedStrategy(amp=True)
+    strategy.amp_configs = {"dtype": "bfloat16"}
+    torch.manual_seed(0)
+    ours_model = Net()
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(ours_model.parameters(), lr=0.1), strategy)
+    ours_compiled = torch.compile(ours_model)
+
+    def ours():
+        with fleet.auto_cast():
+            out = ours_compiled(x)["out"]
+        optimizer.zero_grad()
+        optimizer.backward(out.float().sum())
+        optimizer.step()
+
+    torch.manual_seed(0)
+    theirs_model = Net()
+    theirs_optimizer = torch.optim.SGD(theirs_model.parameters(), lr=0.1)
+    theirs_compiled = torch.compile(theirs_model)
+
+    def theirs():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = theirs_compiled(x)["out"]
+        theirs_optimizer.zero_grad()
+        out.float().sum().backward()
+        theirs_optimizer.step()
+
+    ours_graphs, ours_calls = _compile_stats(ours)
+    assert not counters["graph_break"]
+    theirs_graphs, theirs_calls = _compile_stats(theirs)
+    assert ours_graphs == theirs_graphs == 1
+    assert ours_calls == theirs_calls > 0
+    for a, b in zip(ours_model.parameters(), theirs_model.parameters(), strict=True):
+        assert torch.equal(a, b)  # and the same training
