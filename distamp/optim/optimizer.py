@@ -28,6 +28,7 @@ from distamp.distributed.timeouts import named_collective
 from distamp.model_views import fp32_model_state_dict, unwrap_model
 from distamp.optim.accumulation import GradientMerge
 from distamp.optim.amp_status import AmpStatus
+from distamp.optim.autocast_watch import AutocastWatch
 from distamp.optim.delegating import DelegatingOptimizer
 from distamp.optim.first_forward import FirstForwardFinder
 from distamp.optim.grad_clipping import GradClipper
@@ -110,6 +111,8 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         self._watch = GradWatch(self.master_weights.model_params)
         self.policy = StepPolicy(optimizer, self.precision, self.merge, self._watch, self.binding, process_group)
         self.clipper = GradClipper(self.precision, self.policy, self.merge)
+        o1 = self.amp_enabled and not strategy.amp_config.use_pure_fp16
+        self._autocast_watch = AutocastWatch(o1, strategy.amp_config.dtype)
         # Alone, the optimizer sees parameters, not modules: learn the model at its first forward.
         self._finder: FirstForwardFinder | None = FirstForwardFinder(self)
 
@@ -160,6 +163,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
                 "backward() called after the gradients were unscaled (by clip_grad_norm_ or "
                 "unscale_) but before step(); call step() first"
             )
+        self._autocast_watch.before_backward(loss)
         self.merge.count_backward()
         if self.merge.loss_divisor != 1:
             loss = loss / self.merge.loss_divisor
@@ -235,10 +239,15 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         times, on every rank together, so the batch is not dropped.
         """
         self.finish_param_gather()
+        steps_before = self.policy.step_number
         if closure is not None:
             retries = self.strategy.amp_config.overflow_retries if self.amp_enabled else 0
-            return self.policy.step_with_closure(closure, retries)
-        return self.policy.step()
+            result = self.policy.step_with_closure(closure, retries)
+        else:
+            result = self.policy.step()
+        if self.policy.step_number != steps_before:
+            self._autocast_watch.after_step()
+        return result
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a param group (converted to FP32 masters in O2)."""

@@ -1,0 +1,51 @@
+"""O1 with no autocast region warns once, at the first step; with one (fleet's, torch's, compiled) it does not."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from distamp import fleet
+
+
+def _steps(use_region, compile_model=False, pure=False, steps=2) -> list[warnings.WarningMessage]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    strategy = fleet.DistributedStrategy(amp=True)
+    strategy.amp_configs = {"dtype": "bfloat16", "use_pure_fp16": pure}
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    forward = torch.compile(model) if compile_model else model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            with use_region():
+                loss = forward(torch.ones(2, 4)).float().sum()
+            optimizer.zero_grad()
+            optimizer.backward(loss)
+            optimizer.step()
+    return [w for w in caught if "no autocast region" in str(w.message)]
+
+
+def test_o1_without_a_region_warns_once_at_the_users_line():
+    caught = _steps(contextlib.nullcontext)
+    assert len(caught) == 1
+    assert str(caught[0].message).startswith(
+        "O1 (use_pure_fp16=False): the forward of this step ran with no autocast region, so the model computed "
+        "in FP32, not bfloat16."
+    )
+    assert os.path.basename(caught[0].filename) == "test_autocast_watch.py"
+
+
+@pytest.mark.parametrize("region", ["fleet", "torch"])
+def test_o1_with_a_region_does_not_warn(region):
+    use = fleet.auto_cast if region == "fleet" else (lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    assert _steps(use) == []
+
+
+def test_a_compiled_o1_model_under_auto_cast_does_not_warn():
+    assert _steps(fleet.auto_cast, compile_model=True) == []
