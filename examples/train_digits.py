@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -182,6 +183,7 @@ def train(model, optimizer, loader: DataLoader, sampler: DistributedSampler,
           args: argparse.Namespace, resume: dict | None = None) -> History:
     """Run ``args.epochs`` epochs (or ``args.max_steps`` steps) and return rank 0's history."""
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
     total = len(loader) * args.epochs
     if args.max_steps is not None:
@@ -192,32 +194,34 @@ def train(model, optimizer, loader: DataLoader, sampler: DistributedSampler,
     step = resume["step"]
     global_batch = args.batch_size * fleet.worker_num()
     bar = tqdm(total=total, initial=step, disable=not first or args.no_progress, unit="step", dynamic_ncols=True)
-    device = fleet.device()
-    model.train()
-    for epoch in range(resume["epoch"], args.epochs):
-        sampler.set_epoch(epoch)  # a different shuffle per epoch, the same on every rank
-        # The order depends only on (seed, epoch): skipping what the checkpoint saw resumes it exactly.
-        done = resume["samples_in_epoch"] // global_batch if epoch == resume["epoch"] else 0
-        for batch, (x, y) in enumerate(itertools.islice(loader, done, None), start=done + 1):
-            if step == total:
-                break
-            x, y = x.to(device), y.to(device)
-            with fleet.auto_cast():
-                loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad()
-            optimizer.backward(loss)
-            optimizer.clip_grad_norm_(args.clip_grad_norm)  # unscaled; with inf it only measures
-            scale = float(optimizer.get_loss_scaling())     # the scale this step used
-            applied = optimizer.step()
-            step += 1
-            if first:
-                history.record(loss.item(), scale, not applied, optimizer.stats())
-                bar.set_postfix(epoch=epoch, loss=f"{history.loss[-1]:.4f}", scale=f"{scale:g}")
-                bar.update()
-            if args.checkpoint_dir and step % args.checkpoint_every == 0:
-                save_checkpoint(args.checkpoint_dir, step, model=model, optimizer=optimizer, extra={
-                    "step": step, "epoch": epoch, "samples_in_epoch": batch * global_batch,
-                    "history": asdict(history)})
+    # distamp's log lines (a skipped step, a scale change) go through tqdm.write, not glued onto the bar.
+    with logging_redirect_tqdm(loggers=[logging.getLogger("distamp")]):
+        device = fleet.device()
+        model.train()
+        for epoch in range(resume["epoch"], args.epochs):
+            sampler.set_epoch(epoch)  # a different shuffle per epoch, the same on every rank
+            # The order depends only on (seed, epoch): skipping what the checkpoint saw resumes it exactly.
+            done = resume["samples_in_epoch"] // global_batch if epoch == resume["epoch"] else 0
+            for batch, (x, y) in enumerate(itertools.islice(loader, done, None), start=done + 1):
+                if step == total:
+                    break
+                x, y = x.to(device), y.to(device)
+                with fleet.auto_cast():
+                    loss = F.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                optimizer.backward(loss)
+                optimizer.clip_grad_norm_(args.clip_grad_norm)  # unscaled; with inf it only measures
+                scale = float(optimizer.get_loss_scaling())     # the scale this step used
+                applied = optimizer.step()
+                step += 1
+                if first:
+                    history.record(loss.item(), scale, not applied, optimizer.stats())
+                    bar.set_postfix(epoch=epoch, loss=f"{history.loss[-1]:.4f}", scale=f"{scale:g}")
+                    bar.update()
+                if args.checkpoint_dir and step % args.checkpoint_every == 0:
+                    save_checkpoint(args.checkpoint_dir, step, model=model, optimizer=optimizer, extra={
+                        "step": step, "epoch": epoch, "samples_in_epoch": batch * global_batch,
+                        "history": asdict(history)})
     bar.close()
     return history
 

@@ -57,6 +57,19 @@ def test_train_digits_writes_consistent_outputs(tmp_path):
     assert params["classifier.3.weight"].dtype == torch.float16  # O2 keeps 16-bit model weights
 
 
+@pytest.mark.timeout(60)
+def test_train_digits_log_lines_are_not_glued_onto_the_progress_bar(tmp_path):
+    # A scale of 2**24 overflows FP16 at once: the first steps are skipped and logged while the bar runs.
+    distrun(tmp_path, "train_digits.py", "--max_steps", "3", "--init_loss_scaling", str(2.0**24),
+            "--out_dir", "out", timeout=50)
+    log = (tmp_path / "log" / "workerlog.0").read_text()
+    assert "3/3" in log  # the bar ran
+    skipped = re.findall(r"(.)WARNING distamp: step \d+ skipped", log, re.DOTALL)
+    assert skipped, log
+    # Each starts a line of its own (after tqdm.write cleared the bar), never right after the bar's text.
+    assert set(skipped) <= {"\n", "\r"}, log
+
+
 @pytest.mark.timeout(80)
 def test_benchmark_smoke_counts_half_the_bytes(tmp_path):
     modes = "fp32,torch_bf16,distamp_o2_bf16"
