@@ -3,13 +3,14 @@
 In O1 the weights stay FP32 and only ``fleet.auto_cast()`` (``torch.autocast``
 underneath) makes ops run in 16 bits. A loop that forgets the region trains
 correctly but in FP32, at FP32's speed and memory. :class:`AutocastWatch`
-looks, before each backward, for what autocast leaves in the autograd graph:
-its casts (``ToCopyBackward0`` nodes; an all-FP32 model has none, since
-casting a tensor to its own dtype records nothing) or a compiled region
-(``CompiledFunctionBackward``, opaque, taken on trust). Once a step finishes
-with none seen since the last step, it warns once; once autocast is seen,
-it stops looking. Either way the walk over the graph happens for the first
-step only.
+looks, before the first step's backward, at the autograd graph: matrix
+products and convolutions (the ops autocast runs in 16 bits) with none of
+autocast's casts (``ToCopyBackward0`` nodes: with FP32 weights autocast
+casts every matmul's operands, and casting a tensor to its own dtype
+records nothing) mean FP32 compute. A compiled region
+(``CompiledFunctionBackward``) is opaque and taken on trust, and a graph
+without matmuls says nothing. It warns once, when the first step finishes,
+and never looks again.
 """
 
 from __future__ import annotations
@@ -21,21 +22,24 @@ from distamp.user_warning import warn_user
 __all__ = ["AutocastWatch"]
 
 _AUTOCAST_TRACES = ("ToCopyBackward0", "CompiledFunctionBackward")
+_LOW_PRECISION_OPS = ("MmBackward0", "AddmmBackward0", "BmmBackward0", "BaddbmmBackward0", "ConvolutionBackward0")
 
 
-def graph_shows_autocast(loss: torch.Tensor) -> bool:
-    """Whether ``loss``'s autograd graph holds a dtype cast or a compiled region."""
+def computed_in_fp32(loss: torch.Tensor) -> bool:
+    """Whether ``loss``'s graph has matmuls or convolutions but no dtype cast and no compiled region."""
     pending = [loss.grad_fn] if loss.grad_fn is not None else []
-    seen = set()
+    seen = set(pending)
+    found_matmul = False
     while pending:
-        node = pending.pop()
-        if type(node).__name__.startswith(_AUTOCAST_TRACES):
-            return True
+        name = type(node := pending.pop()).__name__
+        if name.startswith(_AUTOCAST_TRACES):
+            return False
+        found_matmul = found_matmul or name in _LOW_PRECISION_OPS
         for child, _ in node.next_functions:
             if child is not None and child not in seen:
                 seen.add(child)
                 pending.append(child)
-    return False
+    return found_matmul
 
 
 class AutocastWatch:
@@ -49,19 +53,19 @@ class AutocastWatch:
     def __init__(self, active: bool, dtype: str) -> None:
         self.active = active
         self.dtype = dtype
-        self._seen = False
+        self._fp32 = False
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """Look at the graph about to be differentiated (it is freed by the backward)."""
-        if self.active and not self._seen:
-            self._seen = graph_shows_autocast(loss)
+        if self.active and not self._fp32:
+            self._fp32 = computed_in_fp32(loss)
 
     def after_step(self) -> None:
-        """A step finished: warn if no forward since the last one ran under autocast; then stop looking."""
+        """The first step finished: warn if its forward computed its matmuls in FP32; then stop looking."""
         if not self.active:
             return
         self.active = False
-        if not self._seen:
+        if self._fp32:
             warn_user(
                 f"O1 (use_pure_fp16=False): the forward of this step ran with no autocast region, so the model "
                 f"computed in FP32, not {self.dtype}. Run the forward and the loss under `with fleet.auto_cast():` "

@@ -82,6 +82,7 @@ def test_closure_retries_at_a_lower_scale():
         calls.append(policy.precision.loss_scale)
         bad = len(calls) == 1
         model.weight.grad = torch.tensor([[float("inf") if bad else 1.0, 0.0]]) * policy.precision.loss_scale
+        policy.watch.after_backward(policy.precision.loss_scale)  # what optimizer.backward tells it
         return torch.tensor(float(len(calls)))
 
     loss = policy.step_with_closure(closure, retries=2)
