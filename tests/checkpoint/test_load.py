@@ -153,3 +153,27 @@ def test_an_unlistable_directory_raises(tmp_path, monkeypatch):
     monkeypatch.setattr(storage, "list_checkpoints", refuse)
     with pytest.raises(RuntimeError, match=r"rank 0 could not list checkpoints in .*Permission denied"):
         load(tmp_path)
+
+
+def test_the_verdict_skips_a_file_only_one_rank_read_and_raises_on_one_another_rank_read_intact():
+    from distamp.checkpoint.load import _verdict
+
+    common = ["step-00000015.json", "step-00000015.common.aa.pt"]
+    shard0, shard1 = "step-00000015.rank-00000.bb.pt", "step-00000015.rank-00001.cc.pt"
+    rank0_ok = ("ok", None, None, [*common, shard0])
+    rank1_bad = ("bad", f"/c/{shard1}: payload missing", shard1, common)
+    assert _verdict([rank0_ok, rank1_bad]) == ("skip", f"/c/{shard1}: payload missing (as rank 1 read it)")
+    assert _verdict([rank0_ok, ("ok", None, None, [*common, shard1])]) == ("use", None)
+    # Rank 2 read the shard rank 1 finds bad, intact: the ranks see different files.
+    verdict, message = _verdict([rank0_ok, rank1_bad, ("ok", None, None, [*common, shard1])])
+    assert verdict == "raise"
+    assert message.startswith(f"rank 1 sees a different file than rank 2, which read it intact: /c/{shard1}")
+    # Rank 0 finds the common payload bad where rank 1 verified it: different files, whichever rank is 0.
+    rank0_bad = ("bad", f"/c/{common[1]}: corrupted", common[1], common[:1])
+    verdict, message = _verdict([rank0_bad, ("ok", None, None, [*common, shard1])])
+    assert verdict == "raise"
+    assert message.startswith("rank 0 sees a different file than rank 1, which read it intact")
+    assert _verdict([rank0_ok, ("error", "MemoryError: ", None, [])]) == ("raise", "rank 1: MemoryError: ")
+    # A payload that matches its checksum on every rank but that torch.load refuses: the same bytes, skipped.
+    refused = ("bad", f"/c/{common[1]}: refused", common[1], common[:2])
+    assert _verdict([refused, ("ok", None, None, [*common, shard1])])[0] == "skip"
