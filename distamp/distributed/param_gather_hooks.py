@@ -28,7 +28,8 @@ running the same forward issue the same collectives in the same order.
 
 Not covered, so stale there: code outside a forward of the model or of one
 of its modules (call ``optimizer.finish_param_gather()`` first); native code
-that reads a parameter's memory without torch's function dispatch. Under
+or a NumPy array that reads a parameter's memory without torch's function
+dispatch. Under
 ``torch.compile`` every hook finishes the whole gather (compiled code is not
 watched op by op): a graph break at each hooked module, no overlap.
 
