@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -163,8 +164,9 @@ def _list(path: str) -> tuple[list[int], str | None]:
         return [], f"{type(exc).__name__}: {exc}"
 
 
-_Outcome = tuple[str, str | None, str | None, list[str]]
-"""One rank's reading of a checkpoint: ``(kind, message, the bad file's name, the names it verified intact)``."""
+_Outcome = tuple[str, str | None, str | None, dict[str, str]]
+"""One rank's reading of a checkpoint: ``(kind, message, the bad file's name, {name: SHA-256} of the files it
+verified intact)``."""
 
 
 def _choose(
@@ -176,7 +178,7 @@ def _choose(
         manifest: Manifest | None = None
         payload: Any = None
         shards: dict[int, dict] = {}
-        intact: list[str] = []  # the files this rank verified, by name in the directory
+        intact: dict[str, str] = {}  # the files this rank verified: name in the directory -> SHA-256
         outcome: _Outcome = ("ok", None, None, intact)
         try:
             manifest, payload, shards = _read(path, step, target, intact)
@@ -195,6 +197,9 @@ def _choose(
     return None, None, {}, skipped
 
 
+_UNSHARED = "On several nodes the checkpoint directory must be on a file system shared by every node"
+
+
 def _verdict(outcomes: list[_Outcome]) -> tuple[str, str | None]:
     """Rank 0's decision on one checkpoint from every rank's outcome.
 
@@ -202,7 +207,8 @@ def _verdict(outcomes: list[_Outcome]) -> tuple[str, str | None]:
     payload, the shards overlapping its slice), so a file one rank finds
     bad and no other rank read is a bad checkpoint, whichever rank it
     belongs to: skipped by all. Only a file that fails its size or checksum
-    on one rank and passes them on another shows that the ranks see
+    on one rank and passes them on another, or a file of one name intact
+    with different contents on two ranks, shows that the ranks see
     different files (a file whose checksum matches everywhere but which
     ``torch.load`` refuses is the same bad file for all).
     """
@@ -210,6 +216,15 @@ def _verdict(outcomes: list[_Outcome]) -> tuple[str, str | None]:
     if errors:
         # Not a property of the file (out of memory, ...): falling back could discard good checkpoints.
         return "raise", "; ".join(errors)
+    first: dict[str, tuple[int, str]] = {}  # name -> (the first rank that verified it, its SHA-256 there)
+    for r, (_, _, _, intact) in enumerate(outcomes):
+        for file, digest in intact.items():
+            w, seen = first.setdefault(file, (r, digest))
+            if seen != digest:  # two intact files of one name: each rank reads its own directory
+                return "raise", (
+                    f"rank {r} sees a different file than rank {w}: {file} has SHA-256 {digest[:12]}... on rank "
+                    f"{r} and {seen[:12]}... on rank {w}, both intact. {_UNSHARED}"
+                )
     bad = [(r, message, name) for r, (kind, message, name, _) in enumerate(outcomes) if kind == "bad"]
     for r, message, name in bad:
         if name in outcomes[r][3]:  # its checksum matched here too: the same bytes, refused when loaded
@@ -218,8 +233,7 @@ def _verdict(outcomes: list[_Outcome]) -> tuple[str, str | None]:
         if witnesses:
             w = witnesses[0]
             return "raise", (
-                f"rank {r} sees a different file than rank {w}, which read it intact: {message}. "
-                "On several nodes the checkpoint directory must be on a file system shared by every node"
+                f"rank {r} sees a different file than rank {w}, which read it intact: {message}. {_UNSHARED}"
             )
     if bad:
         r, message, _ = bad[0]
@@ -228,14 +242,14 @@ def _verdict(outcomes: list[_Outcome]) -> tuple[str, str | None]:
 
 
 def _read(
-    path: str, step: int, target: flat_state.Target | None, intact: list[str]
+    path: str, step: int, target: flat_state.Target | None, intact: dict[str, str]
 ) -> tuple[Manifest, dict, dict[int, dict]]:
     """Manifest, common payload and the shard parts this rank needs; ``CheckpointCorrupt`` if unusable.
 
-    The name of each file verified is appended to ``intact`` as soon as its checksum matched.
+    Each file verified goes into ``intact`` (name and SHA-256) as soon as its checksum matched.
     """
     manifest = storage.read_manifest(path, step)
-    intact.append(manifest_name(step))
+    intact[manifest_name(step)] = hashlib.sha256(manifest.to_bytes()).hexdigest()  # of its content, canonical
     _verify(path, manifest, [COMMON], intact)
     payload = _load(path, manifest, COMMON, lambda p: check_payload(p, step))
     # ValueError when it does not fit the optimizer: raised on every rank, never skipped.
@@ -248,11 +262,11 @@ def _read(
     return manifest, payload, shards
 
 
-def _verify(path: str, manifest: Manifest, parts: list[str], intact: list[str]) -> None:
-    """``storage.verify`` part by part, recording in ``intact`` the names of those that passed."""
+def _verify(path: str, manifest: Manifest, parts: list[str], intact: dict[str, str]) -> None:
+    """``storage.verify`` part by part, recording in ``intact`` the name and SHA-256 of each that passed."""
     for part in parts:
         storage.verify(path, manifest, [part])
-        intact.append(manifest.file(part).name)
+        intact[manifest.file(part).name] = manifest.file(part).sha256
 
 
 def _load(path: str, manifest: Manifest, part: str, check: Any) -> dict:
