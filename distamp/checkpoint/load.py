@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -78,8 +79,14 @@ def load_latest_checkpoint(
     - one that reads but does not fit the model, optimizer or scheduler
       (shapes, optimizer type, O1 vs O2) raises the same ``RuntimeError``
       on every rank: falling back would silently train something else;
-    - one that rank 0 reads intact but another rank cannot raises too (on
-      several nodes, the directory must be shared).
+    - each rank verifies the files it reads (the manifest, the common
+      payload, the shards overlapping its slice) and the verdicts are
+      combined: a file found bad by one rank and read by no other (e.g. a
+      damaged shard of rank 1) makes the checkpoint skipped by every rank,
+      with one warning naming the file and the rank that found it; a file
+      one rank finds bad and another verified intact raises on every rank
+      instead (the ranks see different files: on several nodes, the
+      directory must be shared).
 
     Sharded optimizer state (``strategy.sharding``): each rank reads, besides
     the common payload, only the ranks' parts that overlap its own slice of
@@ -114,8 +121,8 @@ def load_latest_checkpoint(
 
     Raises:
         RuntimeError: on every rank, when the checkpoint does not fit the
-            model/optimizer, or some rank cannot read the checkpoint that
-            rank 0 read intact (e.g. a directory not shared between nodes).
+            model/optimizer, or some rank finds bad a file that another rank
+            verified intact (e.g. a directory not shared between nodes).
     """
     path = storage.check_directory(directory)
     check_objects(model, optimizer, scheduler)
@@ -158,6 +165,11 @@ def _list(path: str) -> tuple[list[int], str | None]:
         return [], f"{type(exc).__name__}: {exc}"
 
 
+_Outcome = tuple[str, str | None, str | None, dict[str, str]]
+"""One rank's reading of a checkpoint: ``(kind, message, the bad file's name, {name: SHA-256} of the files it
+verified intact)``."""
+
+
 def _choose(
     coordinator: Coordinator, path: str, candidates: list[int], target: flat_state.Target | None
 ) -> tuple[Manifest | None, Any, dict[int, dict], list[str]]:
@@ -167,13 +179,14 @@ def _choose(
         manifest: Manifest | None = None
         payload: Any = None
         shards: dict[int, dict] = {}
-        outcome: tuple[str, str | None] = ("ok", None)
+        intact: dict[str, str] = {}  # the files this rank verified: name in the directory -> SHA-256
+        outcome: _Outcome = ("ok", None, None, intact)
         try:
-            manifest, payload, shards = _read(path, step, target)
+            manifest, payload, shards = _read(path, step, target, intact)
         except CheckpointCorrupt as exc:
-            outcome = ("bad", str(exc))
+            outcome = ("bad", str(exc), os.path.basename(exc.path), intact)
         except Exception as exc:  # noqa: BLE001 - made collective below
-            outcome = ("error", f"{type(exc).__name__}: {exc}")
+            outcome = ("error", f"{type(exc).__name__}: {exc}", None, intact)
         verdict, message = coordinator.decide(outcome, _verdict)
         if verdict == "use":
             return manifest, payload, shards, skipped
@@ -185,37 +198,76 @@ def _choose(
     return None, None, {}, skipped
 
 
-def _verdict(outcomes: list[tuple[str, str | None]]) -> tuple[str, str | None]:
-    """Rank 0's decision on one checkpoint from every rank's ``(kind, message)``."""
-    errors = [f"rank {r}: {message}" for r, (kind, message) in enumerate(outcomes) if kind == "error"]
+_UNSHARED = "On several nodes the checkpoint directory must be on a file system shared by every node"
+
+
+def _verdict(outcomes: list[_Outcome]) -> tuple[str, str | None]:
+    """Rank 0's decision on one checkpoint from every rank's outcome.
+
+    Each rank verifies only the files it reads (the manifest, the common
+    payload, the shards overlapping its slice), so a file one rank finds
+    bad and no other rank read is a bad checkpoint, whichever rank it
+    belongs to: skipped by all. Only a file that fails its size or checksum
+    on one rank and passes them on another, or a file of one name intact
+    with different contents on two ranks, shows that the ranks see
+    different files (a file whose checksum matches everywhere but which
+    ``torch.load`` refuses is the same bad file for all).
+    """
+    errors = [f"rank {r}: {message}" for r, (kind, message, _, _) in enumerate(outcomes) if kind == "error"]
     if errors:
         # Not a property of the file (out of memory, ...): falling back could discard good checkpoints.
         return "raise", "; ".join(errors)
-    kind, message = outcomes[0]
-    if kind == "bad":
-        return "skip", message
-    for r, (kind, message) in enumerate(outcomes):
-        if kind == "bad":
+    first: dict[str, tuple[int, str]] = {}  # name -> (the first rank that verified it, its SHA-256 there)
+    for r, (_, _, _, intact) in enumerate(outcomes):
+        for file, digest in intact.items():
+            w, seen = first.setdefault(file, (r, digest))
+            if seen != digest:  # two intact files of one name: each rank reads its own directory
+                return "raise", (
+                    f"rank {r} sees a different file than rank {w}: {file} has SHA-256 {digest[:12]}... on rank "
+                    f"{r} and {seen[:12]}... on rank {w}, both intact. {_UNSHARED}"
+                )
+    bad = [(r, message, name) for r, (kind, message, name, _) in enumerate(outcomes) if kind == "bad"]
+    for r, message, name in bad:
+        if name in outcomes[r][3]:  # its checksum matched here too: the same bytes, refused when loaded
+            continue
+        witnesses = [w for w, (_, _, _, intact) in enumerate(outcomes) if name in intact]
+        if witnesses:
+            w = witnesses[0]
             return "raise", (
-                f"rank {r} sees a different file than rank 0, which read it intact: {message}. "
-                "On several nodes the checkpoint directory must be on a file system shared by every node"
+                f"rank {r} sees a different file than rank {w}, which read it intact: {message}. {_UNSHARED}"
             )
+    if bad:
+        r, message, _ = bad[0]
+        return "skip", f"{message} (as rank {r} read it)"
     return "use", None
 
 
-def _read(path: str, step: int, target: flat_state.Target | None) -> tuple[Manifest, dict, dict[int, dict]]:
-    """Manifest, common payload and the shard parts this rank needs; ``CheckpointCorrupt`` if unusable."""
+def _read(
+    path: str, step: int, target: flat_state.Target | None, intact: dict[str, str]
+) -> tuple[Manifest, dict, dict[int, dict]]:
+    """Manifest, common payload and the shard parts this rank needs; ``CheckpointCorrupt`` if unusable.
+
+    Each file verified goes into ``intact`` (name and SHA-256) as soon as its checksum matched.
+    """
     manifest = storage.read_manifest(path, step)
-    storage.verify(path, manifest, [COMMON])
+    intact[manifest_name(step)] = hashlib.sha256(manifest.to_bytes()).hexdigest()  # of its content, canonical
+    _verify(path, manifest, [COMMON], intact)
     payload = _load(path, manifest, COMMON, lambda p: check_payload(p, step))
     # ValueError when it does not fit the optimizer: raised on every rank, never skipped.
     needed = flat_state.parts_needed(payload["optimizer"], target)
-    storage.verify(path, manifest, [rank_part(r) for r in needed])
+    _verify(path, manifest, [rank_part(r) for r in needed], intact)
     shards = {
         r: _load(path, manifest, rank_part(r), lambda p, r=r: check_shard_payload(p, step, r))["optimizer_shard"]
         for r in needed
     }
     return manifest, payload, shards
+
+
+def _verify(path: str, manifest: Manifest, parts: list[str], intact: dict[str, str]) -> None:
+    """``storage.verify`` part by part, recording in ``intact`` the name and SHA-256 of each that passed."""
+    for part in parts:
+        storage.verify(path, manifest, [part])
+        intact[manifest.file(part).name] = manifest.file(part).sha256
 
 
 def _load(path: str, manifest: Manifest, part: str, check: Any) -> dict:

@@ -236,7 +236,9 @@ class GatherInFlight:
         self._finish_through(max((self._last_round.get(i, -1) for i in params), default=-1))
 
     def _finish_through(self, index: int) -> None:
-        with torch.no_grad():
+        # No torch function mode sees the copies: a mode watching the parameters (param_gather_hooks) would
+        # otherwise be asked about them while they are being written.
+        with torch.no_grad(), torch._C.DisableTorchFunction():
             while self._finished <= index:
                 rnd, launched = self._launched.popleft()
                 self._gather._unpack(rnd.plan, self._dest, *launched, rnd.chunk)
@@ -249,7 +251,7 @@ class GatherInFlight:
                 not self._launched or self._rounds[self._next].received_bytes <= budget):
             rnd = self._rounds[self._next]
             device = self._dest(_first(rnd.plan)).device
-            with torch.no_grad():
+            with torch.no_grad(), torch._C.DisableTorchFunction():
                 launched = self._gather._launch(rnd.plan[self._gather.rank], self._mine, rnd.start, rnd.chunk,
                                                 rnd.dtype, device)
             self._launched.append((rnd, launched))

@@ -268,6 +268,11 @@ class ShardedMasters:
         if not overlap:
             self.finish_refresh()
 
+    @property
+    def gather_running(self) -> bool:
+        """Whether a gather :meth:`refresh_model` left running has rounds still to unpack."""
+        return self._refreshing is not None
+
     def finish_refresh(self, params: Iterable[nn.Parameter] | None = None) -> None:
         """Complete the all-gather :meth:`refresh_model` left running, for ``params`` or (``None``) all of it.
 

@@ -34,9 +34,11 @@ class ShardingConfig(Config):
 
     overlap_param_gather: bool = False
     """Leave the all-gather of updated parameters running when ``step()`` returns and finish it, round by
-    round, in forward pre-hooks of the modules whose parameters it fills (as Megatron-LM's
-    ``overlap_param_gather``). Parameters read outside a forward of the ``fleet.distributed_model`` before
-    then are stale; ``optimizer.finish_param_gather()`` completes it."""
+    round, in the next forward of the ``fleet.distributed_model`` (as Megatron-LM's ``overlap_param_gather``):
+    before each module runs for its own parameters, and before any torch function that forward calls reads a
+    parameter or an alias of it (see :mod:`distamp.distributed.param_gather_hooks`). Parameters read outside
+    a forward of the ``fleet.distributed_model`` before then are stale; ``optimizer.finish_param_gather()``
+    completes it."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "overlap_param_gather",

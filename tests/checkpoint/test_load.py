@@ -153,3 +153,34 @@ def test_an_unlistable_directory_raises(tmp_path, monkeypatch):
     monkeypatch.setattr(storage, "list_checkpoints", refuse)
     with pytest.raises(RuntimeError, match=r"rank 0 could not list checkpoints in .*Permission denied"):
         load(tmp_path)
+
+
+def test_the_verdict_skips_a_file_only_one_rank_read_and_raises_on_one_another_rank_read_intact():
+    from distamp.checkpoint.load import _verdict
+
+    common = {"step-00000015.json": "m" * 64, "step-00000015.common.aa.pt": "a" * 64}
+    shard0, shard1 = {"step-00000015.rank-00000.bb.pt": "b" * 64}, {"step-00000015.rank-00001.cc.pt": "c" * 64}
+    name1 = next(iter(shard1))
+    rank0_ok = ("ok", None, None, {**common, **shard0})
+    rank1_bad = ("bad", f"/c/{name1}: payload missing", name1, common)
+    assert _verdict([rank0_ok, rank1_bad]) == ("skip", f"/c/{name1}: payload missing (as rank 1 read it)")
+    assert _verdict([rank0_ok, ("ok", None, None, {**common, **shard1})]) == ("use", None)
+    # Rank 2 read the shard rank 1 finds bad, intact: the ranks see different files.
+    verdict, message = _verdict([rank0_ok, rank1_bad, ("ok", None, None, {**common, **shard1})])
+    assert verdict == "raise"
+    assert message.startswith(f"rank 1 sees a different file than rank 2, which read it intact: /c/{name1}")
+    assert message.endswith("must be on a file system shared by every node")
+    # Rank 0 finds the common payload bad where rank 1 verified it: different files, whichever rank is 0.
+    rank0_bad = ("bad", "/c/step-00000015.common.aa.pt: corrupted", "step-00000015.common.aa.pt",
+                 {"step-00000015.json": "m" * 64})
+    verdict, message = _verdict([rank0_bad, ("ok", None, None, {**common, **shard1})])
+    assert verdict == "raise"
+    assert message.startswith("rank 0 sees a different file than rank 1, which read it intact")
+    # Both intact, but not the same manifest: each rank reads a directory of its own.
+    verdict, message = _verdict([rank0_ok, ("ok", None, None, {**common, "step-00000015.json": "n" * 64})])
+    assert verdict == "raise"
+    assert message.startswith("rank 1 sees a different file than rank 0: step-00000015.json has SHA-256 nnnnnnnnnnnn")
+    assert _verdict([rank0_ok, ("error", "MemoryError: ", None, {})]) == ("raise", "rank 1: MemoryError: ")
+    # A payload that matches its checksum on every rank but that torch.load refuses: the same bytes, skipped.
+    refused = ("bad", "/c/step-00000015.common.aa.pt: refused", "step-00000015.common.aa.pt", common)
+    assert _verdict([refused, ("ok", None, None, {**common, **shard1})])[0] == "skip"
