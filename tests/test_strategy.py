@@ -29,7 +29,7 @@ from distamp.strategy.op_names import known_op_names
 from distamp.suggest import did_you_mean
 
 # The contract's defaults (README's amp_configs table), copied by hand so a changed default fails here.
-DESIGN_DEFAULTS = {
+CONTRACT_DEFAULTS = {
     "init_loss_scaling": 32768.0,
     "use_dynamic_loss_scaling": True,
     "incr_every_n_steps": 1000,
@@ -75,9 +75,9 @@ def test_did_you_mean_suggests_closest_and_nothing_for_strangers():
 
 
 def test_defaults_match_design_table():
-    assert AmpConfig().to_dict() == DESIGN_DEFAULTS
-    assert DistributedStrategy().amp_configs == DESIGN_DEFAULTS
-    assert list(DistributedStrategy().amp_configs) == list(DESIGN_DEFAULTS)
+    assert AmpConfig().to_dict() == CONTRACT_DEFAULTS
+    assert DistributedStrategy().amp_configs == CONTRACT_DEFAULTS
+    assert list(DistributedStrategy().amp_configs) == list(CONTRACT_DEFAULTS)
 
 
 def test_strategy_defaults():
@@ -531,7 +531,7 @@ def test_bf16_without_scaling_keys_and_fp16_do_not_warn():
 
 # --------------------------------------------------------------------------- fuzzing
 
-AMP_KEYS = list(DESIGN_DEFAULTS)
+AMP_KEYS = list(CONTRACT_DEFAULTS)
 _scalars = st.one_of(
     st.none(),
     st.booleans(),

@@ -130,9 +130,11 @@ def load_latest_checkpoint(
     coordinator = Coordinator("load", validate_timeout(timeout))
     candidates, failure = coordinator.broadcast(_list(path) if coordinator.rank == 0 else None)
     if failure is not None:
+        coordinator.finish()
         raise RuntimeError(f"rank 0 could not list checkpoints in {path!r}: {failure}")
     manifest, payload, shards, skipped = _choose(coordinator, path, candidates, target)
     if manifest is None:
+        coordinator.finish()
         if skipped:
             warnings.warn(f"no intact checkpoint in {path!r}; starting from scratch", stacklevel=2)
         return None
@@ -144,6 +146,7 @@ def load_latest_checkpoint(
     except Exception as exc:  # noqa: BLE001 - made collective below
         error = f"rank {coordinator.rank}: {type(exc).__name__}: {exc}"
     errors = coordinator.decide(error, lambda found: [e for e in found if e is not None])
+    coordinator.finish()
     if errors:
         raise RuntimeError(f"could not resume from {payload_path}: " + "; ".join(errors))
     return CheckpointInfo(
@@ -194,6 +197,7 @@ def _choose(
             warnings.warn(f"skipping bad checkpoint {message}; falling back to an older one", stacklevel=3)
             skipped.append(message)
             continue
+        coordinator.finish()
         raise RuntimeError(f"could not resume from {os.path.join(path, manifest_name(step))}: {message}")
     return None, None, {}, skipped
 

@@ -122,6 +122,7 @@ def save_checkpoint(
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             outcome, failure = ("failed", f"{type(exc).__name__}: {exc}"), exc
     kind, detail = coordinator.broadcast(outcome)
+    coordinator.finish()
     if kind == "failed":
         if part is not None and part[0] == "ok":
             storage.discard(path, step, [part[1][1]])

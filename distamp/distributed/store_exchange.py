@@ -29,6 +29,7 @@ import torch.distributed as dist
 __all__ = ["StoreExchange", "StoreTimeoutError", "rank_and_world"]
 
 _calls: defaultdict[str, itertools.count] = defaultdict(lambda: itertools.count(1))
+_FINISH_WAIT = timedelta(minutes=1)  # how long rank 0 waits for the others' note that they read its decision
 _stale_keys: list[str] = []  # rank 0: broadcast keys every rank will have read by its next gather
 
 
@@ -117,6 +118,30 @@ class StoreExchange:
         """Every rank's ``value`` on every rank, ordered by rank."""
         values = self.gather(value)
         return self.broadcast(values)
+
+    def finish(self) -> None:
+        """The closing round: rank 0 returns only once every rank has read what it broadcast.
+
+        Rank 0 hosts the store. A rank 0 that returned from the last
+        broadcast and exited at once (a job resumed at its final step) would
+        take the store away from a rank still reading the decision, which
+        then fails with a broken connection instead of the decision. Every
+        rank has arrived at that broadcast already, so the others' notes come
+        at once; rank 0 waits for them at most :data:`_FINISH_WAIT` (a rank
+        that gave up earlier, on its own timeout, will not come) and never
+        fails here: its own work is done.
+        """
+        store = self._store
+        if store is None:
+            return
+        key = f"{self._prefix}/{next(self._rounds)}"
+        if self.rank != 0:
+            _set(store, f"{key}/{self.rank}", b"1")
+            return
+        keys = [f"{key}/{r}" for r in range(1, self.world_size)]
+        with contextlib.suppress(Exception):  # a missing rank has left: nobody is reading any more
+            store.wait(keys, min(self.timeout, _FINISH_WAIT))
+        self._delete(store, keys)
 
     def present_ranks(self) -> list[int]:
         """Ranks that reach this call within the timeout (every rank announces itself, then waits).

@@ -130,3 +130,30 @@ def test_other_ranks_outwait_a_slow_rank_zero_and_share_its_failures(tmp_path):
         out[1]["timeout"]
     )
     assert "pass a larger timeout" in out[1]["timeout"]
+
+
+def _rank_1_reads_the_decision_late(rank: int, world_size: int, directory: str, call: str) -> int:
+    model = nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    save_checkpoint(directory, 1, model=model, optimizer=opt)
+    dist.barrier()
+    if rank == 1:
+        broadcast = Coordinator.broadcast
+
+        def late(self, value=None):
+            time.sleep(1.5)  # a slow reader: without the closing round, rank 0 has exited by now
+            return broadcast(self, value)
+
+        Coordinator.broadcast = late
+    if call == "save":
+        save_checkpoint(directory, 2, model=model, optimizer=opt)
+        return 2
+    info = load_latest_checkpoint(directory, model=model, optimizer=opt)
+    return info.step  # rank 0 returns, and its process (the store's host) exits right after
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["save", "load"])
+def test_rank_0_does_not_leave_before_every_rank_read_the_last_decision(tmp_path, call):
+    want = 2 if call == "save" else 1
+    assert run_workers(_rank_1_reads_the_decision_late, 2, str(tmp_path), call, timeout=45) == [want, want]

@@ -41,7 +41,6 @@ def _save(rank, world, directory):
         done = steps
         save_checkpoint(directory, step, model=wrapped, optimizer=opt, scheduler=scheduler)
         params[step] = _flat(model)
-    torch.distributed.barrier()  # rank 0 hosts the store: it must not leave while another rank still reads it
     return params
 
 
@@ -52,7 +51,6 @@ def _resume(rank, world, directory):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         info = load_latest_checkpoint(directory, model=wrapped, optimizer=opt, scheduler=scheduler, timeout=60)
-    torch.distributed.barrier()  # rank 0 hosts the store: it must not leave while another rank still reads it
     return info.step, info.skipped, [str(w.message) for w in caught if "skipping" in str(w.message)], _flat(model)
 
 
@@ -120,7 +118,6 @@ JOB = """
                 f.truncate(100)
             os._exit(3)
         time.sleep(60)
-    dist.barrier()  # rank 0 hosts the store: it must not leave while another rank still reads it
     print(f"attempt {attempt} rank {rank} resumed at {info.step}", flush=True)
 """
 

@@ -205,7 +205,7 @@ def _torch_trace(found, init, interval, growth, backoff_factor):
 @pytest.mark.parametrize(
     ("interval", "growth", "backoff_factor", "p_inf", "bounds"),
     [
-        (1000, 2.0, 0.5, 0.0004, (1.0, 2.0**24)),  # DESIGN defaults, decr_every=1
+        (1000, 2.0, 0.5, 0.0004, (1.0, 2.0**24)),  # the contract's defaults, decr_every=1
         (50, 2.0, 0.5, 0.01, (1.0, 2.0**60)),
         (37, 1.5, 0.7, 0.01, (2.0**-40, 2.0**60)),
     ],
