@@ -110,10 +110,11 @@ class StepPolicy:
         while True:
             with torch.enable_grad():
                 loss = closure()
-            if not self.watch.before_step(self.precision.loss_scale):
-                self.last_step_skipped = True
-                return loss
-            self.unscale_and_check()
+            if not self.unscaled:  # else the closure unscaled itself (clip_grad_norm_ after its backward)
+                if not self.watch.before_step(self.precision.loss_scale):
+                    self.last_step_skipped = True
+                    return loss
+                self.unscale_and_check()
             if not self.found_inf or retries == 0 or not self.precision.lower_scale_now():
                 break
             retries -= 1

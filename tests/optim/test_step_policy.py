@@ -98,3 +98,20 @@ def test_closure_refused_with_gradient_merge():
         "step(closure) runs one micro-batch per call and cannot close a gradient-merge window of k_steps=3"
     )):
         policy.step_with_closure(lambda: torch.zeros(()), retries=0)
+
+
+def test_a_closure_that_clips_after_its_backward_is_unscaled_once():
+    policy, model = _policy(scale=8.0)
+    before = model.weight.detach().clone()
+    clipper_norms = []
+
+    def closure():
+        _backward(policy, model, [3.0, 4.0])  # unscaled gradient (3, 4), norm 5
+        policy.unscale_and_check()  # what clip_grad_norm_ does first
+        clipper_norms.append(float(model.weight.grad.norm()))
+        return torch.tensor(1.0)
+
+    policy.step_with_closure(closure, retries=0)
+    assert clipper_norms == [5.0]  # unscaled by the clip, and not divided by the scale again at the step
+    assert policy.steps_applied == 1
+    assert torch.equal(model.weight.detach(), before - torch.tensor([[3.0, 4.0]]))
