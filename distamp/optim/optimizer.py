@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.distributed.groups import data_parallel_group
+from distamp.distributed.powersgd import GradCompressor
 from distamp.distributed.timeouts import named_collective
 from distamp.optim.accumulation import GradientMerge
 from distamp.optim.amp_status import AmpStatus
@@ -103,6 +104,8 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         self.clipper = GradClipper(self.precision, self.policy, self.merge)
         # Alone, the optimizer sees parameters, not modules: learn the model at its first forward.
         self._finder = FirstForwardFinder(self) if self.amp_enabled else None
+        # Compressor state loaded before fleet.distributed_model built the compressor (see bind_compressor).
+        self._pending_compressor_state: dict | None = None
 
     def __repr__(self) -> str:
         mode = self.precision.mode
@@ -251,6 +254,22 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         pre-hooks of ``fleet.distributed_model`` call it per module.
         """
         self.master_weights.finish_refresh(params)
+
+    def bind_compressor(self, compressor: GradCompressor) -> None:
+        """Report each step's agreed verdict to ``compressor`` (``fleet.distributed_model`` with ``strategy.powersgd``).
+
+        The compressor reads the loss scale from here, keeps the state a
+        step computed only when the step is applied, and gets any
+        compressor state :meth:`load_state_dict` loaded before it was bound.
+
+        Raises:
+            RuntimeError: the compressor already has an optimizer.
+        """
+        compressor.bind(lambda: self.precision.loss_scale)
+        self.policy.compressor = compressor
+        if self._pending_compressor_state is not None:
+            compressor.load_state_dict(self._pending_compressor_state)
+            self._pending_compressor_state = None
 
     def add_sync_listener(self, listener: Any) -> None:
         """Keep ``listener.set_grad_sync(optimizer, flag)`` told whether the next backward communicates."""
