@@ -81,8 +81,8 @@ class _Matrix:
     name: str
     grad: torch.Tensor  # the view into the bucket
     m: torch.Tensor  # FP32, unscaled, error added; becomes the new error
-    p: torch.Tensor
-    q: torch.Tensor
+    p: torch.Tensor  # rows x rank
+    qt: torch.Tensor  # Q transposed: rank x cols
 
 
 class PowerSGD:
@@ -143,6 +143,9 @@ class PowerSGD:
         self.error: dict[str, torch.Tensor] = {}
         self.q: dict[str, torch.Tensor] = {}
         self._tentative: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        # Work buffers kept between steps: M (which becomes the next error) and P Q^T.
+        self._spare: dict[str, torch.Tensor] = {}
+        self._scratch: dict[str, torch.Tensor] = {}
         self._loss_scale: Callable[[], float] = lambda: 1.0
         self._bound = False
         self._sent = self._dense_equivalent = 0
@@ -183,7 +186,11 @@ class PowerSGD:
         if applied:
             for name, (error, q) in tentative.items():
                 if error is not None:
+                    # The buffer the hook wrote becomes the error; the old error is the next step's buffer.
+                    old = self.error.get(name)
                     self.error[name] = error
+                    if old is not None:
+                        self._spare[name] = old
                 if q is not None:
                     self.q[name] = q
             self.applied_steps += 1
@@ -203,7 +210,10 @@ class PowerSGD:
     # -- checkpoints --------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """This rank's committed state: applied steps, error feedback and Q per parameter name (FP32)."""
+        """This rank's committed state: applied steps, and per parameter name the error feedback and Q^T (FP32).
+
+        ``q`` holds Q transposed (``rank x n``), the layout the hook computes it in.
+        """
         return {
             "format": STATE_FORMAT,
             "rank": self.rank,
@@ -232,7 +242,7 @@ class PowerSGD:
         self.q = {name: t.to(device, torch.float32) for name, t in state["q"].items()}
         saved_world = int(state["world_size"])
         if saved_world == self.world_size:
-            self.error = {name: t.to(device, torch.float32) for name, t in state["error"].items()}
+            self.error = {name: t.to(device, torch.float32).clone() for name, t in state["error"].items()}
         else:
             self.error = {}
             if self.rank == 0 and state["error"]:
@@ -242,7 +252,7 @@ class PowerSGD:
                     "ranks and has no counterpart now, so it restarts from zero (Q and the step count are kept)",
                     stacklevel=2,
                 )
-        self._tentative = {}
+        self._tentative, self._spare = {}, {}
 
     # -- the hook's work -------------------------------------------------------------
 
@@ -269,48 +279,66 @@ class PowerSGD:
 
         Collective and synchronous: the two all-reduces are issued from the
         backward thread, so every rank issues them in the same order as the
-        buckets' other collectives (a callback thread could interleave them
-        differently on different ranks).
+        buckets' other collectives (torch's hook issues them from future
+        callbacks, which on gloo hangs once a model has two buckets).
         """
         if not compressed:
             return
         cfg, device = self.config, compressed[0][1].device
-        matrices: list[_Matrix] = []
-        p_total = q_total = 0
-        for _, _, rows, cols in compressed:
-            r = effective_rank(rows, cols, cfg.rank)
-            p_total, q_total = p_total + rows * r, q_total + cols * r
+        sizes = [effective_rank(rows, cols, cfg.rank) for _, _, rows, cols in compressed]
+        p_total = sum(rows * r for (_, _, rows, _), r in zip(compressed, sizes, strict=True))
+        q_total = sum(cols * r for (_, _, _, cols), r in zip(compressed, sizes, strict=True))
         p_flat = torch.empty(p_total, dtype=torch.float32, device=device)
-        q_flat = torch.empty(q_total, dtype=torch.float32, device=device)
+        qt_flat = torch.empty(q_total, dtype=torch.float32, device=device)
+        matrices: list[_Matrix] = []
         p_at = q_at = 0
-        for name, grad, rows, cols in compressed:
-            r = effective_rank(rows, cols, cfg.rank)
-            m = torch.div(grad.reshape(rows, cols).float(), scale)  # a new tensor: the bucket is not touched
+        for (name, grad, rows, cols), r in zip(compressed, sizes, strict=True):
+            # M = grad / scale + error, in FP32, in a buffer kept between steps (a fresh 4 bytes per element
+            # each step costs more in page faults on CPU than the whole low-rank product).
+            m = self._buffer(self._spare, name, rows, cols, device, avoid=self.error.get(name))
+            m.copy_(grad.view(rows, cols))
+            if scale != 1.0:
+                m.div_(scale)
             error = self.error.get(name) if cfg.error_feedback else None
             if error is not None:
                 m.add_(error)
-            q = self.q.get(name) if cfg.warm_start else None
-            if q is None or q.shape != (cols, r):
-                q = start_q(name, cols, r, self.applied_steps, device)
+            # Q is kept transposed (rank x cols): Q^T = P^T M is a fast product, M^T P a slow one.
+            qt_old = self.q.get(name) if cfg.warm_start else None
+            if qt_old is None or qt_old.shape != (r, cols):
+                qt_old = start_q(name, cols, r, self.applied_steps, device).t()
             else:
-                q = orthogonalize_(q.clone())
+                qt_old = orthogonalize_(qt_old.clone().t()).t()
             p = p_flat[p_at : p_at + rows * r].view(rows, r)
-            torch.matmul(m, q, out=p)
-            matrices.append(_Matrix(name, grad, m, p, q_flat[q_at : q_at + cols * r].view(cols, r)))
+            torch.matmul(m, qt_old.t(), out=p)
+            matrices.append(_Matrix(name, grad, m, p, qt_flat[q_at : q_at + cols * r].view(r, cols)))
             p_at, q_at = p_at + rows * r, q_at + cols * r
         self.count(4 * (p_total + q_total), sum(x.grad.numel() for x in matrices) * _size(self.wire_dtype))
         # P is orthogonalised next, so its sum need not be divided by the world size.
         dist.all_reduce(p_flat, group=self.process_group)
         for x in matrices:
             orthogonalize_(x.p)
-            torch.matmul(x.m.t(), x.p, out=x.q)
-        dist.all_reduce(q_flat, group=self.process_group)
-        q_flat.div_(self.world_size)
+            torch.matmul(x.p.t(), x.m, out=x.qt)
+        dist.all_reduce(qt_flat, group=self.process_group)
+        qt_flat.div_(self.world_size)
         for x in matrices:
-            approx = x.p @ x.q.t()
+            rows, cols = x.m.shape
+            approx = self._buffer(self._scratch, x.name, rows, cols, x.m.device)
+            torch.matmul(x.p, x.qt, out=approx)
             new_error = x.m.sub_(approx) if cfg.error_feedback else None
-            self._tentative[x.name] = (new_error, x.q.clone() if cfg.warm_start else None)
-            x.grad.copy_(approx.mul_(scale).view_as(x.grad))
+            self._tentative[x.name] = (new_error, x.qt.clone() if cfg.warm_start else None)
+            if scale != 1.0:
+                approx.mul_(scale)
+            x.grad.copy_(approx.view_as(x.grad))
+
+    @staticmethod
+    def _buffer(store: dict[str, torch.Tensor], name: str, rows: int, cols: int, device: torch.device,
+                avoid: torch.Tensor | None = None) -> torch.Tensor:
+        """An FP32 ``rows x cols`` work buffer kept in ``store``, never the tensor ``avoid`` (the kept error)."""
+        buffer = store.get(name)
+        if buffer is None or buffer is avoid or buffer.shape != (rows, cols) or buffer.device != device:
+            buffer = torch.empty(rows, cols, dtype=torch.float32, device=device)
+            store[name] = buffer
+        return buffer
 
 
 def _size(dtype: torch.dtype) -> int:

@@ -160,15 +160,15 @@ def _math_worker(rank, world_size, low_rank, batch=8):
     q0 = start_q("weight", 16, r, seed=0, device=torch.device("cpu"))
     p = sum(m @ q0 for m in ms)
     p_hat = orthogonalize_(p)
-    q = sum(m.t() @ p_hat for m in ms) / world_size
-    approx = p_hat @ q.t()
+    qt = sum(p_hat.t() @ m for m in ms) / world_size  # Q^T = P^T M, the layout the hook keeps
+    approx = p_hat @ qt
     bias = sum(b / world_size for b in _gather(local_b.contiguous()))
     compressor = opt.policy.compressor
     return {
         "weight_exact": torch.equal(reduced_w, approx),
         "bias_exact": torch.equal(reduced_b, bias),
         "error_exact": torch.equal(compressor.error["weight"], local_w - approx),
-        "q_exact": torch.equal(compressor.q["weight"], q),
+        "q_exact": torch.equal(compressor.q["weight"], qt),
         "mean_error": (reduced_w - sum(ms) / world_size).abs().max().item(),
         "stats": opt.stats(),
     }
@@ -431,3 +431,38 @@ def test_another_world_size_drops_the_error_feedback_with_one_warning():
     assert "saved by 4 rank(s) and is resumed by 2" in messages[0]
     assert (has_error, has_q, steps) == (False, True, 1)
     assert out[1][0] == []  # rank 0 warns, once
+
+
+# ----------------------------------------------------------------------------- compile, check_nan_inf
+
+
+def _compiled_worker(rank, world_size):
+    strategy = _strategy(dtype="bfloat16", o2=True, start_step=1)
+    model, wrapped, opt = _build(strategy)
+    compiled = torch.compile(wrapped)
+    applied = [_train_step(compiled, opt, *_batch(rank, step)) for step in range(1, 5)]
+    return applied, _flat(model), opt.stats()["compression_rate"]
+
+
+@pytest.mark.timeout(240)
+def test_a_compiled_model_trains_compressed():
+    out = run_workers(_compiled_worker, 2, timeout=220)
+    for applied, _, rate in out:
+        assert applied == [True] * 4
+        assert rate > 1.0
+    assert torch.equal(out[0][1], out[1][1])
+
+
+def _check_nan_inf_worker(rank, world_size):
+    strategy = _strategy(dtype="float16", o2=True, start_step=1, amp_extra={"check_nan_inf": True})
+    model, wrapped, opt = _build(strategy)
+    applied = [_train_step(wrapped, opt, *_batch(rank, step)) for step in range(1, 4)]
+    return applied, _flat(model)
+
+
+def test_check_nan_inf_sees_no_false_alarm_from_compression():
+    out = run_workers(_check_nan_inf_worker, 2, timeout=100)
+    for applied, params in out:
+        assert applied == [True] * 3
+        assert torch.isfinite(params).all()
+    assert torch.equal(out[0][1], out[1][1])
