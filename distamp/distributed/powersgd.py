@@ -35,6 +35,7 @@ everything during the first ``start_step`` applied steps.
 # No ``from __future__ import annotations``: DDP reads the hook's annotations
 # at registration and refuses a string where it expects dist.GradBucket.
 import logging
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -296,12 +297,16 @@ class PowerSGD:
             # M = grad / scale + error, in FP32, in a buffer kept between steps (a fresh 4 bytes per element
             # each step costs more in page faults on CPU than the whole low-rank product).
             m = self._buffer(self._spare, name, rows, cols, device, avoid=self.error.get(name))
-            m.copy_(grad.view(rows, cols))
-            if scale != 1.0:
-                m.div_(scale)
             error = self.error.get(name) if cfg.error_feedback else None
-            if error is not None:
-                m.add_(error)
+            if error is not None and _is_power_of_two(scale):
+                # One pass, computed in FP32: multiplying by 1/scale is exact for a power of two.
+                torch.add(error, grad.view(rows, cols), alpha=1.0 / scale, out=m)
+            else:
+                m.copy_(grad.view(rows, cols))
+                if scale != 1.0:
+                    m.div_(scale)
+                if error is not None:
+                    m.add_(error)
             # Q is kept transposed (rank x cols): Q^T = P^T M is a fast product, M^T P a slow one.
             qt_old = self.q.get(name) if cfg.warm_start else None
             if qt_old is None or qt_old.shape != (r, cols):
@@ -339,6 +344,11 @@ class PowerSGD:
             buffer = torch.empty(rows, cols, dtype=torch.float32, device=device)
             store[name] = buffer
         return buffer
+
+
+def _is_power_of_two(value: float) -> bool:
+    mantissa, _ = math.frexp(value)
+    return value > 0 and mantissa == 0.5
 
 
 def _size(dtype: torch.dtype) -> int:
