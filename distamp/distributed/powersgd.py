@@ -286,14 +286,9 @@ class PowerSGD:
         if not compressed:
             return
         cfg, device = self.config, compressed[0][1].device
-        sizes = [effective_rank(rows, cols, cfg.rank) for _, _, rows, cols in compressed]
-        p_total = sum(rows * r for (_, _, rows, _), r in zip(compressed, sizes, strict=True))
-        q_total = sum(cols * r for (_, _, _, cols), r in zip(compressed, sizes, strict=True))
-        p_flat = torch.empty(p_total, dtype=torch.float32, device=device)
-        qt_flat = torch.empty(q_total, dtype=torch.float32, device=device)
         matrices: list[_Matrix] = []
-        p_at = q_at = 0
-        for (name, grad, rows, cols), r in zip(compressed, sizes, strict=True):
+        for name, grad, rows, cols in compressed:
+            r = effective_rank(rows, cols, cfg.rank)
             # M = grad / scale + error, in FP32, in a buffer kept between steps (a fresh 4 bytes per element
             # each step costs more in page faults on CPU than the whole low-rank product).
             m = self._buffer(self._spare, name, rows, cols, device, avoid=self.error.get(name))
@@ -313,18 +308,22 @@ class PowerSGD:
                 qt_old = start_q(name, cols, r, self.applied_steps, device).t()
             else:
                 qt_old = orthogonalize_(qt_old.clone().t()).t()
-            p = p_flat[p_at : p_at + rows * r].view(rows, r)
-            torch.matmul(m, qt_old.t(), out=p)
-            matrices.append(_Matrix(name, grad, m, p, qt_flat[q_at : q_at + cols * r].view(r, cols)))
-            p_at, q_at = p_at + rows * r, q_at + cols * r
+            # Every product reads and writes tensors of its own, never views at a packing offset: BLAS
+            # kernels may round differently at other alignments, and the packing follows DDP's buckets,
+            # which are rebuilt after a job's first iteration (a resumed run would then drift).
+            p = torch.matmul(m, qt_old.t())
+            matrices.append(_Matrix(name, grad, m, p, qt_old))
+        p_total = sum(x.p.numel() for x in matrices)
+        q_total = sum(x.qt.numel() for x in matrices)
         self.count(4 * (p_total + q_total), sum(x.grad.numel() for x in matrices) * _size(self.wire_dtype))
         # P is orthogonalised next, so its sum need not be divided by the world size.
-        dist.all_reduce(p_flat, group=self.process_group)
+        _all_reduce_each([x.p for x in matrices], self.process_group)
         for x in matrices:
             orthogonalize_(x.p)
-            torch.matmul(x.p.t(), x.m, out=x.qt)
-        dist.all_reduce(qt_flat, group=self.process_group)
-        qt_flat.div_(self.world_size)
+            x.qt = torch.matmul(x.p.t(), x.m)
+        _all_reduce_each([x.qt for x in matrices], self.process_group)
+        for x in matrices:
+            x.qt.div_(self.world_size)
         for x in matrices:
             rows, cols = x.m.shape
             approx = self._buffer(self._scratch, x.name, rows, cols, x.m.device)
@@ -344,6 +343,16 @@ class PowerSGD:
             buffer = torch.empty(rows, cols, dtype=torch.float32, device=device)
             store[name] = buffer
         return buffer
+
+
+def _all_reduce_each(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+    """Sum each tensor over the group with one all-reduce of their concatenation (synchronous)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    at = 0
+    for t in tensors:
+        t.copy_(flat[at : at + t.numel()].view_as(t))
+        at += t.numel()
 
 
 def _is_power_of_two(value: float) -> bool:

@@ -60,13 +60,15 @@ def _build(strategy, model=None, lr=0.1):
     return model, wrapped, opt
 
 
-def _train_step(wrapped, opt, x, y):
+def _train_step(wrapped, opt, x, y, clip=None):
     from distamp import fleet
 
     with fleet.auto_cast():
         loss = F.cross_entropy(wrapped(x), y)
     opt.zero_grad()
     opt.backward(loss)
+    if clip is not None:
+        opt.clip_grad_norm_(clip)
     return opt.step()
 
 
@@ -391,7 +393,7 @@ def _checkpoint_worker(rank, world_size, directory, resume):
         info = load_latest_checkpoint(directory, model=wrapped, optimizer=opt)
         start = info.step
     for step in range(start + 1, 8):
-        _train_step(wrapped, opt, *_batch(rank, step))
+        _train_step(wrapped, opt, *_batch(rank, step), clip=1000.0)
         if step == 4 and not resume:
             save_checkpoint(directory, step, model=wrapped, optimizer=opt)
     return {"params": _flat(model), "state": opt.policy.compressor.state_dict(), "scale": opt.get_loss_scaling()}
