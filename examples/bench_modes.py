@@ -14,6 +14,12 @@ Every mode trains the same model on the same batch with SGD + momentum:
   ``..._overlap`` adds ``sharding_configs["overlap_param_gather"]``.
 - ``torch_bf16_zero``: ``torch_bf16`` with torch's ``ZeroRedundancyOptimizer`` (optimizer
   state sharded by whole parameters), the torch-native counterpart of the stage modes.
+- ``distamp_o2_bf16_powersgd``: O2 BF16 with ``strategy.powersgd`` (rank and start from
+  ``build_runner``); ``torch_bf16_powersgd``: DDP + ``torch.autocast(bfloat16)`` + torch's
+  ``powerSGD_hook`` with the same rank and start (its uncompressed tensors go in FP32). On gloo,
+  torch's hook hangs when the model has more than one DDP bucket (it issues the P and Q
+  all-reduces from future callbacks, so two buckets' collectives can reach the ranks in
+  different orders); compare the two with a ``--bucket_mb`` that holds the whole model.
 
 In a one-process world the torch-native modes use the bare model (no DDP),
 as distamp's ``DataParallel`` does, so neither side pays for a reducer that
@@ -39,6 +45,7 @@ from bench_models import (
 )
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -65,13 +72,15 @@ DEFAULT_MODES = ("fp32", "torch_bf16", "torch_fp16",
                  "distamp_o1_bf16", "distamp_o2_bf16", "distamp_o1_fp16", "distamp_o2_fp16")
 SHARDING_MODES = ("torch_bf16_zero", "distamp_o2_bf16_stage1", "distamp_o2_bf16_stage2",
                   "distamp_o2_bf16_stage1_overlap", "distamp_o2_bf16_stage2_overlap")
-MODES = DEFAULT_MODES + SHARDING_MODES
+POWERSGD_MODES = ("torch_bf16_powersgd", "distamp_o2_bf16_powersgd")
+MODES = DEFAULT_MODES + SHARDING_MODES + POWERSGD_MODES
 
 # The torch-native way of doing what each distamp mode does.
 COUNTERPART = {"distamp_o1_bf16": "torch_bf16", "distamp_o2_bf16": "torch_bf16",
                "distamp_o1_fp16": "torch_fp16", "distamp_o2_fp16": "torch_fp16",
                **{f"distamp_o2_bf16_stage{n}{overlap}": "torch_bf16_zero"
-                  for n in (1, 2) for overlap in ("", "_overlap")}}
+                  for n in (1, 2) for overlap in ("", "_overlap")},
+               "distamp_o2_bf16_powersgd": "torch_bf16_powersgd"}
 
 
 def bf16_gloo_compress_hook(process_group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -117,14 +126,19 @@ def _multi_rank() -> bool:
 
 
 def _torch_runner(mode: str, model: nn.Module, loss_fn: LossFn, device: torch.device, lr: float,
-                  bucket_mb: float, compiled: bool) -> Runner:
+                  bucket_mb: float, compiled: bool, powersgd: tuple[int, int]) -> Runner:
     dtype = {"fp32": None, "torch_bf16": torch.bfloat16, "torch_fp16": torch.float16,
-             "torch_bf16_zero": torch.bfloat16}[mode]
+             "torch_bf16_zero": torch.bfloat16, "torch_bf16_powersgd": torch.bfloat16}[mode]
     ddp = None
     if _multi_rank():  # one process: the bare model, as distamp's DataParallel calls it
         ids = [device.index] if device.type == "cuda" else None
         ddp = DDP(model, device_ids=ids, bucket_cap_mb=bucket_mb)
-        if dtype is torch.bfloat16:
+        if mode.endswith("_powersgd"):
+            rank, start = powersgd
+            state = torch_powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                                 start_powerSGD_iter=start)
+            ddp.register_comm_hook(state, torch_powersgd.powerSGD_hook)
+        elif dtype is torch.bfloat16:
             ddp.register_comm_hook(None, bf16_gloo_compress_hook)
         elif dtype is torch.float16:
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -153,10 +167,13 @@ def _torch_runner(mode: str, model: nn.Module, loss_fn: LossFn, device: torch.de
 
 
 def _distamp_runner(mode: str, model: nn.Module, loss_fn: LossFn, lr: float, bucket_mb: float,
-                    compiled: bool) -> Runner:
+                    compiled: bool, powersgd: tuple[int, int]) -> Runner:
     from distamp import fleet
 
     _, level, short, *sharding = mode.split("_")
+    compress = sharding == ["powersgd"]
+    if compress:
+        sharding = []
     strategy = fleet.DistributedStrategy()
     strategy.amp = True
     strategy.amp_configs = {"use_pure_fp16": level == "o2",
@@ -165,6 +182,9 @@ def _distamp_runner(mode: str, model: nn.Module, loss_fn: LossFn, lr: float, buc
         strategy.sharding = True
         strategy.sharding_configs = {"stage": int(sharding[0].removeprefix("stage")),
                                      "overlap_param_gather": sharding[1:] == ["overlap"]}
+    if compress:
+        strategy.powersgd = True
+        strategy.powersgd_configs = {"rank": powersgd[0], "start_step": powersgd[1]}
     strategy.fuse_grad_size_in_MB = bucket_mb
     optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), strategy)
     wrapped = fleet.distributed_model(model, strategy)
@@ -182,18 +202,20 @@ def _distamp_runner(mode: str, model: nn.Module, loss_fn: LossFn, lr: float, buc
 
 
 def build_runner(mode: str, fam: ModelFamily, device: torch.device, *, seed: int = 0, lr: float = 0.01,
-                 bucket_mb: float = 25.0, compiled: bool = False) -> Runner:
+                 bucket_mb: float = 25.0, compiled: bool = False, powersgd_rank: int = 4,
+                 powersgd_start: int = 2) -> Runner:
     """A fresh model of ``fam`` (same seed for every mode), set up for data parallelism in ``mode``.
 
     ``compiled``: ``torch.compile`` the model the step calls; compilation
-    happens at its first steps.
+    happens at its first steps. ``powersgd_rank`` and ``powersgd_start``: the
+    ``*_powersgd`` modes' rank and the steps of plain all-reduce before compression.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)!r}, got {mode!r}")
     model = fam.build(seed).to(device)
     if mode.startswith("distamp_"):
-        return _distamp_runner(mode, model, fam.loss, lr, bucket_mb, compiled)
-    return _torch_runner(mode, model, fam.loss, device, lr, bucket_mb, compiled)
+        return _distamp_runner(mode, model, fam.loss, lr, bucket_mb, compiled, (powersgd_rank, powersgd_start))
+    return _torch_runner(mode, model, fam.loss, device, lr, bucket_mb, compiled, (powersgd_rank, powersgd_start))
 
 
 # ----------------------------------------------------------------------------- wire bytes

@@ -77,6 +77,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     what.add_argument("--lr", type=float, default=0.01, help="default: %(default)s")
     what.add_argument("--bucket_mb", type=float, default=25.0,
                       help="DDP bucket size for every mode (default: %(default)s)")
+    what.add_argument("--powersgd_rank", type=int, default=4,
+                      help="rank of the *_powersgd modes (default: %(default)s)")
+    what.add_argument("--powersgd_start", type=int, default=2,
+                      help="steps of plain all-reduce before the *_powersgd modes compress; keep it below "
+                      "--warmup so timed steps compress (default: %(default)s)")
     what.add_argument("--compile", action="store_true",
                       help="torch.compile every mode's model (compilation stays out of the timed steps)")
     sizes = p.add_argument_group("model sizes (default: the family's; each applies to the families it names)")
@@ -112,7 +117,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--model {args.model} with {' '.join(f'--{k} {v}' for k, v in given.items())}: {exc}")
     if args.batch is None:
         args.batch = args.family.default_batch
-    for name, low in (("batch", 1), ("reps", 1), ("steps", 1), ("warmup", 1), ("probe_steps", 0)):
+    for name, low in (("batch", 1), ("reps", 1), ("steps", 1), ("warmup", 1), ("probe_steps", 0),
+                      ("powersgd_rank", 1), ("powersgd_start", 2)):
         if getattr(args, name) < low:
             p.error(f"--{name} must be >= {low}, got {getattr(args, name)!r}")
     if args.link_gbit is not None and not args.link_gbit > 0:
@@ -173,7 +179,8 @@ def _batch(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor
 
 def _runner(args: argparse.Namespace, mode: str, device: torch.device) -> bench_modes.Runner:
     return bench_modes.build_runner(mode, args.family, device, lr=args.lr, bucket_mb=args.bucket_mb,
-                                    compiled=args.compile)
+                                    compiled=args.compile, powersgd_rank=args.powersgd_rank,
+                                    powersgd_start=args.powersgd_start)
 
 
 # ----------------------------------------------------------------------------- compilation
@@ -284,8 +291,10 @@ def run_probe(args: argparse.Namespace) -> dict:
             # DDP's built-in all-reduce bypasses ProcessGroup's Python methods; torch's
             # allreduce_hook sends the same bytes through them, so it can be counted.
             runner.ddp.register_comm_hook(None, bench_modes.default_hooks.allreduce_hook)
-        # The first step also rebuilds DDP's buckets; with --compile the first ones compile.
-        for _ in range(_COMPILE_STEPS if args.compile else 1):
+        # The first step also rebuilds DDP's buckets; with --compile the first ones compile; *_powersgd
+        # modes count from the first compressed step.
+        before = max(_COMPILE_STEPS if args.compile else 1, args.powersgd_start if "powersgd" in args._probe else 0)
+        for _ in range(before):
             runner.step(x, y)
         counter.reset()
         for _ in range(args.probe_steps):

@@ -7,6 +7,7 @@ The README's main job::
     distrun --nproc_per_node 2 examples/train_digits.py --dtype bfloat16
     distrun --nproc_per_node 2 examples/train_digits.py --no_amp   # FP32 baseline
     distrun --nproc_per_node 2 examples/train_digits.py --pure_fp16 --sharding_stage 2   # ZeRO-2
+    distrun --nproc_per_node 2 examples/train_digits.py --powersgd_rank 2   # PowerSGD compression
 
 The data (1,797 8x8 images) ships inside scikit-learn, so nothing is
 downloaded. Every rank splits it with the same seed, trains on its
@@ -112,6 +113,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      help="first loss scale for float16 (default: %(default)s)")
     amp.add_argument("--sharding_stage", type=int, choices=(0, 1, 2), default=0,
                      help="shard the optimizer state over the ranks (ZeRO stage 1 or 2; 0: off, the default)")
+    amp.add_argument("--powersgd_rank", type=int, default=0, metavar="R",
+                     help="compress gradients with PowerSGD at rank R (0: off, the default)")
+    amp.add_argument("--powersgd_start", type=int, default=50, metavar="N",
+                     help="with --powersgd_rank: applied steps of plain all-reduce first (default: %(default)s)")
     train = p.add_argument_group("training")
     train.add_argument("--epochs", type=int, default=20, help="default: %(default)s")
     train.add_argument("--max_steps", type=int, default=None,
@@ -135,6 +140,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ckpt.add_argument("--checkpoint_every", type=int, default=50, metavar="N",
                       help="optimizer steps between checkpoints (default: %(default)s)")
     args = p.parse_args(argv)
+    if args.powersgd_rank < 0 or args.powersgd_start < 0:
+        p.error(f"--powersgd_rank and --powersgd_start must be >= 0, got {args.powersgd_rank!r} and "
+                f"{args.powersgd_start!r}")
+    if args.powersgd_rank and args.sharding_stage:
+        p.error("--powersgd_rank and --sharding_stage cannot be combined; use one of them")
     for name in ("epochs", "batch_size", "checkpoint_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)!r}")
@@ -170,6 +180,9 @@ def build_strategy(args: argparse.Namespace) -> fleet.DistributedStrategy:
     if args.sharding_stage:
         strategy.sharding = True
         strategy.sharding_configs = {"stage": args.sharding_stage}
+    if args.powersgd_rank:
+        strategy.powersgd = True
+        strategy.powersgd_configs = {"rank": args.powersgd_rank, "start_step": args.powersgd_start}
     if strategy.amp:
         strategy.amp_configs = {
             "init_loss_scaling": args.init_loss_scaling,
@@ -306,8 +319,10 @@ def main(argv: Sequence[str] | None = None) -> float:
     history = train(model, optimizer, loader, sampler, args, resume)
     accuracy = evaluate(model, test_set)
     if fleet.is_first_worker():
+        stats = optimizer.stats()
         summary = {"precision": precision_name(args), "sharding_stage": args.sharding_stage,
-                   "world_size": fleet.worker_num(),
+                   "powersgd_rank": args.powersgd_rank, "bytes_sent_last_step": stats["bytes_sent"],
+                   "compression_rate": stats["compression_rate"], "world_size": fleet.worker_num(),
                    "epochs": args.epochs, "max_steps": args.max_steps, "lr": args.lr,
                    "seed": args.seed, "batch_size_per_rank": args.batch_size,
                    "skipped_steps": sum(history.skipped), "test_accuracy": accuracy}
@@ -316,6 +331,9 @@ def main(argv: Sequence[str] | None = None) -> float:
             torch.save(getattr(model, "module", model).state_dict(), args.save_params)
         print(f"precision={summary['precision']} steps={len(history.loss)} "
               f"skipped={summary['skipped_steps']} history={json_path} plot={png_path}", flush=True)
+        if args.powersgd_rank:
+            print(f"powersgd_rank={args.powersgd_rank} bytes_sent_last_step={stats['bytes_sent']} "
+                  f"compression_rate={stats['compression_rate']}", flush=True)
         print(f"test_accuracy={accuracy:.4f}", flush=True)
     fleet.barrier_worker()
     return accuracy

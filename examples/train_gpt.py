@@ -5,6 +5,7 @@ What a language-model loop looks like with distamp::
     distrun --nproc_per_node 2 examples/train_gpt.py                          # BF16, O2
     distrun --nproc_per_node 2 examples/train_gpt.py --dtype float16 --o1     # FP16 with loss scaling
     distrun --nproc_per_node 2 examples/train_gpt.py --no_amp                 # FP32 baseline
+    distrun --nproc_per_node 2 examples/train_gpt.py --powersgd_rank 4        # PowerSGD compression
 
 The text is synthetic, so nothing is downloaded: sequences drawn from a
 random Markov chain over a small vocabulary, whose entropy rate (the best
@@ -112,7 +113,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--seq_len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--powersgd_rank", type=int, default=0,
+                   help="compress gradients with PowerSGD at this rank (0: off, the default)")
+    p.add_argument("--powersgd_start", type=int, default=20,
+                   help="with --powersgd_rank: applied steps of plain all-reduce first (default: %(default)s)")
     args = p.parse_args(argv)
+    if args.powersgd_rank < 0 or args.powersgd_start < 0:
+        p.error(f"--powersgd_rank and --powersgd_start must be >= 0, got {args.powersgd_rank!r} and "
+                f"{args.powersgd_start!r}")
     for name in ("steps", "merge", "batch_size", "warmup", "d_model", "layers", "heads", "vocab", "seq_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)!r}")
@@ -129,6 +137,9 @@ def build_strategy(args: argparse.Namespace) -> fleet.DistributedStrategy:
     if args.merge > 1:
         strategy.gradient_merge = True
         strategy.gradient_merge_configs = {"k_steps": args.merge, "avg": True}
+    if args.powersgd_rank:
+        strategy.powersgd = True
+        strategy.powersgd_configs = {"rank": args.powersgd_rank, "start_step": args.powersgd_start}
     return strategy
 
 
@@ -184,6 +195,9 @@ def main(argv: Sequence[str] | None = None) -> float:
         stats = optimizer.stats()
         print(f"steps_applied={stats['steps_applied']} steps_skipped={stats['steps_skipped']} "
               f"lr={scheduler.get_last_lr()[0]:.2e} grad_norm={stats['grad_norm']:.3f}", flush=True)
+        if args.powersgd_rank:
+            print(f"powersgd_rank={args.powersgd_rank} bytes_sent_last_step={stats['bytes_sent']} "
+                  f"compression_rate={stats['compression_rate']:.2f}", flush=True)
         print(f"final_loss={final:.4f} entropy={entropy:.4f} uniform={math.log(args.vocab):.4f}", flush=True)
     fleet.barrier_worker()
     return final

@@ -4,7 +4,8 @@ The digits example runs twice on 2 CPU ranks in O2 FP16 with checkpoints:
 once uninterrupted, once with rank 1 killed after the step-60 checkpoint
 under ``--max_restarts 1``. The final parameters must be identical. The
 sharded variant (ZeRO stage 2: each rank saves and reloads its own slice of
-the optimizer state) runs a shorter job.
+the optimizer state) runs a shorter job, as does the PowerSGD one (each
+rank saves and reloads its own error feedback).
 """
 
 from __future__ import annotations
@@ -23,19 +24,25 @@ from tests.processes import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_digits.py"
-JOBS = {  # sharding stage: (steps, checkpoint every, kill after the checkpoint of)
-    0: (120, 20, 60),
-    2: (60, 20, 40),
+JOBS = {  # variant: (steps, checkpoint every, kill after the checkpoint of)
+    "plain": (120, 20, 60),
+    "stage2": (60, 20, 40),
+    "powersgd": (60, 20, 40),
+}
+OPTIONS = {
+    "plain": ("--sharding_stage", "0"),
+    "stage2": ("--sharding_stage", "2"),
+    "powersgd": ("--powersgd_rank", "2", "--powersgd_start", "10"),  # compressing well before the kill
 }
 
 
-def command(run_dir: Path, *extra: str, stage: int = 0) -> list[str]:
-    steps, every, _ = JOBS[stage]
+def command(run_dir: Path, *extra: str, variant: str = "plain") -> list[str]:
+    steps, every, _ = JOBS[variant]
     return [
         sys.executable, "-m", "distamp.launcher", "--nproc_per_node", "2",
         "--log_dir", str(run_dir / "log"), *extra,
         str(EXAMPLE), "--pure_fp16", "--dtype", "float16", "--max_steps", str(steps),
-        "--sharding_stage", str(stage),
+        *OPTIONS[variant],
         "--checkpoint_dir", str(run_dir / "ckpt"), "--checkpoint_every", str(every),
         "--save_params", str(run_dir / "final.pt"), "--out_dir", str(run_dir / "out"), "--no_progress",
     ]
@@ -59,18 +66,18 @@ def final_params(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("stage", sorted(JOBS))
-def test_sigkilled_worker_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path, stage):
+@pytest.mark.parametrize("variant", sorted(JOBS))
+def test_sigkilled_worker_restarts_resumes_and_matches_an_uninterrupted_run(tmp_path, variant):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     clean = tmp_path / "clean"
-    done = subprocess.run(command(clean, stage=stage), env=env, capture_output=True, text=True, timeout=120,
+    done = subprocess.run(command(clean, variant=variant), env=env, capture_output=True, text=True, timeout=120,
                           check=False)
     assert done.returncode == 0, done.stderr[-3000:]
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(command(killed, "--max_restarts", "1", stage=stage), env=env,
+    proc = subprocess.Popen(command(killed, "--max_restarts", "1", variant=variant), env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    kill_after = JOBS[stage][2]
+    kill_after = JOBS[variant][2]
     try:
         marker = killed / "ckpt" / f"step-{kill_after:08d}.json"
         deadline = time.monotonic() + 100
@@ -90,7 +97,7 @@ def test_sigkilled_worker_restarts_resumes_and_matches_an_uninterrupted_run(tmp_
 
     log = (killed / "log" / "workerlog.1").read_text()
     assert log.count("===== distrun:") == 2, "rank 1 was not restarted exactly once"
-    if stage:  # every rank wrote its own slice of the optimizer state
+    if variant != "plain":  # every rank wrote its own slice of the optimizer state, or its error feedback
         assert sorted(p.name.split(".")[1] for p in (killed / "ckpt").glob(f"step-{kill_after:08d}.*.pt")) == [
             "common", "rank-00000", "rank-00001"]
     reference, resumed = final_params(clean), final_params(killed)

@@ -1,6 +1,6 @@
 """The README's config tables and the config dataclasses must agree: same keys, same defaults.
 
-AmpConfig and ShardingConfig are the one source of truth for their defaults
+AmpConfig, ShardingConfig and PowerSGDConfig are the one source of truth for their defaults
 (house rule 2); this test keeps the documentation from drifting away from them.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from distamp.strategy import AmpConfig, ShardingConfig
+from distamp.strategy import AmpConfig, PowerSGDConfig, ShardingConfig
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 HEADER = ["key", "type, range", "default", "meaning"]
@@ -126,7 +126,8 @@ After the table.
         parse_amp_configs_table("# amp_configs\n\nno table here\n")
 
 
-@pytest.mark.parametrize(("name", "config"), [("amp_configs", AmpConfig), ("sharding_configs", ShardingConfig)])
+@pytest.mark.parametrize(("name", "config"), [("amp_configs", AmpConfig), ("sharding_configs", ShardingConfig),
+                                              ("powersgd_configs", PowerSGDConfig)])
 def test_readme_config_table_matches_the_dataclass(name, config):
     assert README.is_file(), f"{README} is missing; it must document {name} in a table"
     documented = parse_config_table(README.read_text(encoding="utf-8"), name)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from distamp.distributed.flat_layout import FlatLayout
+from distamp.distributed.powersgd import GradCompressor
 
 __all__ = ["AttachedOptimizer", "GradSlice", "SliceOwner"]
 
@@ -51,6 +52,9 @@ class AttachedOptimizer(Protocol):
 
     def finish_param_gather(self, params: Iterable[nn.Parameter] | None = None) -> None:
         """Complete the all-gather ``overlap_param_gather`` left running (for ``params``, or all)."""
+
+    def bind_compressor(self, compressor: GradCompressor) -> None:
+        """Report each step's agreed verdict to ``compressor`` (PowerSGD keeps or drops its state)."""
 
     def grads_reseated(self) -> None:
         """The model's ``.grad`` tensors were replaced by equal ones (DDP rebuilt its buckets)."""

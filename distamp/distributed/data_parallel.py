@@ -41,6 +41,7 @@ from distamp.distributed.comm_hooks import CommStats, LowPrecisionAllReduce
 from distamp.distributed.ddp_preparation import DDPPreparation, check_device
 from distamp.distributed.groups import group_size
 from distamp.distributed.param_gather_hooks import ForwardParamGather
+from distamp.distributed.powersgd import PowerSGD
 from distamp.distributed.reduce_scatter import ShardedGradReduce
 from distamp.model_views import fp32_model_state_dict
 from distamp.strategy import DistributedStrategy
@@ -67,7 +68,7 @@ class _Runtime:
 
     def __init__(self, module: nn.Module) -> None:
         self.ddp: DistributedDataParallel | None = None
-        self.comm_hook: LowPrecisionAllReduce | ShardedGradReduce | None = None
+        self.comm_hook: LowPrecisionAllReduce | ShardedGradReduce | PowerSGD | None = None
         self.optimizers: list[AttachedOptimizer] = []
         self.optimizer_sync: dict[int, bool] = {}
         self.merge_sync = True  # all(optimizer_sync): a plain bool for forward (torch.compile guards on it)
@@ -201,6 +202,8 @@ class DataParallel(nn.Module):
         if self.distributed:
             runtime.param_gather.attach(optimizer)
             # The second of the two fleet calls prepares (collective: every rank makes both calls).
+            if runtime.prepared:
+                self._bind_compressor(optimizer)
             self.prepare()
 
     def set_grad_sync(self, optimizer: AttachedOptimizer, flag: bool) -> None:
@@ -240,6 +243,14 @@ class DataParallel(nn.Module):
         runtime.ddp, runtime.comm_hook, runtime.reduce_scatter = (
             prepared.ddp, prepared.comm_hook, prepared.reduce_scatter
         )
+        for optimizer in runtime.optimizers:
+            self._bind_compressor(optimizer)
+
+    def _bind_compressor(self, optimizer: AttachedOptimizer) -> None:
+        """PowerSGD: the optimizer reports each step's agreed verdict to the hook (keep or drop its state)."""
+        hook = self._runtime.comm_hook
+        if isinstance(hook, PowerSGD):
+            optimizer.bind_compressor(hook)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module (through DDP when distributed)."""

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from distamp.distributed.attached import AttachedOptimizer, SliceOwner
 from distamp.distributed.comm_hooks import LowPrecisionAllReduce, PendingFp32Grads
 from distamp.distributed.fingerprint import check_ranks_agree
+from distamp.distributed.powersgd import PowerSGD
 from distamp.distributed.process_group import wait_for_comm_threads
 from distamp.distributed.reduce_scatter import ShardedGradReduce
 from distamp.distributed.timeouts import named_collective
@@ -51,7 +52,7 @@ class PreparedDDP:
     """What a preparation built: DDP, its gradient comm hook (if any) and whether it reduce-scatters."""
 
     ddp: DistributedDataParallel
-    comm_hook: LowPrecisionAllReduce | ShardedGradReduce | None
+    comm_hook: LowPrecisionAllReduce | ShardedGradReduce | PowerSGD | None
     reduce_scatter: bool
     """Sharding stage 2: every backward communicates, gradient merge's micro-batches included."""
 
@@ -114,8 +115,8 @@ class DDPPreparation:
 
     def _comm_hook(
         self, optimizers: list[AttachedOptimizer], reduce_scatter: bool
-    ) -> LowPrecisionAllReduce | ShardedGradReduce | None:
-        """Stage 2: reduce-scatter into the owners' FP32 slices; AMP: a 16-bit all-reduce; else DDP's own."""
+    ) -> LowPrecisionAllReduce | ShardedGradReduce | PowerSGD | None:
+        """Stage 2: reduce-scatter into the owners' FP32 slices; PowerSGD; AMP: a 16-bit all-reduce; else DDP's own."""
         cfg = self.strategy.amp_config
         pending = PendingFp32Grads(optimizers)
         if reduce_scatter:
@@ -123,6 +124,14 @@ class DDPPreparation:
             # check_sharding made every optimizer stage 2, whose masters are sharded.
             shards: list[SliceOwner] = [opt.master_weights for opt in optimizers]
             return ShardedGradReduce(shards, wire, self.process_group, pending)
+        if self.strategy.powersgd:
+            # The optimizer binds itself (DataParallel.bind_compressor): it reports each step's verdict.
+            wire = cfg.comm_torch_dtype if self.strategy.amp else torch.float32
+            predivide = cfg.gradient_predivide_factor if self.strategy.amp else None
+            names = {id(p): name for name, p in self.module.named_parameters()}
+            device = self.device or next((p.device for p in self.module.parameters()), torch.device("cpu"))
+            return PowerSGD(self.strategy.powersgd_config, names, wire, predivide, self.process_group, pending,
+                            device)
         if self.strategy.amp:
             return LowPrecisionAllReduce(
                 cfg.comm_torch_dtype, cfg.gradient_predivide_factor, self.process_group, pending

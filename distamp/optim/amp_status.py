@@ -87,9 +87,16 @@ class AmpStatus:
         (closures called again by ``overflow_retries``); ``last_overflow``
         (``{"step": n, "params": [qualified names]}`` of the last non-finite
         verdict, the same on every rank, or None); ``grad_norm`` (the last
-        global norm ``clip_grad_norm_`` computed, or None).
+        global norm ``clip_grad_norm_`` computed, or None); with
+        ``strategy.powersgd`` on a data-parallel model, ``bytes_sent`` (bytes
+        this rank contributed to the gradient all-reduces of the last step:
+        uncompressed gradients in the wire dtype, P and Q in FP32) and
+        ``compression_rate`` (what an all-reduce of every gradient in the
+        wire dtype would send, divided by ``bytes_sent``; 1.0 before
+        ``start_step``); None for both otherwise.
         """
         policy = self.policy
+        bytes_sent, rate = policy.compressor.step_report() if policy.compressor is not None else (None, None)
         return {
             "steps_applied": policy.steps_applied,
             "steps_skipped": policy.steps_skipped,
@@ -98,4 +105,6 @@ class AmpStatus:
             "retries": policy.retries,
             "last_overflow": policy.overflow.last_overflow,
             "grad_norm": self.last_grad_norm,
+            "bytes_sent": bytes_sent,
+            "compression_rate": rate,
         }

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from distamp.distributed.flat_layout import FlatLayout, Piece
 
@@ -44,6 +45,8 @@ class Target:
         pure: O2 (FP32 masters saved with the optimizer).
         sharding: the sharded optimizer's layout state (world size, rank,
             bounds, ...), or None for an unsharded one.
+        rank: this process's rank (which per-rank PowerSGD part it takes).
+        world_size: the number of ranks loading.
     """
 
     numels: tuple[int, ...]
@@ -51,6 +54,8 @@ class Target:
     groups: tuple[tuple[int, ...], ...]
     pure: bool
     sharding: dict | None
+    rank: int = 0
+    world_size: int = 1
 
     def range(self) -> tuple[int, int]:
         """The flat range this optimizer holds state for."""
@@ -72,12 +77,15 @@ def describe(optimizer: Any) -> Target | None:
     else:
         index = {id(m): i for i, m in enumerate(masters.masters)}
         groups = [[index[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    distributed = dist.is_available() and dist.is_initialized()
     return Target(
         numels=tuple(p.numel() for p in params),
         shapes=tuple(tuple(p.shape) for p in params),
         groups=tuple(tuple(g) for g in groups),
         pure=masters.enabled,
         sharding=sharding,
+        rank=dist.get_rank() if distributed else 0,
+        world_size=dist.get_world_size() if distributed else 1,
     )
 
 
@@ -85,7 +93,16 @@ def describe(optimizer: Any) -> Target | None:
 
 
 def split(state: dict) -> tuple[dict, dict | None]:
-    """``(common, shard)`` of an ``AmpOptimizer.state_dict()``; ``shard`` is None when it is not sharded."""
+    """``(common, shard)`` of an ``AmpOptimizer.state_dict()``; ``shard`` is None when it has no per-rank state.
+
+    PowerSGD state (error feedback differs on every rank) goes to the shard
+    part under ``"powersgd"``; the common part keeps only a marker with the
+    saving world size. PowerSGD and sharding never come together.
+    """
+    compressor = state.get("powersgd")
+    if compressor is not None and state.get("sharding") is None:
+        marker = {"in_rank_parts": True, "world_size": int(compressor["world_size"])}
+        return {**state, "powersgd": marker}, {"powersgd": compressor}
     layout = state.get("sharding")
     if layout is None:
         return state, None
@@ -142,7 +159,8 @@ def parts_needed(common: dict, target: Target | None) -> list[int]:
     """
     layout = common.get("sharding") if isinstance(common, dict) else None
     if layout is None:
-        return []
+        source = _compressor_part(common, target)
+        return [] if source is None else [source]
     if target is None:
         raise ValueError("this checkpoint holds sharded optimizer state; load it into fleet.distributed_optimizer's "
                          "optimizer (a distamp AmpOptimizer)")
@@ -166,6 +184,9 @@ def join(common: dict, parts: dict[int, dict], target: Target | None) -> dict:
             param groups, O1/O2).
     """
     saved_layout = common.get("sharding")
+    compressor_rank = _compressor_part(common, target)
+    if compressor_rank is not None:
+        common = {**common, "powersgd": parts[compressor_rank]["powersgd"]}
     if target is None or (saved_layout is None and target.sharding is None):
         return common
     if saved_layout is None:  # the model's shapes were checked when its state_dict was loaded
@@ -191,6 +212,18 @@ def join(common: dict, parts: dict[int, dict], target: Target | None) -> dict:
     if target.sharding is not None:
         state["sharding"] = target.sharding
     return {**state, "inner": inner, "master_weights": masters}
+
+
+def _compressor_part(common: Any, target: Target | None) -> int | None:
+    """The saving rank whose PowerSGD part this rank loads: its own at the same world size, else rank 0's.
+
+    Rank 0's at another world size: its Q and step count are the same on
+    every rank; its error feedback is dropped when loaded (the compressor warns).
+    """
+    marker = common.get("powersgd") if isinstance(common, dict) else None
+    if target is None or not isinstance(marker, dict) or not marker.get("in_rank_parts"):
+        return None
+    return target.rank if int(marker["world_size"]) == target.world_size else 0
 
 
 class _Source:

@@ -24,6 +24,7 @@ from torch import nn
 
 from distamp.amp.black_modules import BlackModulesHandle
 from distamp.distributed.groups import data_parallel_group
+from distamp.distributed.powersgd import GradCompressor
 from distamp.distributed.timeouts import named_collective
 from distamp.model_views import fp32_model_state_dict, unwrap_model
 from distamp.optim.accumulation import GradientMerge
@@ -115,6 +116,8 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         self._autocast_watch = AutocastWatch(o1, strategy.amp_config.dtype)
         # Alone, the optimizer sees parameters, not modules: learn the model at its first forward.
         self._finder: FirstForwardFinder | None = FirstForwardFinder(self)
+        # Compressor state loaded before fleet.distributed_model built the compressor (see bind_compressor).
+        self._pending_compressor_state: dict | None = None
 
     def __repr__(self) -> str:
         mode = self.precision.mode
@@ -309,6 +312,22 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         if not deferred:
             self.finish_param_gather()
         return True
+
+    def bind_compressor(self, compressor: GradCompressor) -> None:
+        """Report each step's agreed verdict to ``compressor`` (``fleet.distributed_model`` with ``strategy.powersgd``).
+
+        The compressor reads the loss scale from here, keeps the state a
+        step computed only when the step is applied, and gets any
+        compressor state :meth:`load_state_dict` loaded before it was bound.
+
+        Raises:
+            RuntimeError: the compressor already has an optimizer.
+        """
+        compressor.bind(lambda: self.precision.loss_scale)
+        self.policy.compressor = compressor
+        if self._pending_compressor_state is not None:
+            compressor.load_state_dict(self._pending_compressor_state)
+            self._pending_compressor_state = None
 
     def add_sync_listener(self, listener: Any) -> None:
         """Keep ``listener.set_grad_sync(optimizer, flag)`` told whether the next backward communicates."""

@@ -1,7 +1,8 @@
 """The meta-optimizer's checkpoint state: tensors and plain numbers only.
 
 ``AmpOptimizer.state_dict()`` holds the inner optimizer's state, the FP32
-masters (O2), the loss scaler's type and state, and the step counters, so
+masters (O2), the loss scaler's type and state, the step counters and
+(``strategy.powersgd``) this rank's compressor state, so
 ``torch.load(..., weights_only=True)`` reads it back and a resumed run
 continues bitwise like an uninterrupted one.
 """
@@ -22,7 +23,11 @@ def optimizer_state(opt: AmpOptimizer) -> dict:
     """``opt.state_dict()``: see the module docstring."""
     precision, policy = opt.precision.state_dict(), opt.policy
     sharding = {"sharding": precision["sharding"]} if "sharding" in precision else {}
+    compressor = opt.policy.compressor
+    compressor_state = compressor.state_dict() if compressor is not None else opt._pending_compressor_state
+    powersgd = {"powersgd": compressor_state} if compressor_state is not None else {}
     return {
+        **powersgd,
         **sharding,
         "format": STATE_FORMAT,
         "inner": opt.inner_opt.state_dict(),
@@ -75,6 +80,22 @@ def load_optimizer_state(opt: AmpOptimizer, state_dict: dict) -> None:
     opt.merge.micro_steps = int(counters["micro_steps"])
     policy.retries = int(counters.get("retries", 0))
     policy.overflow.load_state_dict(counters)
+    _load_compressor_state(opt, state_dict.get("powersgd"))
     policy.unscaled = False
     policy.watch.after_step()  # the loaded state is the baseline misuse detection compares with
     opt.merge.publish()
+
+
+def _load_compressor_state(opt: AmpOptimizer, state: dict | None) -> None:
+    """This rank's PowerSGD state, to its compressor now or when ``fleet.distributed_model`` builds it.
+
+    A checkpoint marker without the state, or a strategy without
+    ``powersgd``, leaves the compressor as it is.
+    """
+    if state is None or "format" not in state or not opt.strategy.powersgd:
+        return
+    compressor = opt.policy.compressor
+    if compressor is None:
+        opt._pending_compressor_state = state
+    else:
+        compressor.load_state_dict(state)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from distamp.distributed.groups import data_parallel_group
+from distamp.distributed.powersgd import GradCompressor
 from distamp.distributed.timeouts import named_collective
 from distamp.optim.accumulation import GradientMerge
 from distamp.optim.grad_watch import GradWatch
@@ -47,6 +48,8 @@ class StepPolicy:
         self.steps_applied = self.steps_skipped = self.retries = 0
         self.unscaled = self.found_inf = self.last_step_skipped = False
         self.grad_max: float | None = None
+        self.compressor: GradCompressor | None = None
+        """A gradient compressor whose state is kept only for applied steps (``strategy.powersgd``)."""
 
     @property
     def step_number(self) -> int:
@@ -120,10 +123,16 @@ class StepPolicy:
             retries -= 1
             self.retries += 1
             self.attribute_overflow(retrying=True)
+            self.resolve_compressor(applied=False)  # the closure's next backward starts from the kept state
             self.unscaled = False
             self.watch.after_step()  # the retried closure must call optimizer.backward again
         self.finish()
         return loss
+
+    def resolve_compressor(self, applied: bool) -> None:
+        """Tell the compressor the agreed verdict: commit its tentative state, or drop it (the same on every rank)."""
+        if self.compressor is not None:
+            self.compressor.resolve(applied)
 
     def finish(self) -> bool:
         """Apply or skip on the agreed verdict, count, update the scale; True when applied."""
@@ -134,6 +143,7 @@ class StepPolicy:
             self.precision.take_user_grad_changes()
             self.inner_opt.step()
             self.precision.after_applied_step()
+        self.resolve_compressor(applied=not found_inf)
         self.unscaled = False
         self.merge.reset()
         self.last_step_skipped = found_inf

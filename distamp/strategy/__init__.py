@@ -19,7 +19,7 @@ Modules:
 
 * :mod:`~distamp.strategy.distributed_strategy`: :class:`DistributedStrategy`.
 * :mod:`~distamp.strategy.amp_config`, :mod:`~distamp.strategy.gradient_merge_config`,
-  :mod:`~distamp.strategy.sharding_config`: the typed configs, on
+  :mod:`~distamp.strategy.sharding_config`, :mod:`~distamp.strategy.powersgd_config`: the typed configs, on
   :mod:`~distamp.strategy.config_base` (dict round trip, typo hints).
 * :mod:`~distamp.strategy.views`: the read-only dicts ``strategy.amp_configs`` and co. return.
 * :mod:`~distamp.strategy.checks` and :mod:`~distamp.strategy.op_checks`: the value checks,
@@ -33,12 +33,14 @@ from distamp.strategy.distributed_strategy import DistributedStrategy
 from distamp.strategy.distributed_strategy import _restore_strategy as _restore_strategy
 from distamp.strategy.gradient_merge_config import GradientMergeConfig
 from distamp.strategy.op_checks import validate_dtype, validate_op_lists
+from distamp.strategy.powersgd_config import PowerSGDConfig
 from distamp.strategy.sharding_config import ShardingConfig
 
 __all__ = [
     "AmpConfig",
     "DistributedStrategy",
     "GradientMergeConfig",
+    "PowerSGDConfig",
     "ShardingConfig",
     "validate_dtype",
     "validate_op_lists",

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 from distamp.strategy.amp_config import AmpConfig
 from distamp.strategy.checks import as_bool, as_float, show
 from distamp.strategy.gradient_merge_config import GradientMergeConfig
+from distamp.strategy.powersgd_config import PowerSGDConfig
 from distamp.strategy.sharding_config import ShardingConfig
 from distamp.strategy.views import ConfigView
 from distamp.suggest import did_you_mean
@@ -18,9 +19,16 @@ __all__ = ["DistributedStrategy"]
 _MAX_BUCKET_MB = 2**20
 
 _ATTRS = ("amp", "amp_configs", "gradient_merge", "gradient_merge_configs", "sharding", "sharding_configs",
-          "find_unused_parameters", "fuse_grad_size_in_MB")
-_DEFAULTS = {"amp": False, "gradient_merge": False, "sharding": False, "find_unused_parameters": False,
-             "fuse_grad_size_in_MB": 25}
+          "powersgd", "powersgd_configs", "find_unused_parameters", "fuse_grad_size_in_MB")
+_DEFAULTS = {"amp": False, "gradient_merge": False, "sharding": False, "powersgd": False,
+             "find_unused_parameters": False, "fuse_grad_size_in_MB": 25}
+
+
+_SHARDING_WITH_POWERSGD = (
+    "strategy.sharding and strategy.powersgd cannot both be True: sharding reduce-scatters gradients into "
+    "per-rank slices, which PowerSGD's low-rank factors of whole gradients do not fit. Turn one off first "
+    "(strategy.sharding = False or strategy.powersgd = False)."
+)
 
 
 def _restore_strategy(state: tuple) -> DistributedStrategy:
@@ -48,10 +56,13 @@ class DistributedStrategy:
     * ``sharding`` (bool, False) and ``sharding_configs`` (dict): shard the
       optimizer state over the data-parallel ranks (ZeRO stage 1 or 2); see
       :class:`ShardingConfig`; same rules as amp_configs.
+    * ``powersgd`` (bool, False) and ``powersgd_configs`` (dict): low-rank
+      gradient compression with error feedback that survives overflows; see
+      :class:`PowerSGDConfig`; same rules as amp_configs. Not with ``sharding``.
     * ``find_unused_parameters`` (bool, False): passed to DDP.
     * ``fuse_grad_size_in_MB`` (number > 0, 25): DDP's gradient bucket size.
 
-    ``amp_config``, ``gradient_merge_config`` and ``sharding_config`` return
+    ``amp_config``, ``gradient_merge_config``, ``sharding_config`` and ``powersgd_config`` return
     the typed configs.
 
     Example::
@@ -75,6 +86,8 @@ class DistributedStrategy:
         "_fuse_grad_size_in_MB",
         "_gradient_merge",
         "_gradient_merge_config",
+        "_powersgd",
+        "_powersgd_config",
         "_sharding",
         "_sharding_config",
     )
@@ -85,6 +98,8 @@ class DistributedStrategy:
     _fuse_grad_size_in_MB: float
     _gradient_merge: bool
     _gradient_merge_config: GradientMergeConfig
+    _powersgd: bool
+    _powersgd_config: PowerSGDConfig
     _sharding: bool
     _sharding_config: ShardingConfig
 
@@ -98,6 +113,8 @@ class DistributedStrategy:
         object.__setattr__(self, "_gradient_merge_config", GradientMergeConfig())
         object.__setattr__(self, "_sharding", False)
         object.__setattr__(self, "_sharding_config", ShardingConfig())
+        object.__setattr__(self, "_powersgd", False)
+        object.__setattr__(self, "_powersgd_config", PowerSGDConfig())
         object.__setattr__(self, "_find_unused_parameters", False)
         object.__setattr__(self, "_fuse_grad_size_in_MB", _DEFAULTS["fuse_grad_size_in_MB"])
         for name, value in attributes.items():
@@ -107,7 +124,7 @@ class DistributedStrategy:
         if name in _ATTRS:
             object.__setattr__(self, name, value)  # goes through the property setter
             return
-        if name in ("amp_config", "gradient_merge_config", "sharding_config"):
+        if name in ("amp_config", "gradient_merge_config", "sharding_config", "powersgd_config"):
             raise ValueError(
                 f"DistributedStrategy.{name} is read-only; assign a dict to {name}s instead, "
                 f"e.g. strategy.{name}s = {{...}}."
@@ -145,7 +162,22 @@ class DistributedStrategy:
 
     @sharding.setter
     def sharding(self, value: bool) -> None:
-        object.__setattr__(self, "_sharding", as_bool("strategy", "sharding", value))
+        value = as_bool("strategy", "sharding", value)
+        if value and self._powersgd:
+            raise ValueError(_SHARDING_WITH_POWERSGD)
+        object.__setattr__(self, "_sharding", value)
+
+    @property
+    def powersgd(self) -> bool:
+        """Compress gradients with PowerSGD as powersgd_configs says (bool, default False)."""
+        return self._powersgd
+
+    @powersgd.setter
+    def powersgd(self, value: bool) -> None:
+        value = as_bool("strategy", "powersgd", value)
+        if value and self._sharding:
+            raise ValueError(_SHARDING_WITH_POWERSGD)
+        object.__setattr__(self, "_powersgd", value)
 
     @property
     def find_unused_parameters(self) -> bool:
@@ -213,6 +245,20 @@ class DistributedStrategy:
         """The typed sharding config (read-only)."""
         return self._sharding_config
 
+    @property
+    def powersgd_configs(self) -> dict:
+        """The full effective PowerSGD config as a read-only dict; assign a dict to replace it."""
+        return ConfigView(self._powersgd_config)
+
+    @powersgd_configs.setter
+    def powersgd_configs(self, value: Mapping) -> None:
+        object.__setattr__(self, "_powersgd_config", PowerSGDConfig.from_dict(value))
+
+    @property
+    def powersgd_config(self) -> PowerSGDConfig:
+        """The typed PowerSGD config (read-only)."""
+        return self._powersgd_config
+
     # -- conversion ------------------------------------------------------------
 
     def to_dict(self) -> dict:
@@ -224,6 +270,8 @@ class DistributedStrategy:
             "gradient_merge_configs": self.gradient_merge_config.to_dict(),
             "sharding": self.sharding,
             "sharding_configs": self.sharding_config.to_dict(),
+            "powersgd": self.powersgd,
+            "powersgd_configs": self.powersgd_config.to_dict(),
             "find_unused_parameters": self.find_unused_parameters,
             "fuse_grad_size_in_MB": self.fuse_grad_size_in_MB,
         }

@@ -46,6 +46,8 @@ def test_reads_the_parts():
         "retries": 1,
         "last_overflow": {"step": 7, "params": ["w"]},
         "grad_norm": 0.25,
+        "bytes_sent": None,
+        "compression_rate": None,
     }
 
 
@@ -63,3 +65,15 @@ def test_merge_window_and_sync_flag():
     status.sync_found_inf = False
     assert status.policy.sync_found_inf is False
     assert status.stats()["grad_norm"] is None
+
+
+class _Compressor:
+    def step_report(self):
+        return 1234, 8.5
+
+
+def test_stats_report_the_compressor():
+    status = _status(MixedPrecision([nn.Parameter(torch.zeros(2))], AmpConfig()))
+    status.policy.compressor = _Compressor()
+    stats = status.stats()
+    assert (stats["bytes_sent"], stats["compression_rate"]) == (1234, 8.5)

@@ -1,0 +1,470 @@
+"""PowerSGD on real 2-rank gloo groups: the math, the verdict-gated state, merge, retries, checkpoints.
+
+The point of distamp's PowerSGD is that an overflow on one rank costs one
+skipped step, not the run: the last tests inject an inf into one gradient
+element on one rank after ``start_step`` and check that exactly that step
+is skipped on every rank, with the compressor state left bitwise as it
+was, and (the control) that torch's ``powerSGD_hook`` + ``GradScaler`` in
+the same scenario keeps skipping.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distamp.distributed.low_rank import effective_rank, matrix_shape, orthogonalize_, start_q
+from tests.multiprocess import run_workers
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _mlp(seed: int = 0, width: int = 24) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, width), nn.ReLU(), nn.Linear(width, 4))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def _strategy(amp=True, dtype="float16", o2=False, merge=1, amp_extra=None, **powersgd):
+    from distamp import fleet
+
+    s = fleet.DistributedStrategy()
+    s.amp = amp
+    if amp:
+        s.amp_configs = {"dtype": dtype, "use_pure_fp16": o2,
+                         **({"init_loss_scaling": 1024.0} if dtype == "float16" else {}),
+                         **(amp_extra or {})}
+    if merge > 1:
+        s.gradient_merge = True
+        s.gradient_merge_configs = {"k_steps": merge}
+    s.powersgd = True
+    s.powersgd_configs = {"rank": 2, "start_step": 2, **powersgd}
+    return s
+
+
+def _build(strategy, model=None, lr=0.1):
+    from distamp import fleet
+
+    fleet.init()
+    model = model if model is not None else _mlp()
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), strategy)
+    wrapped = fleet.distributed_model(model)
+    return model, wrapped, opt
+
+
+def _train_step(wrapped, opt, x, y, clip=None):
+    from distamp import fleet
+
+    with fleet.auto_cast():
+        loss = F.cross_entropy(wrapped(x), y)
+    opt.zero_grad()
+    opt.backward(loss)
+    if clip is not None:
+        opt.clip_grad_norm_(clip)
+    return opt.step()
+
+
+def _flat(model):
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+
+
+def _snapshot(compressor):
+    return {k: {n: t.clone() for n, t in v.items()} if isinstance(v, dict) else v
+            for k, v in compressor.state_dict().items()}
+
+
+def _same_state(a, b) -> bool:
+    if a.keys() != b.keys() or a["applied_steps"] != b["applied_steps"]:
+        return False
+    return all(a[k].keys() == b[k].keys() and all(torch.equal(a[k][n], b[k][n]) for n in a[k]) for k in ("error", "q"))
+
+
+def _gather(t):
+    import torch.distributed as dist
+
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return out
+
+
+# ----------------------------------------------------------------------------- the matrix side, no process group
+
+
+def _gram_schmidt(a: torch.Tensor) -> torch.Tensor:
+    """The textbook loop, column by column."""
+    a = a.clone()
+    for i in range(a.shape[1]):
+        a[:, i] /= a[:, i].norm()
+        for j in range(i + 1, a.shape[1]):
+            a[:, j] -= (a[:, i] @ a[:, j]) * a[:, i]
+    return a
+
+
+def test_orthogonalize_matches_textbook_gram_schmidt_and_qr():
+    a = torch.randn(50, 4, generator=torch.Generator().manual_seed(0))
+    ours = orthogonalize_(a.clone())
+    torch.testing.assert_close(ours, _gram_schmidt(a), rtol=1e-5, atol=1e-6)
+    q, r = torch.linalg.qr(a)
+    torch.testing.assert_close(ours, q * torch.sign(torch.diagonal(r)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.t() @ ours, torch.eye(4), rtol=0, atol=1e-5)
+
+
+def test_an_all_zero_column_stays_zero_instead_of_nan():
+    a = torch.randn(10, 3, generator=torch.Generator().manual_seed(1))
+    a[:, 1] = 0
+    out = orthogonalize_(a.clone())
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[:, 1], torch.zeros(10))
+    assert torch.equal(orthogonalize_(torch.zeros(6, 2)), torch.zeros(6, 2))
+    with pytest.raises(TypeError, match="float32"):
+        orthogonalize_(torch.zeros(4, 2, dtype=torch.float16))
+
+
+def test_shapes_and_the_start_q():
+    assert matrix_shape((8, 3, 3)) == (8, 9)
+    assert matrix_shape((8,)) is None
+    assert effective_rank(3, 100, 4) == 3
+    q = start_q("0.weight", 20, 3, seed=5, device=torch.device("cpu"))
+    assert torch.equal(q, start_q("0.weight", 20, 3, seed=5, device=torch.device("cpu")))
+    assert not torch.equal(q, start_q("2.weight", 20, 3, seed=5, device=torch.device("cpu")))
+    torch.testing.assert_close(q.t() @ q, torch.eye(3), rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the math against a reference
+
+
+def _math_worker(rank, world_size, low_rank, batch=8):
+    """FP32 (amp off): one Linear, compressed from step 1; compare with PowerSGD done by hand on gathered grads."""
+    torch.manual_seed(0)
+    model = nn.Linear(16, 12)
+    reference = nn.Linear(16, 12)
+    reference.load_state_dict(model.state_dict())
+    strategy = _strategy(amp=False, rank=low_rank, start_step=0, min_compression_rate=1.0)
+    model, wrapped, opt = _build(strategy, model, lr=0.0)
+    x = torch.randn(batch, 16, generator=torch.Generator().manual_seed(rank))
+    F.mse_loss(reference(x), torch.zeros(batch, 12)).backward()
+    local_w, local_b = reference.weight.grad, reference.bias.grad
+    opt.zero_grad()
+    opt.backward(F.mse_loss(wrapped(x), torch.zeros(batch, 12)))
+    reduced_w, reduced_b = model.weight.grad.clone(), model.bias.grad.clone()
+    opt.step()
+
+    ms = _gather(local_w.contiguous())
+    r = effective_rank(12, 16, low_rank)
+    q0 = start_q("weight", 16, r, seed=0, device=torch.device("cpu"))
+    p = sum(m @ q0 for m in ms)
+    p_hat = orthogonalize_(p)
+    qt = sum(p_hat.t() @ m for m in ms) / world_size  # Q^T = P^T M, the layout the hook keeps
+    approx = p_hat @ qt
+    bias = sum(b / world_size for b in _gather(local_b.contiguous()))
+    compressor = opt.policy.compressor
+    return {
+        "weight_exact": torch.equal(reduced_w, approx),
+        "bias_exact": torch.equal(reduced_b, bias),
+        "error_exact": torch.equal(compressor.error["weight"], local_w - approx),
+        "q_exact": torch.equal(compressor.q["weight"], qt),
+        "mean_error": (reduced_w - sum(ms) / world_size).abs().max().item(),
+        "stats": opt.stats(),
+    }
+
+
+def test_compressed_gradient_is_powersgd_of_the_rank_gradients():
+    out = run_workers(_math_worker, 2, 2, timeout=100)
+    for result in out:
+        assert result["weight_exact"]
+        assert result["bias_exact"]
+        assert result["error_exact"]
+        assert result["q_exact"]
+        assert result["mean_error"] > 1e-4  # rank 2 of a rank-12 matrix: lossy, as it should be
+        # 12x16 at rank 2: P and Q are 2*(12+16) FP32 values; the bias 12 FP32; against 12*16+12 FP32.
+        assert result["stats"]["bytes_sent"] == 4 * (2 * 28 + 12)
+        assert result["stats"]["compression_rate"] == pytest.approx((12 * 16 + 12) / (2 * 28 + 12))
+
+
+def test_a_gradient_of_rank_at_most_rank_is_reproduced():
+    # One example per rank: each weight gradient is an outer product, their mean has rank <= 2, so a
+    # rank-2 P spans its column space and P P^T M = M up to rounding.
+    out = run_workers(_math_worker, 2, 2, 1, timeout=100)
+    for result in out:
+        assert result["weight_exact"]
+        assert result["q_exact"]
+        assert result["mean_error"] < 1e-6
+
+
+# ----------------------------------------------------------------------------- an inf on one rank
+
+
+INF_STEP = 4  # 1-based; compression starts after start_step=2 applied steps
+
+
+def _poison(model, rank, step_box):
+    """Rank 1 puts an inf into one element of the first weight's gradient at INF_STEP (before communication)."""
+    def hook(grad):
+        if rank == 1 and step_box[0] == INF_STEP:
+            grad = grad.clone()
+            grad[0, 0] = float("inf")
+        return grad
+    model[0].weight.register_hook(hook)
+
+
+def _inf_worker(rank, world_size, dtype, o2, steps=8):
+    strategy = _strategy(dtype=dtype, o2=o2)
+    model, wrapped, opt = _build(strategy)
+    step_box = [0]
+    _poison(model, rank, step_box)
+    compressor = opt.policy.compressor
+    applied, scales, states = [], [], [_snapshot(compressor)]
+    for step in range(1, steps + 1):
+        step_box[0] = step
+        applied.append(_train_step(wrapped, opt, *_batch(rank, step)))
+        scales.append(opt.get_loss_scaling())
+        states.append(_snapshot(compressor))
+    finite = all(torch.isfinite(t).all() for s in states for k in ("error", "q") for t in s[k].values())
+    return {"applied": applied, "scales": scales, "params": _flat(model),
+            "unchanged": _same_state(states[INF_STEP - 1], states[INF_STEP]), "finite": finite,
+            "compressed": bool(states[-1]["error"]), "last_overflow": opt.stats()["last_overflow"]}
+
+
+@pytest.mark.parametrize(("dtype", "o2"), [("float16", False), ("float16", True), ("bfloat16", True)])
+def test_an_inf_on_one_rank_skips_that_step_only(dtype, o2):
+    out = run_workers(_inf_worker, 2, dtype, o2, timeout=100)
+    expected = [step != INF_STEP for step in range(1, 9)]
+    for result in out:
+        assert result["applied"] == expected
+        assert result["unchanged"], "the skipped step changed the compressor state"
+        assert result["finite"]
+        assert result["compressed"]
+        assert result["last_overflow"] == {"step": INF_STEP, "params": ["0.weight"]}
+    assert out[0]["scales"] == out[1]["scales"]
+    assert torch.equal(out[0]["params"], out[1]["params"])
+    assert torch.isfinite(out[0]["params"]).all()
+
+
+def _torch_control_worker(rank, world_size, steps=8):
+    """torch-native DDP + powerSGD_hook + GradScaler (FP16) with the same inf: the error memory is poisoned."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _mlp()
+    step_box = [0]
+    _poison(model, rank, step_box)
+    ddp = DDP(model)
+    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                   min_compression_rate=2.0)
+    ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    applied = []
+    for step in range(1, steps + 1):
+        step_box[0] = step
+        x, y = _batch(rank, step)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(ddp(x), y)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        before = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        applied.append(scaler.get_scale() >= before)
+    return applied
+
+
+def test_control_torch_powersgd_with_gradscaler_keeps_skipping():
+    out = run_workers(_torch_control_worker, 2, timeout=100)
+    for applied in out:
+        assert all(applied[: INF_STEP - 1])
+        assert not any(applied[INF_STEP - 1 :]), applied  # every step from the inf on is skipped
+
+
+# ----------------------------------------------------------------------------- retries, merge, clipping, zero grads
+
+
+def _retry_worker(rank, world_size):
+    from distamp import fleet
+
+    strategy = _strategy(dtype="float16", amp_extra={"overflow_retries": 1})
+    model, wrapped, opt = _build(strategy)
+    step_box = [0]
+    attempts = [0]
+
+    def hook(grad):
+        if rank == 1 and step_box[0] == INF_STEP and attempts[0] == 1:
+            grad = grad.clone()
+            grad[0, 0] = float("inf")
+        return grad
+    model[0].weight.register_hook(hook)
+    for step in range(1, 7):
+        step_box[0], attempts[0] = step, 0
+        x, y = _batch(rank, step)
+
+        def closure(x=x, y=y):
+            attempts[0] += 1
+            opt.zero_grad()
+            with fleet.auto_cast():
+                loss = F.cross_entropy(wrapped(x), y)
+            opt.backward(loss)
+            return loss
+
+        opt.step(closure)
+        assert not opt.step_was_skipped
+    state = opt.policy.compressor.state_dict()
+    return {"params": _flat(model), "retries": opt.stats()["retries"], "applied": opt.steps_applied,
+            "finite": all(torch.isfinite(t).all() for k in ("error", "q") for t in state[k].values()),
+            "compressor_steps": state["applied_steps"]}
+
+
+def test_overflow_retry_discards_the_attempt():
+    out = run_workers(_retry_worker, 2, timeout=100)
+    for result in out:
+        assert result["retries"] == 1
+        assert result["applied"] == 6
+        assert result["compressor_steps"] == 6
+        assert result["finite"]
+    assert torch.equal(out[0]["params"], out[1]["params"])
+
+
+def _merge_worker(rank, world_size):
+    strategy = _strategy(dtype="bfloat16", o2=True, merge=2, start_step=1)
+    model, wrapped, opt = _build(strategy)
+    from distamp import fleet
+
+    calls, norms = [], []
+    for step in range(1, 5):
+        for micro in range(2):
+            with fleet.auto_cast():
+                loss = F.cross_entropy(wrapped(_batch(rank, 10 * step + micro)[0]), _batch(rank, step)[1])
+            opt.zero_grad()
+            opt.backward(loss)
+        before = wrapped.comm_stats.calls
+        norms.append(float(opt.clip_grad_norm_(0.5)))
+        assert opt.step()
+        calls.append(wrapped.comm_stats.calls - before)
+    return {"params": _flat(model), "norms": norms, "stats": opt.stats(), "calls": wrapped.comm_stats.calls}
+
+
+def test_gradient_merge_compresses_once_per_window_and_clipping_works():
+    out = run_workers(_merge_worker, 2, timeout=100)
+    assert torch.equal(out[0]["params"], out[1]["params"])
+    assert out[0]["norms"] == out[1]["norms"]
+    for result in out:
+        # one bucket: step 1 one all-reduce (warm-up), then per window the biases plus the factors (2 calls)
+        assert result["calls"] == 1 + 3 * 2
+        assert result["stats"]["compression_rate"] > 1.0
+
+
+def _zero_grad_worker(rank, world_size):
+    """A layer whose weight gradient is all zero (its input is zero): torch's epsilon-0 Gram-Schmidt makes NaN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 4))
+    strategy = _strategy(amp=False, start_step=0)
+    model, wrapped, opt = _build(strategy, model)
+    applied = []
+    for step in range(1, 4):
+        x, y = _batch(rank, step)
+        applied.append(_train_step(wrapped, opt, torch.zeros_like(x), y))
+    return applied, _flat(model)
+
+
+def test_an_all_zero_gradient_makes_no_nan():
+    out = run_workers(_zero_grad_worker, 2, timeout=100)
+    for applied, params in out:
+        assert applied == [True, True, True]
+        assert torch.isfinite(params).all()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _checkpoint_worker(rank, world_size, directory, resume):
+    from distamp.checkpoint import load_latest_checkpoint, save_checkpoint
+
+    strategy = _strategy(dtype="float16", o2=True)
+    model, wrapped, opt = _build(strategy)
+    start = 0
+    if resume:
+        info = load_latest_checkpoint(directory, model=wrapped, optimizer=opt)
+        start = info.step
+    for step in range(start + 1, 8):
+        _train_step(wrapped, opt, *_batch(rank, step), clip=1000.0)
+        if step == 4 and not resume:
+            save_checkpoint(directory, step, model=wrapped, optimizer=opt)
+    return {"params": _flat(model), "state": opt.policy.compressor.state_dict(), "scale": opt.get_loss_scaling()}
+
+
+def test_checkpoint_resume_is_bitwise_the_uninterrupted_run(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    clean = run_workers(_checkpoint_worker, 2, directory, False, timeout=100)
+    parts = sorted(p.name.split(".")[1] for p in (tmp_path / "ckpt").glob("step-00000004.*.pt"))
+    assert parts == ["common", "rank-00000", "rank-00001"]  # each rank's own error feedback
+    resumed = run_workers(_checkpoint_worker, 2, directory, True, timeout=100)
+    for a, b in zip(clean, resumed, strict=True):
+        assert torch.equal(a["params"], b["params"])
+        assert a["scale"] == b["scale"]
+        assert _same_state(a["state"], b["state"])
+    assert not torch.equal(clean[0]["state"]["error"]["0.weight"], clean[1]["state"]["error"]["0.weight"])
+
+
+def _world_size_worker(rank, world_size):
+    strategy = _strategy(dtype="bfloat16", o2=True, start_step=0)
+    _, wrapped, opt = _build(strategy)
+    _train_step(wrapped, opt, *_batch(rank, 1))
+    state = opt.state_dict()
+    state["powersgd"] = {**state["powersgd"], "world_size": 4}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(state)
+    compressor = opt.policy.compressor
+    return [str(w.message) for w in caught], bool(compressor.error), bool(compressor.q), compressor.applied_steps
+
+
+def test_another_world_size_drops_the_error_feedback_with_one_warning():
+    out = run_workers(_world_size_worker, 2, timeout=100)
+    messages, has_error, has_q, steps = out[0]
+    assert len(messages) == 1
+    assert "PowerSGD error feedback dropped" in messages[0]
+    assert "saved by 4 rank(s) and is resumed by 2" in messages[0]
+    assert (has_error, has_q, steps) == (False, True, 1)
+    assert out[1][0] == []  # rank 0 warns, once
+
+
+# ----------------------------------------------------------------------------- compile, check_nan_inf
+
+
+def _compiled_worker(rank, world_size):
+    strategy = _strategy(dtype="bfloat16", o2=True, start_step=1)
+    model, wrapped, opt = _build(strategy)
+    compiled = torch.compile(wrapped)
+    applied = [_train_step(compiled, opt, *_batch(rank, step)) for step in range(1, 5)]
+    return applied, _flat(model), opt.stats()["compression_rate"]
+
+
+@pytest.mark.timeout(240)
+def test_a_compiled_model_trains_compressed():
+    out = run_workers(_compiled_worker, 2, timeout=220)
+    for applied, _, rate in out:
+        assert applied == [True] * 4
+        assert rate > 1.0
+    assert torch.equal(out[0][1], out[1][1])
+
+
+def _check_nan_inf_worker(rank, world_size):
+    strategy = _strategy(dtype="float16", o2=True, start_step=1, amp_extra={"check_nan_inf": True})
+    model, wrapped, opt = _build(strategy)
+    applied = [_train_step(wrapped, opt, *_batch(rank, step)) for step in range(1, 4)]
+    return applied, _flat(model)
+
+
+def test_check_nan_inf_sees_no_false_alarm_from_compression():
+    out = run_workers(_check_nan_inf_worker, 2, timeout=100)
+    for applied, params in out:
+        assert applied == [True] * 3
+        assert torch.isfinite(params).all()
+    assert torch.equal(out[0][1], out[1][1])
