@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar, overload
 
 from distamp.strategy.amp_config import AmpConfig
 from distamp.strategy.checks import as_bool, as_float, show
+from distamp.strategy.config_base import Config
 from distamp.strategy.gradient_merge_config import GradientMergeConfig
 from distamp.strategy.powersgd_config import PowerSGDConfig
 from distamp.strategy.sharding_config import ShardingConfig
@@ -29,6 +30,48 @@ _SHARDING_WITH_POWERSGD = (
     "per-rank slices, which PowerSGD's low-rank factors of whole gradients do not fit. Turn one off first "
     "(strategy.sharding = False or strategy.powersgd = False)."
 )
+
+
+_C = TypeVar("_C", bound=Config)
+
+
+class _ConfigDict(Generic[_C]):
+    """``strategy.<name>_configs``: the full effective config as a read-only dict; assign a dict to replace it."""
+
+    def __init__(self, config_type: type[_C]) -> None:
+        self.config_type = config_type
+        self.slot = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name[:-1]}"  # amp_configs -> _amp_config
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _ConfigDict[_C]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> dict: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> _ConfigDict[_C] | dict:
+        return self if obj is None else ConfigView(getattr(obj, self.slot))
+
+    def __set__(self, obj: object, value: Mapping) -> None:
+        object.__setattr__(obj, self.slot, self.config_type.from_dict(value))
+
+
+class _TypedConfig(Generic[_C]):
+    """``strategy.<name>_config``: the typed config dataclass (read-only: assign ``<name>_configs`` instead)."""
+
+    def __init__(self, config_type: type[_C]) -> None:
+        self.config_type = config_type
+        self.slot = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = f"_{name}"
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _TypedConfig[_C]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> _C: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> _TypedConfig[_C] | _C:
+        return self if obj is None else getattr(obj, self.slot)
 
 
 def _restore_strategy(state: tuple) -> DistributedStrategy:
@@ -202,62 +245,17 @@ class DistributedStrategy:
         object.__setattr__(self, "_fuse_grad_size_in_MB", number)
 
     # -- configs -------------------------------------------------------------
+    # Each config lives in the slot ``_<name>_config``: ``<name>_configs`` reads it as a read-only dict and
+    # replaces it from an assigned dict; ``<name>_config`` returns the typed dataclass.
 
-    @property
-    def amp_configs(self) -> dict:
-        """The full effective AMP config as a read-only dict; assign a dict to replace it."""
-        return ConfigView(self._amp_config)
-
-    @amp_configs.setter
-    def amp_configs(self, value: Mapping) -> None:
-        object.__setattr__(self, "_amp_config", AmpConfig.from_dict(value))
-
-    @property
-    def amp_config(self) -> AmpConfig:
-        """The typed AMP config (read-only)."""
-        return self._amp_config
-
-    @property
-    def gradient_merge_configs(self) -> dict:
-        """The full effective gradient-merge config as a read-only dict; assign a dict to replace it."""
-        return ConfigView(self._gradient_merge_config)
-
-    @gradient_merge_configs.setter
-    def gradient_merge_configs(self, value: Mapping) -> None:
-        object.__setattr__(self, "_gradient_merge_config", GradientMergeConfig.from_dict(value))
-
-    @property
-    def gradient_merge_config(self) -> GradientMergeConfig:
-        """The typed gradient-merge config (read-only)."""
-        return self._gradient_merge_config
-
-    @property
-    def sharding_configs(self) -> dict:
-        """The full effective sharding config as a read-only dict; assign a dict to replace it."""
-        return ConfigView(self._sharding_config)
-
-    @sharding_configs.setter
-    def sharding_configs(self, value: Mapping) -> None:
-        object.__setattr__(self, "_sharding_config", ShardingConfig.from_dict(value))
-
-    @property
-    def sharding_config(self) -> ShardingConfig:
-        """The typed sharding config (read-only)."""
-        return self._sharding_config
-
-    @property
-    def powersgd_configs(self) -> dict:
-        """The full effective PowerSGD config as a read-only dict; assign a dict to replace it."""
-        return ConfigView(self._powersgd_config)
-
-    @powersgd_configs.setter
-    def powersgd_configs(self, value: Mapping) -> None:
-        object.__setattr__(self, "_powersgd_config", PowerSGDConfig.from_dict(value))
-
-    @property
-    def powersgd_config(self) -> PowerSGDConfig:
-        """The typed PowerSGD config (read-only)."""
-        return self._powersgd_config
+    amp_configs = _ConfigDict(AmpConfig)
+    amp_config = _TypedConfig(AmpConfig)
+    gradient_merge_configs = _ConfigDict(GradientMergeConfig)
+    gradient_merge_config = _TypedConfig(GradientMergeConfig)
+    sharding_configs = _ConfigDict(ShardingConfig)
+    sharding_config = _TypedConfig(ShardingConfig)
+    powersgd_configs = _ConfigDict(PowerSGDConfig)
+    powersgd_config = _TypedConfig(PowerSGDConfig)
 
     # -- conversion ------------------------------------------------------------
 
