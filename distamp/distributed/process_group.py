@@ -124,12 +124,14 @@ def world_info_from_env() -> WorldInfo:
     if not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank!r} must be in [0, WORLD_SIZE={world_size})")
     local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-    local_rank = _local_rank(rank, world_size)
-    if not 0 <= local_rank < local_world_size:
-        raise ValueError(
-            f"LOCAL_RANK={local_rank!r} must be in [0, LOCAL_WORLD_SIZE={local_world_size})"
-        )
+    local_rank = _checked_local_rank(_local_rank(rank, world_size), local_world_size)
     return WorldInfo(rank, world_size, local_rank, local_world_size, from_env=True)
+
+
+def _checked_local_rank(local_rank: int, local_world_size: int) -> int:
+    if not 0 <= local_rank < local_world_size:
+        raise ValueError(f"LOCAL_RANK={local_rank!r} must be in [0, LOCAL_WORLD_SIZE={local_world_size})")
+    return local_rank
 
 
 def world_info_from_group(timeout: timedelta = DEFAULT_TIMEOUT) -> WorldInfo:
@@ -146,9 +148,7 @@ def world_info_from_group(timeout: timedelta = DEFAULT_TIMEOUT) -> WorldInfo:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if "LOCAL_RANK" in os.environ:
         local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
-        local_rank = _env_int("LOCAL_RANK", None)
-        if not 0 <= local_rank < local_world_size:
-            raise ValueError(f"LOCAL_RANK={local_rank!r} must be in [0, LOCAL_WORLD_SIZE={local_world_size})")
+        local_rank = _checked_local_rank(_env_int("LOCAL_RANK", None), local_world_size)
         return WorldInfo(rank, world_size, local_rank, local_world_size)
     exchange = StoreExchange("distamp.fleet", "fleet.init's host-name exchange", timeout,
                              hint="every rank of the group must call fleet.init()")
