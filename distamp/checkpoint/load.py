@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -14,6 +13,7 @@ from torch import nn
 
 from distamp.distributed.process_group import validate_timeout
 from distamp.optim import flat_state
+from distamp.user_warning import warn_user
 
 from . import rng, storage
 from .collective import Coordinator
@@ -136,7 +136,7 @@ def load_latest_checkpoint(
     if manifest is None:
         coordinator.finish()
         if skipped:
-            warnings.warn(f"no intact checkpoint in {path!r}; starting from scratch", stacklevel=2)
+            warn_user(f"no intact checkpoint in {path!r}; starting from scratch")
         return None
 
     payload_path = os.path.join(path, manifest.file(COMMON).name)
@@ -194,7 +194,7 @@ def _choose(
         if verdict == "use":
             return manifest, payload, shards, skipped
         if verdict == "skip":
-            warnings.warn(f"skipping bad checkpoint {message}; falling back to an older one", stacklevel=3)
+            warn_user(f"skipping bad checkpoint {message}; falling back to an older one")
             skipped.append(message)
             continue
         coordinator.finish()
@@ -304,21 +304,19 @@ def _restore_rng(payload: dict, payload_path: str, coordinator: Coordinator) -> 
     saved_world, world_size = int(payload["world_size"]), coordinator.world_size
     if saved_world != world_size:
         if coordinator.rank == 0:
-            warnings.warn(
+            warn_user(
                 f"checkpoint {payload_path} was saved by {saved_world} rank(s) and is resumed by "
                 f"{world_size}: model, optimizer, scheduler and extra are restored exactly, but the "
                 "per-rank RNG states are not (each rank keeps its current ones), and the data order "
-                "from here on differs from a run with the original world size",
-                stacklevel=3,
+                "from here on differs from a run with the original world size"
             )
         return False
     missing = rng.set_rng_state(payload["rng"][coordinator.rank])
     if missing:
-        warnings.warn(
+        warn_user(
             f"rank {coordinator.rank}: the {' and '.join(missing)} RNG state was not restored from "
             f"{payload_path}: for CUDA, either the checkpoint has a CUDA state and no CUDA device is "
             "available here, or this process uses CUDA and the checkpoint was saved without it. "
-            "Random draws from it differ from the uninterrupted run",
-            stacklevel=3,
+            "Random draws from it differ from the uninterrupted run"
         )
     return not missing

@@ -36,7 +36,6 @@ everything during the first ``start_step`` applied steps.
 # at registration and refuses a string where it expects dist.GradBucket.
 import logging
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -47,6 +46,7 @@ import torch.distributed as dist
 from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
 from distamp.distributed.low_rank import effective_rank, matrix_shape, orthogonalize_, start_q
 from distamp.strategy import PowerSGDConfig
+from distamp.user_warning import warn_user
 
 __all__ = ["GradCompressor", "PowerSGD", "powersgd_hook"]
 
@@ -247,11 +247,10 @@ class PowerSGD:
         else:
             self.error = {}
             if self.rank == 0 and state["error"]:
-                warnings.warn(
+                warn_user(
                     f"PowerSGD error feedback dropped: the checkpoint was saved by {saved_world} rank(s) and is "
                     f"resumed by {self.world_size}; each rank's error is its residual of a sum over the saving "
-                    "ranks and has no counterpart now, so it restarts from zero (Q and the step count are kept)",
-                    stacklevel=2,
+                    "ranks and has no counterpart now, so it restarts from zero (Q and the step count are kept)"
                 )
         self._tentative, self._spare = {}, {}
 

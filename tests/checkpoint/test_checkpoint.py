@@ -277,6 +277,7 @@ def test_every_checkpoint_bad_starts_from_scratch_with_warnings(tmp_path):
     assert any("step-00000020.common." in m and "truncated" in m for m in messages)
     assert any("step-00000010.common." in m and "corrupted" in m for m in messages)
     assert any("no intact checkpoint" in m for m in messages)
+    assert {os.path.basename(w.filename) for w in record} == {"test_checkpoint.py"}  # the caller's line
 
 
 class _DiskFull(OSError):
