@@ -148,10 +148,12 @@ def init(
         _state.group_timeout = group_timeout
     if dist.is_available() and dist.is_initialized() and not world.from_env:
         # A group created by the user (e.g. mp.spawn): its ranks, and each one's place on its host.
+        # Learnt once per group: the host-name exchange is collective, and init may be called again.
         known = _state.world
-        same_group = known is not None and (known.rank, known.world_size) == (dist.get_rank(), dist.get_world_size())
-        world = known if known is not None and same_group and not known.from_env else (
-            world_info_from_group(group_timeout))
+        group_place = (dist.get_rank(), dist.get_world_size())
+        if known is None or known.from_env or (known.rank, known.world_size) != group_place:
+            known = world_info_from_group(group_timeout)
+        world = known
     _state.world = world
     if level is not None:
         logging.getLogger("distamp").setLevel(level)
