@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
-from distamp.distributed.low_rank import effective_rank, matrix_shape, orthogonalize_, start_q
+from distamp.distributed.low_rank import effective_rank, matrix_shape, orthogonalize_, product_to_bf16_, start_q
 from distamp.strategy import PowerSGDConfig
 from distamp.user_warning import warn_user
 
@@ -109,8 +109,9 @@ class PowerSGD:
         device: where the gradients (and so the state) live.
 
     Cost: per compressed gradient an FP32 copy (the error) plus its tentative
-    successor, and two extra small all-reduces per bucket, issued from the
-    backward thread in the same order on every rank.
+    successor (and an FP32 work matrix for FP32 and FP16 gradients; BF16 ones
+    are written straight from the factors), and two extra small all-reduces
+    per bucket, issued from the backward thread in the same order on every rank.
     """
 
     def __init__(
@@ -284,34 +285,8 @@ class PowerSGD:
         """
         if not compressed:
             return
-        cfg, device = self.config, compressed[0][1].device
-        matrices: list[_Matrix] = []
-        for name, grad, rows, cols in compressed:
-            r = effective_rank(rows, cols, cfg.rank)
-            # M = grad / scale + error, in FP32, in a buffer kept between steps (a fresh 4 bytes per element
-            # each step costs more in page faults on CPU than the whole low-rank product).
-            m = self._buffer(self._spare, name, rows, cols, device, avoid=self.error.get(name))
-            error = self.error.get(name) if cfg.error_feedback else None
-            if error is not None and _is_power_of_two(scale):
-                # One pass, computed in FP32: multiplying by 1/scale is exact for a power of two.
-                torch.add(error, grad.view(rows, cols), alpha=1.0 / scale, out=m)
-            else:
-                m.copy_(grad.view(rows, cols))
-                if scale != 1.0:
-                    m.div_(scale)
-                if error is not None:
-                    m.add_(error)
-            # Q is kept transposed (rank x cols): Q^T = P^T M is a fast product, M^T P a slow one.
-            qt_old = self.q.get(name) if cfg.warm_start else None
-            if qt_old is None or qt_old.shape != (r, cols):
-                qt_old = start_q(name, cols, r, self.applied_steps, device).t()
-            else:
-                qt_old = orthogonalize_(qt_old.clone().t()).t()
-            # Every product reads and writes tensors of its own, never views at a packing offset: BLAS
-            # kernels may round differently at other alignments, and the packing follows DDP's buckets,
-            # which are rebuilt after a job's first iteration (a resumed run would then drift).
-            p = torch.matmul(m, qt_old.t())
-            matrices.append(_Matrix(name, grad, m, p, qt_old))
+        cfg = self.config
+        matrices = [self._start(name, grad, rows, cols, scale) for name, grad, rows, cols in compressed]
         p_total = sum(x.p.numel() for x in matrices)
         q_total = sum(x.qt.numel() for x in matrices)
         self.count(4 * (p_total + q_total), sum(x.grad.numel() for x in matrices) * _size(self.wire_dtype))
@@ -323,15 +298,64 @@ class PowerSGD:
         _all_reduce_each([x.qt for x in matrices], self.process_group)
         for x in matrices:
             x.qt.div_(self.world_size)
-        for x in matrices:
-            rows, cols = x.m.shape
-            approx = self._buffer(self._scratch, x.name, rows, cols, x.m.device)
-            torch.matmul(x.p, x.qt, out=approx)
-            new_error = x.m.sub_(approx) if cfg.error_feedback else None
+            if x.grad.dtype == torch.bfloat16:
+                new_error = self._write_bf16(x, scale, cfg.error_feedback)
+            else:
+                new_error = self._write_exact(x, scale, cfg.error_feedback)
             self._tentative[x.name] = (new_error, x.qt.clone() if cfg.warm_start else None)
+
+    def _start(self, name: str, grad: torch.Tensor, rows: int, cols: int, scale: float) -> _Matrix:
+        """``M = grad / scale + error`` (FP32) and this rank's ``P = M Q`` for one gradient."""
+        cfg = self.config
+        r = effective_rank(rows, cols, cfg.rank)
+        # M lives in a buffer kept between steps (a fresh 4 bytes per element each step costs more in page
+        # faults on CPU than the whole low-rank product).
+        m = self._buffer(self._spare, name, rows, cols, grad.device, avoid=self.error.get(name))
+        error = self.error.get(name) if cfg.error_feedback else None
+        # The widening copy and an FP32 add are faster on CPU than one add of mixed dtypes.
+        m.copy_(grad.view(rows, cols))
+        if error is not None and _is_power_of_two(scale):
+            # Multiplying by 1/scale is exact for a power of two: the same bits as m / scale + error.
+            torch.add(error, m, alpha=1.0 / scale, out=m)
+        else:
             if scale != 1.0:
-                approx.mul_(scale)
-            x.grad.copy_(approx.view_as(x.grad))
+                m.div_(scale)
+            if error is not None:
+                m.add_(error)
+        # Q is kept transposed (rank x cols): Q^T = P^T M is a fast product, M^T P a slow one.
+        qt_old = self.q.get(name) if cfg.warm_start else None
+        if qt_old is None or qt_old.shape != (r, cols):
+            qt_old = start_q(name, cols, r, self.applied_steps, grad.device).t()
+        else:
+            qt_old = orthogonalize_(qt_old.clone().t()).t()
+        # The products read tensors of their own, never views at a packing offset: BLAS kernels may round
+        # differently at other alignments, and the packing follows DDP's buckets, which are rebuilt after a
+        # job's first iteration (a resumed run would then drift).
+        return _Matrix(name, grad, m, torch.matmul(m, qt_old.t()), qt_old)
+
+    def _write_exact(self, x: _Matrix, scale: float, error_feedback: bool) -> torch.Tensor | None:
+        """Write ``scale * P Q^T`` into the (FP32 or FP16) gradient; return ``M - P Q^T`` (in ``x.m``) or None."""
+        rows, cols = x.m.shape
+        approx = self._buffer(self._scratch, x.name, rows, cols, x.m.device)
+        torch.matmul(x.p, x.qt, out=approx)
+        new_error = x.m.sub_(approx) if error_feedback else None
+        if scale != 1.0:
+            approx.mul_(scale)
+        x.grad.copy_(approx.view_as(x.grad))
+        return new_error
+
+    @staticmethod
+    def _write_bf16(x: _Matrix, scale: float, error_feedback: bool) -> torch.Tensor | None:
+        """:meth:`_write_exact` for a BF16 gradient, in two passes over the matrix instead of four.
+
+        The gradient is :func:`~distamp.distributed.low_rank.product_to_bf16_`
+        (one BF16 product of split factors); the error is one ``addmm_``,
+        whose bits are those of ``M - P @ Q^T``: the product accumulated as
+        ``matmul`` accumulates it, negated exactly, added once. The error
+        keeps the FP32 product, as the FP32 path does.
+        """
+        product_to_bf16_(x.grad.view(x.m.shape), x.p, x.qt, scale)
+        return x.m.addmm_(x.p, x.qt, alpha=-1.0) if error_feedback else None
 
     @staticmethod
     def _buffer(store: dict[str, torch.Tensor], name: str, rows: int, cols: int, device: torch.device,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distamp.distributed.low_rank import effective_rank, matrix_shape, orthogonalize_, start_q
+from distamp.distributed.low_rank import effective_rank, matrix_shape, orthogonalize_, product_to_bf16_, start_q
 from tests.multiprocess import run_workers
 
 pytestmark = pytest.mark.timeout(120)
@@ -136,6 +136,35 @@ def test_shapes_and_the_start_q():
     assert torch.equal(q, start_q("0.weight", 20, 3, seed=5, device=torch.device("cpu")))
     assert not torch.equal(q, start_q("2.weight", 20, 3, seed=5, device=torch.device("cpu")))
     torch.testing.assert_close(q.t() @ q, torch.eye(3), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1024.0])
+def test_the_bf16_gradient_is_the_fp32_product_rounded_once(scale):
+    g = torch.Generator().manual_seed(3)
+    p = orthogonalize_(torch.randn(300, 4, generator=g))
+    qt = torch.randn(4, 200, generator=g) * 1e-3
+    out = product_to_bf16_(torch.empty(300, 200, dtype=torch.bfloat16), p, qt, scale)
+    exact = (p.double() @ qt.double()) * scale
+    # One rounding to BF16 (half a unit in the last place: at most 2^-8 relative) plus the split's 16 bits per factor.
+    terms = (p.double().abs() @ qt.double().abs()) * scale
+    assert ((out.double() - exact).abs() <= exact.abs() * 2.0**-8 + terms * 2.0**-15).all()
+    rounded_fp32 = ((p @ qt) * scale).bfloat16()
+    assert (out != rounded_fp32).float().mean() < 0.01
+    assert not torch.equal(out, (p.bfloat16() @ qt.bfloat16()) * scale)  # the split is not plain BF16 factors
+    with pytest.raises(TypeError, match="bfloat16 out from float32 factors"):
+        product_to_bf16_(torch.empty(300, 200), p, qt)
+
+
+def test_the_bf16_write_keeps_the_error_bitwise_m_minus_pq():
+    from distamp.distributed.powersgd import PowerSGD, _Matrix
+
+    g = torch.Generator().manual_seed(4)
+    m, p = torch.randn(64, 48, generator=g), orthogonalize_(torch.randn(64, 3, generator=g))
+    qt = torch.randn(3, 48, generator=g)
+    grad = torch.zeros(64 * 48, dtype=torch.bfloat16)
+    error = PowerSGD._write_bf16(_Matrix("w", grad, m.clone(), p, qt), 2.0, error_feedback=True)
+    assert torch.equal(error, m - p @ qt)
+    assert torch.equal(grad.view(64, 48), product_to_bf16_(torch.empty(64, 48, dtype=torch.bfloat16), p, qt, 2.0))
 
 
 # ----------------------------------------------------------------------------- the math against a reference
