@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["NanInfChecker"]
@@ -46,12 +47,20 @@ class NanInfChecker:
         self._step = step
         self._rank = rank
         self._handles: list[Any] = []
+        self._watched: set[int] = set()
         root = type(model).__name__
         for name, module in model.named_modules():
             label = f"module {name!r} ({type(module).__name__})" if name else f"the model ({root})"
             self._handles.append(module.register_forward_hook(functools.partial(self._check_output, label)))
-        for name, param in model.named_parameters():
-            if param.requires_grad:
+        # A DTensor parameter (sharding stage 3) never gets a local gradient from autograd: FSDP2 computes it
+        # on the unsharded parameter, which fleet.distributed_model hands to watch_grads after its first forward.
+        self.watch_grads([(name, p) for name, p in model.named_parameters() if not isinstance(p, DTensor)])
+
+    def watch_grads(self, named_params: list[tuple[str, torch.Tensor]]) -> None:
+        """Check the local gradient of each ``(name, parameter)`` that requires one (once per tensor)."""
+        for name, param in named_params:
+            if param.requires_grad and id(param) not in self._watched:
+                self._watched.add(id(param))
                 hook = functools.partial(self._check_grad, f"parameter {name!r}")
                 self._handles.append(param.register_hook(hook))
 
@@ -79,3 +88,4 @@ class NanInfChecker:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._watched.clear()
