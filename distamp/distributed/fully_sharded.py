@@ -11,8 +11,8 @@
    parameters and buffers (``fully_shard`` shards what each rank has);
 3. ``fully_shard`` the units, deepest first (a parent's call takes every
    parameter no child took, so children go first), then the root, with the
-   policies of :mod:`distamp.distributed.fsdp_policy` and the 16-bit-wire
-   reduce-scatter of :mod:`distamp.distributed.fsdp_reduce`;
+   policies of :mod:`distamp.distributed.fsdp_policy` and the reduce-scatter
+   of :mod:`distamp.distributed.fsdp_comms` (16-bit wire, FP32 sum);
 4. point the attached meta-optimizers at the DTensor parameters that
    replaced the ones they were built on.
 
@@ -43,8 +43,8 @@ from distamp.distributed.attached import FullyShardedOptimizer
 from distamp.distributed.comm_hooks import CommStats
 from distamp.distributed.ddp_preparation import check_device
 from distamp.distributed.fingerprint import check_ranks_agree
-from distamp.distributed.fsdp_policy import unit_policies, wire_dtype
-from distamp.distributed.fsdp_reduce import WireReduceScatter
+from distamp.distributed.fsdp_policy import unit_policies
+from distamp.distributed.fsdp_comms import InPlaceAllGather, WireReduceScatter
 from distamp.distributed.groups import group_size
 from distamp.distributed.shard_units import choose_units
 from distamp.distributed.timeouts import named_collective
@@ -111,7 +111,7 @@ class FullyShardedModel(nn.Module):
             with named_collective("the start-up broadcast of parameters from rank 0"):
                 _broadcast_from_first(module, group)
         before = list(module.named_parameters())
-        self._reduce_scatter = WireReduceScatter(wire_dtype(strategy))
+        self._reduce_scatter = WireReduceScatter()
         _shard(module, units, fp32_units, strategy, DeviceMesh.from_group(group, device.type), self._reduce_scatter)
         after = dict(module.named_parameters())
         # Weak references: an id alone could be reused by a new tensor once the old parameter is freed.
@@ -269,6 +269,9 @@ def _shard(module: nn.Module, units: list[tuple[str, nn.Module]], fp32_units: li
     for _, unit in ordered:
         fully_shard(unit, mesh=mesh, mp_policy=policies.fp32 if id(unit) in fp32_ids else policies.default)
     fully_shard(module, mesh=mesh, mp_policy=policies.default)
+    all_gather = InPlaceAllGather() if mesh.device_type == "cpu" else None
     for m in module.modules():
         if isinstance(m, FSDPModule):
             m.set_custom_reduce_scatter(reduce_scatter)
+            if all_gather is not None:
+                m.set_custom_all_gather(all_gather)
