@@ -20,6 +20,7 @@ from .collective import Coordinator
 from .manifest import COMMON, Manifest, PayloadFile, rank_part
 from .state import (
     build_payload,
+    model_state,
     build_shard_payload,
     check_extra,
     check_objects,
@@ -104,6 +105,7 @@ def save_checkpoint(
     # Checked on every rank (the states are replicated), so all raise alike.
     optimizer_state, shard = flat_state.split(optimizer.state_dict())
     scheduler_state = scheduler.state_dict() if scheduler is not None else None
+    model_state_dict = model_state(model)  # on every rank: gathering a sharded (stage 3) model is collective
     check_plain(optimizer_state, "optimizer.state_dict()")
     check_plain(shard, "optimizer.state_dict()")
     check_plain(scheduler_state, "scheduler.state_dict()")
@@ -117,7 +119,8 @@ def save_checkpoint(
         try:
             parts = _part_files(gathered)
             payload = build_payload(step, coordinator.world_size, model, type(optimizer).__name__,
-                                    optimizer_state, scheduler_state, [g[0] for g in gathered], extra)
+                                    optimizer_state, scheduler_state, [g[0] for g in gathered], extra,
+                                    model_state_dict=model_state_dict)
             outcome = ("saved", _write(path, step, payload, keep, parts))
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             outcome, failure = ("failed", f"{type(exc).__name__}: {exc}"), exc

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from distamp.amp.black_modules import find_black_modules, keep_in_fp32
@@ -114,6 +115,7 @@ class FullyShardedModel(nn.Module):
         self._reduce_scatter = WireReduceScatter()
         _shard(module, units, fp32_units, strategy, DeviceMesh.from_group(group, device.type), self._reduce_scatter)
         after = dict(module.named_parameters())
+        module._register_load_state_dict_pre_hook(_shard_whole_tensors, with_module=True)
         # Weak references: an id alone could be reused by a new tensor once the old parameter is freed.
         self._replaced = {id(old): (weakref.ref(old), after[name]) for name, old in before}
         self._optimizers: list[FullyShardedOptimizer] = []
@@ -248,6 +250,16 @@ def _fp32_units(module: nn.Module, strategy: DistributedStrategy) -> list[tuple[
                     and not any(name.startswith(prefix) for prefix in inside_black)):
                 units.append((name, m))
     return units
+
+
+def _shard_whole_tensors(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    """``load_state_dict`` pre-hook of the sharded root: a whole tensor (an unsharded checkpoint's, or
+    ``fp32_state_dict``'s) for a DTensor parameter becomes this rank's shard of it (no collective)."""
+    for name, param in module.named_parameters():
+        value = state_dict.get(prefix + name)
+        if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            state_dict[prefix + name] = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh,
+                                                          param.placements, src_data_rank=None)
 
 
 def _broadcast_from_first(module: nn.Module, group: dist.ProcessGroup) -> None:

@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from distamp.distributed.flag_sync import all_reduce_max
 from distamp.distributed.groups import group_size
+from distamp.optim.dtensor_state import shard_like
 from distamp.optim.loss_scaler import build_loss_scaler
 from distamp.optim.master_weights import clear_grads
 from distamp.optim.precision import FullPrecision, MixedPrecision
@@ -60,17 +61,21 @@ class ShardedParameters:
     Args:
         params: the parameters the inner optimizer was built on (plain until
             ``fleet.distributed_model`` shards them, DTensors after).
+        pure: O2: the parameters are the FP32 masters of a 16-bit model
+            (they are saved and loaded as the masters of an unsharded O2
+            optimizer are).
     """
 
     low_dtype: torch.dtype | None = None
 
-    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], pure: bool = False) -> None:
         self.model_params: list[nn.Parameter] = list(dict.fromkeys(params))
+        self.pure = pure
 
     @property
     def enabled(self) -> bool:
-        """False: no separate masters (the sharded FP32 parameter is the master)."""
-        return False
+        """True in O2: the FP32 sharded parameters are the masters of the 16-bit model FSDP2 gathers."""
+        return self.pure
 
     @property
     def masters(self) -> list[nn.Parameter]:
@@ -127,11 +132,31 @@ class ShardedParameters:
         """Nothing to broadcast: ``fleet.distributed_model`` gave every rank rank 0's values before sharding."""
 
     def state_dict(self) -> list[torch.Tensor]:
-        """Empty: the FP32 values are the model's own (its sharded state dict)."""
-        return []
+        """O2: the whole FP32 masters, one per parameter, as an unsharded O2 optimizer saves them (collective).
+
+        Empty in O1 and with AMP off, as unsharded.
+        """
+        return [_full(p).float() for p in self.model_params] if self.pure else []
 
     def load_state_dict(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Nothing to load (see :meth:`state_dict`)."""
+        """Load whole FP32 masters (:meth:`state_dict`'s, or an unsharded optimizer's): each rank keeps its shard.
+
+        Raises:
+            ValueError: the count or a shape differs from this optimizer's parameters.
+        """
+        if len(tensors) != len(self.model_params):
+            raise ValueError(
+                f"checkpoint has {len(tensors)} master weights but this optimizer manages "
+                f"{len(self.model_params)} parameters; was it saved from the same model?"
+            )
+        with torch.no_grad():
+            for i, (p, t) in enumerate(zip(self.model_params, tensors, strict=True)):
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"master weight {i} has shape {tuple(t.shape)} in the checkpoint but {tuple(p.shape)} "
+                        "in the model"
+                    )
+                local_shard(p).copy_(local_shard(shard_like(t.float(), p)))
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -162,7 +187,7 @@ class FullyShardedPrecision(MixedPrecision):
         self.group = group
         pure = strategy.amp and config.use_pure_fp16
         self.mode = "O2" if pure else ("O1" if strategy.amp else "off")
-        self.master_weights = ShardedParameters(params)
+        self.master_weights = ShardedParameters(params, pure)
         self.scaler = build_loss_scaler(config) if strategy.amp else None
         self.consecutive_stuck = 0
 
@@ -237,10 +262,9 @@ class FullyShardedPrecision(MixedPrecision):
         return total
 
     def state_dict(self) -> dict:
-        """Scaler type and state (the FP32 values are the model's sharded parameters)."""
-        if self.scaler is None:
-            return {"loss_scaler_type": "", "loss_scaler": {}}
-        return super().state_dict()
+        """Scaler type and state, and in O2 the whole FP32 masters (gathered from the shards: collective)."""
+        scaler = {"loss_scaler_type": "", "loss_scaler": {}} if self.scaler is None else super().state_dict()
+        return {**scaler, "master_weights": self.master_weights.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the scaler (checked against this plugin's)."""
