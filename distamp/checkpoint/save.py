@@ -20,11 +20,11 @@ from .collective import Coordinator
 from .manifest import COMMON, Manifest, PayloadFile, rank_part
 from .state import (
     build_payload,
-    model_state,
     build_shard_payload,
     check_extra,
     check_objects,
     check_plain,
+    model_state,
 )
 
 __all__ = ["save_checkpoint"]

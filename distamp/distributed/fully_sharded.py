@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -44,8 +44,8 @@ from distamp.distributed.attached import FullyShardedOptimizer
 from distamp.distributed.comm_hooks import CommStats
 from distamp.distributed.ddp_preparation import check_device
 from distamp.distributed.fingerprint import check_ranks_agree
-from distamp.distributed.fsdp_policy import unit_policies
 from distamp.distributed.fsdp_comms import InPlaceAllGather, WireReduceScatter
+from distamp.distributed.fsdp_policy import unit_policies
 from distamp.distributed.groups import group_size
 from distamp.distributed.shard_units import choose_units
 from distamp.distributed.timeouts import named_collective
@@ -106,6 +106,8 @@ class FullyShardedModel(nn.Module):
             keep_in_fp32(module, cfg.custom_black_varnames) if strategy.amp and cfg.custom_black_varnames else None
         )
         group = process_group if process_group is not None else dist.group.WORLD
+        if group is None:
+            raise RuntimeError("sharding stage 3 needs a process group: call fleet.init() first")
         self._group_size = group_size(process_group)
         if self._group_size > 1:
             check_ranks_agree(strategy, module)
@@ -185,8 +187,7 @@ class FullyShardedModel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate unsharded FP32 gradients locally: backward passes run inside skip the reduce-scatter."""
-        module = self.module
-        assert isinstance(module, FSDPModule), "fully_shard made the root an FSDPModule"
+        module = cast(FSDPModule, self.module)  # fully_shard made the root an FSDPModule
         module.set_requires_gradient_sync(False)
         try:
             yield

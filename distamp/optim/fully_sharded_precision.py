@@ -36,7 +36,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distamp.distributed.flag_sync import all_reduce_max
 from distamp.distributed.groups import group_size
 from distamp.optim.dtensor_state import shard_like
 from distamp.optim.loss_scaler import build_loss_scaler
@@ -160,7 +159,9 @@ class ShardedParameters:
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor().detach()
+    return tensor.detach()
 
 
 class FullyShardedPrecision(MixedPrecision):

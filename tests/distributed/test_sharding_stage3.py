@@ -280,7 +280,8 @@ def _check_nan_inf(rank, world, where):
 ])
 def test_check_nan_inf_names_the_module_or_the_parameter_under_stage3(where, named):
     (message,) = run_workers(_check_nan_inf, 1, where, timeout=100)
-    assert message is not None and named in message
+    assert message is not None
+    assert named in message
 
 
 def _misuse(rank, world):
