@@ -4,18 +4,18 @@
 
 FSDP2 reduce-scatters each unit's gradients in the policy's
 ``reduce_dtype``; with a 16-bit ``reduce_dtype`` the backend would also
-*sum* in 16 bits (and FSDP pre-divides FP16 by about sqrt(world) to keep
-that sum in range). distamp sets ``reduce_dtype`` to the wire dtype
+*sum* in 16 bits. distamp sets ``reduce_dtype`` to the wire dtype
 (``comm_dtype``, default ``dtype``), so FSDP's buffers are 16-bit, and
 installs :class:`WireReduceScatter` as the collective
 (``FSDPModule.set_custom_reduce_scatter``): one ``all_to_all_single``
 sends each rank its chunk, and the received chunks are added in FP32, slice
 by slice, in rank order, then rounded once to the output's dtype. FSDP then
-widens that to the FP32 sharded gradient, where micro-batches accumulate
-in FP32. Stages 1 and 2 keep the FP32 sum itself; stage 3 rounds it once
-to 16 bits, which keeps FSDP's transient buffers at 16 bits (an FP32
-``reduce_dtype`` doubles the largest transient of backward: see the README's
-memory table).
+widens that into the FP32 sharded gradient, where micro-batches accumulate
+in FP32. (For FP16, FSDP still divides the gradients by about sqrt(world)
+before this call and by the rest after it.) Stages 1 and 2 keep the FP32
+sum itself; stage 3 rounds it once to 16 bits, which keeps FSDP's
+reduce-scatter buffers at 16 bits (an FP32 ``reduce_dtype`` doubles them,
+and they are the largest transient of backward).
 
 **All-gather without a staging copy.** gloo's ``all_gather_into_tensor``
 gathers into a temporary of the output's size and copies it out, so every
