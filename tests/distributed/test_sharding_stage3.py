@@ -322,3 +322,45 @@ def test_stage3_misuse_fails_with_the_fix():
     assert "find_unused_parameters=...): keyword arguments go to DDP" in errors["kwargs"]
     assert "the optimizer's strategy is not stage 3" in errors["stage"]
     assert "call model = fleet.distributed_model(model)" in errors["unsharded"]
+
+
+def _units_and_fp32_modules(rank, world):
+    from torch.distributed.fsdp import FSDPModule
+
+    from distamp import fleet
+
+    fleet.init()
+    out = {}
+    for name, configs, units in (
+        ("black", {"use_pure_fp16": True, "dtype": "bfloat16", "custom_black_varnames": ["3"]}, ()),
+        ("norm_low", {"use_pure_fp16": True, "dtype": "bfloat16", "keep_norm_fp32": False}, ("0",)),
+        ("o1", {"dtype": "bfloat16"}, ("3",)),
+    ):
+        model = _model()
+        strategy = _strategy(3, units=units, **configs)
+        opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+        wrapped = fleet.distributed_model(model, strategy)
+        gathered = {}
+        for index in (0, 1, 3):
+            model[index].register_forward_pre_hook(
+                lambda m, args, index=index: gathered.__setitem__(index, m.weight.dtype))
+        x, y = _batches(world, 1)[0]
+        with fleet.auto_cast():
+            output = wrapped(x[:PER_RANK])
+            loss = F.mse_loss(output.float(), y[:PER_RANK])
+        out[name] = {"units": [i for i in range(4) if isinstance(model[i], FSDPModule)], "gathered": gathered,
+                     "output": output.dtype, "applied": opt.minimize(loss)}
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_units_patterns_and_o2_fp32_modules_decide_what_is_gathered_in_which_dtype():
+    (out,) = run_workers(_units_and_fp32_modules, 1, timeout=100)
+    f32, bf16 = torch.float32, torch.bfloat16
+    # Default units; the black module and the LayerNorm are FP32 units; the black module's output stays FP32.
+    assert out["black"] == {"units": [0, 1, 3], "gathered": {0: bf16, 1: f32, 3: f32}, "output": f32, "applied": True}
+    # Only the named unit (no FP32 norm unit without keep_norm_fp32): the rest is gathered with the root.
+    assert out["norm_low"] == {"units": [0], "gathered": {0: bf16, 1: bf16, 3: bf16}, "output": bf16,
+                               "applied": True}
+    # O1: FP32 parameters, computed in BF16 under auto_cast.
+    assert out["o1"] == {"units": [3], "gathered": {0: f32, 1: f32, 3: f32}, "output": bf16, "applied": True}
