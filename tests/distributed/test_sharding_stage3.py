@@ -343,7 +343,7 @@ def _units_and_fp32_modules(rank, world):
         gathered = {}
         for index in (0, 1, 3):
             model[index].register_forward_pre_hook(
-                lambda m, args, index=index: gathered.__setitem__(index, m.weight.dtype))
+                lambda m, args, index=index, seen=gathered: seen.__setitem__(index, m.weight.dtype))
         x, y = _batches(world, 1)[0]
         with fleet.auto_cast():
             output = wrapped(x[:PER_RANK])
