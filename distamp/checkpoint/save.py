@@ -72,6 +72,9 @@ def save_checkpoint(
     ``rank-<R>``; nothing is gathered to rank 0, and the one manifest that
     rank 0 commits lists every part. Any world size, sharded or not, can
     load it (see :func:`~distamp.checkpoint.load_latest_checkpoint`).
+    With sharding stage 3 (FSDP2) every rank gathers the model's and the
+    optimizer's state whole, one tensor at a time, and rank 0 writes them
+    as an unsharded run would: any world size and stage loads it.
 
     Example::
 
