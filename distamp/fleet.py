@@ -34,6 +34,7 @@ from torch import nn
 
 from distamp.amp.auto_cast import auto_cast as _auto_cast
 from distamp.distributed.data_parallel import DataParallel
+from distamp.distributed.fully_sharded import FullyShardedModel
 from distamp.distributed.process_group import (
     SELECTED_GPUS_VAR,
     WorldInfo,
@@ -249,7 +250,8 @@ def distributed_optimizer(
     strategy = _strategy(strategy)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     models = [m for m in _state.models if m.owns_any(params)]
-    pure = strategy.amp and strategy.amp_config.use_pure_fp16
+    # Stage 3 converts nothing: FSDP2 casts each all-gather to the 16-bit param_dtype.
+    pure = strategy.amp and strategy.amp_config.use_pure_fp16 and not _fully_sharded(strategy)
     for model in models:
         model.check_attachable(changes_dtypes=pure)
     opt = AmpOptimizer(optimizer, strategy)
@@ -259,7 +261,13 @@ def distributed_optimizer(
     return opt
 
 
-def distributed_model(model: nn.Module, strategy: DistributedStrategy | None = None, **kwargs: Any) -> DataParallel:
+def _fully_sharded(strategy: DistributedStrategy) -> bool:
+    return strategy.sharding and strategy.sharding_config.stage == 3
+
+
+def distributed_model(
+    model: nn.Module, strategy: DistributedStrategy | None = None, **kwargs: Any
+) -> DataParallel | FullyShardedModel:
     """Make ``model`` data parallel over the group created by ``init``.
 
     Returns a :class:`~distamp.distributed.data_parallel.DataParallel` (DDP
@@ -269,9 +277,28 @@ def distributed_model(model: nn.Module, strategy: DistributedStrategy | None = N
     (``find_unused_parameters``, ``static_graph``, ...). The model must
     already be on :func:`device` (``model.to(fleet.device())``): a
     parameter or buffer elsewhere raises ``ValueError`` naming it.
+
+    With ``sharding_configs = {"stage": 3}`` it returns a
+    :class:`~distamp.distributed.fully_sharded.FullyShardedModel` instead:
+    the model is sharded now with torch's FSDP2 (collective: every rank
+    calls it), on the units ``sharding_configs["units"]`` names (default:
+    the model's repeated blocks); no DDP, so DDP's keyword arguments are
+    refused.
     """
     _world()
     strategy = _strategy(strategy)
+    if _fully_sharded(strategy):
+        if kwargs:
+            raise ValueError(
+                f"fleet.distributed_model(..., {', '.join(f'{k}=...' for k in kwargs)}): keyword arguments go to "
+                "DDP, which sharding stage 3 does not use (it shards with torch's FSDP2); remove them"
+            )
+        sharded = FullyShardedModel(model, strategy, device=device())
+        for opt in list(_state.optimizers):
+            if sharded.owns_any(opt.master_weights.model_params):
+                sharded.attach_optimizer(opt)
+        _state.models.add(sharded)
+        return sharded
     wrapped = DataParallel(model, strategy, device=device(), **kwargs)
     for opt in list(_state.optimizers):
         if wrapped.owns_any(opt.master_weights.model_params):

@@ -7,6 +7,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = ["ExactFp32Source", "fp32_model_state_dict", "unwrap_model"]
 
@@ -42,6 +43,8 @@ def fp32_model_state_dict(module: nn.Module, master_weights: Sequence[ExactFp32S
 
     Parameters without a master (O1, AMP off, other dtypes) are copied as
     they are, in FP32 when floating point. Buffers are left unchanged.
+    Sharded (DTensor) parameters are gathered whole: collective, every rank
+    calls it.
     """
     masters: dict[int, torch.Tensor] = {}
     for weights in master_weights:
@@ -50,5 +53,7 @@ def fp32_model_state_dict(module: nn.Module, master_weights: Sequence[ExactFp32S
     for name, p in module.named_parameters(remove_duplicate=False):
         if name in state:
             source = masters.get(id(p), p).detach()
+            if isinstance(source, DTensor):
+                source = source.full_tensor()
             state[name] = source.float().clone() if source.is_floating_point() else source.clone()
     return state

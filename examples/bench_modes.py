@@ -13,7 +13,11 @@ Every mode trains the same model on the same batch with SGD + momentum:
 - ``distamp_o2_bf16_stage{1,2}``: the same with ``strategy.sharding`` stage 1 or 2;
   ``..._overlap`` adds ``sharding_configs["overlap_param_gather"]``.
 - ``torch_bf16_zero``: ``torch_bf16`` with torch's ``ZeroRedundancyOptimizer`` (optimizer
-  state sharded by whole parameters), the torch-native counterpart of the stage modes.
+  state sharded by whole parameters), the torch-native counterpart of the stage 1 and 2 modes.
+- ``distamp_o2_bf16_stage3``: sharding stage 3 (FSDP2 underneath) with its default units;
+  ``torch_bf16_fsdp2``: torch's ``fully_shard`` on the same units with the same
+  ``MixedPrecisionPolicy`` (BF16 parameters, BF16 reduction) and ``torch.autocast(bfloat16)``,
+  no loss scaling and no verdict: what distamp adds on top of FSDP2 is the difference.
 - ``distamp_o2_bf16_powersgd``: O2 BF16 with ``strategy.powersgd`` (rank and start from
   ``build_runner``); ``torch_bf16_powersgd``: DDP + ``torch.autocast(bfloat16)`` + torch's
   ``powerSGD_hook`` with the same rank and start (its uncompressed tensors go in FP32). On gloo,
@@ -46,6 +50,8 @@ from bench_models import (
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -71,7 +77,8 @@ __all__ = [
 DEFAULT_MODES = ("fp32", "torch_bf16", "torch_fp16",
                  "distamp_o1_bf16", "distamp_o2_bf16", "distamp_o1_fp16", "distamp_o2_fp16")
 SHARDING_MODES = ("torch_bf16_zero", "distamp_o2_bf16_stage1", "distamp_o2_bf16_stage2",
-                  "distamp_o2_bf16_stage1_overlap", "distamp_o2_bf16_stage2_overlap")
+                  "distamp_o2_bf16_stage1_overlap", "distamp_o2_bf16_stage2_overlap",
+                  "torch_bf16_fsdp2", "distamp_o2_bf16_stage3")
 POWERSGD_MODES = ("torch_bf16_powersgd", "distamp_o2_bf16_powersgd")
 MODES = DEFAULT_MODES + SHARDING_MODES + POWERSGD_MODES
 
@@ -80,6 +87,7 @@ COUNTERPART = {"distamp_o1_bf16": "torch_bf16", "distamp_o2_bf16": "torch_bf16",
                "distamp_o1_fp16": "torch_fp16", "distamp_o2_fp16": "torch_fp16",
                **{f"distamp_o2_bf16_stage{n}{overlap}": "torch_bf16_zero"
                   for n in (1, 2) for overlap in ("", "_overlap")},
+               "distamp_o2_bf16_stage3": "torch_bf16_fsdp2",
                "distamp_o2_bf16_powersgd": "torch_bf16_powersgd"}
 
 
@@ -128,9 +136,12 @@ def _multi_rank() -> bool:
 def _torch_runner(mode: str, model: nn.Module, loss_fn: LossFn, device: torch.device, lr: float,
                   bucket_mb: float, compiled: bool, powersgd: tuple[int, int]) -> Runner:
     dtype = {"fp32": None, "torch_bf16": torch.bfloat16, "torch_fp16": torch.float16,
-             "torch_bf16_zero": torch.bfloat16, "torch_bf16_powersgd": torch.bfloat16}[mode]
+             "torch_bf16_zero": torch.bfloat16, "torch_bf16_powersgd": torch.bfloat16,
+             "torch_bf16_fsdp2": torch.bfloat16}[mode]
     ddp = None
-    if _multi_rank():  # one process: the bare model, as distamp's DataParallel calls it
+    if mode.endswith("_fsdp2"):
+        _fully_shard_like_stage3(model, device)
+    elif _multi_rank():  # one process: the bare model, as distamp's DataParallel calls it
         ids = [device.index] if device.type == "cuda" else None
         ddp = DDP(model, device_ids=ids, bucket_cap_mb=bucket_mb)
         if mode.endswith("_powersgd"):
@@ -164,6 +175,19 @@ def _torch_runner(mode: str, model: nn.Module, loss_fn: LossFn, device: torch.de
         return loss.detach()
 
     return Runner(mode, forward, step, ddp)
+
+
+def _fully_shard_like_stage3(model: nn.Module, device: torch.device) -> None:
+    """torch's ``fully_shard`` on stage 3's default units, then the root: BF16 parameters and reduction."""
+    from distamp.distributed.shard_units import choose_units
+
+    if not dist.is_initialized():
+        raise RuntimeError("torch_bf16_fsdp2 shards over the process group: initialise it first")
+    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    for _, unit in sorted(choose_units(model, ()), key=lambda item: -item[0].count(".")):
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def _distamp_runner(mode: str, model: nn.Module, loss_fn: LossFn, lr: float, bucket_mb: float,

@@ -1,4 +1,4 @@
-"""Peak live tensor memory per rank, sharding off / stage 1 / stage 2, for O2 BF16 AdamW.
+"""Peak live tensor memory per rank, sharding off / stage 1 / stage 2 / stage 3, for O2 BF16 AdamW.
 
 Usage::
 
@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -56,6 +56,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--merge_k", type=int, default=1, help="gradient merge micro-batches (default: %(default)s)")
     p.add_argument("--bucket_mb", type=float, default=25.0,
                    help="fuse_grad_size_in_MB: DDP buckets and all-gather rounds (default: %(default)s)")
+    p.add_argument("--stages", default="0,1,2,3",
+                   help="comma-separated stages; 0 is sharding off, the ratios' base (default: %(default)s)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
     return p.parse_args(argv)
 
@@ -180,11 +182,13 @@ def run(world: int, stage: int, args: argparse.Namespace, timeout: float = 600.0
 def markdown(table: dict[tuple[int, int], list[dict]]) -> str:
     """Peak MB per rank (max over ranks), bytes per parameter and ratio to sharding off, per world size."""
     worlds = sorted({w for w, _ in table})
-    lines = ["| ranks | sharding off | stage 1 | stage 2 |", "| ---: | ---: | ---: | ---: |"]
+    stages = sorted({s for _, s in table})
+    header = ["sharding off" if s == 0 else f"stage {s}" for s in stages]
+    lines = [f"| ranks | {' | '.join(header)} |", "| ---: |" + " ---: |" * len(stages)]
     for world in worlds:
         cells = []
         base = max(r["peak_bytes"] for r in table[world, 0])
-        for stage in STAGES:
+        for stage in stages:
             peak = max(r["peak_bytes"] for r in table[world, stage])
             per_param = peak / table[world, stage][0]["params"]
             ratio = "" if stage == 0 else f", {peak / base:.2f}x"
@@ -197,7 +201,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Measure every (world size, stage) and print the table."""
     args = parse_args(argv)
     worlds = [int(w) for w in args.world_sizes.split(",")]
-    table = {(w, s): run(w, s, args) for w in worlds for s in STAGES}
+    stages = [int(s) for s in args.stages.split(",")]
+    if 0 not in stages or any(s not in STAGES for s in stages):
+        raise SystemExit(f"--stages {args.stages!r}: give stages from {STAGES}, 0 included (the ratios' base)")
+    table = {(w, s): run(w, s, args) for w in worlds for s in stages}
     params = table[worlds[0], 0][0]["params"]
     print(f"O2 BF16 AdamW, MLP {args.layers}x{args.hidden} ({params / 1e6:.2f}M parameters), batch {args.batch} "
           f"per rank, {args.steps} steps, gradient merge K={args.merge_k}, bucket {args.bucket_mb} MB")

@@ -6,6 +6,7 @@ What a language-model loop looks like with distamp::
     distrun --nproc_per_node 2 examples/train_gpt.py --dtype float16 --o1     # FP16 with loss scaling
     distrun --nproc_per_node 2 examples/train_gpt.py --no_amp                 # FP32 baseline
     distrun --nproc_per_node 2 examples/train_gpt.py --powersgd_rank 4        # PowerSGD compression
+    distrun --nproc_per_node 2 examples/train_gpt.py --sharding_stage 3       # parameters sharded (FSDP2)
 
 The text is synthetic, so nothing is downloaded: sequences drawn from a
 random Markov chain over a small vocabulary, whose entropy rate (the best
@@ -117,7 +118,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="compress gradients with PowerSGD at this rank (0: off, the default)")
     p.add_argument("--powersgd_start", type=int, default=20,
                    help="with --powersgd_rank: applied steps of plain all-reduce first (default: %(default)s)")
+    p.add_argument("--sharding_stage", type=int, choices=(0, 1, 2, 3), default=0,
+                   help="ZeRO sharding stage (0: off, the default; 3: parameters sharded too, each block a unit)")
     args = p.parse_args(argv)
+    if args.powersgd_rank and args.sharding_stage:
+        p.error("--powersgd_rank and --sharding_stage cannot be combined (distamp refuses PowerSGD with sharding)")
     if args.powersgd_rank < 0 or args.powersgd_start < 0:
         p.error(f"--powersgd_rank and --powersgd_start must be >= 0, got {args.powersgd_rank!r} and "
                 f"{args.powersgd_start!r}")
@@ -140,6 +145,9 @@ def build_strategy(args: argparse.Namespace) -> fleet.DistributedStrategy:
     if args.powersgd_rank:
         strategy.powersgd = True
         strategy.powersgd_configs = {"rank": args.powersgd_rank, "start_step": args.powersgd_start}
+    if args.sharding_stage:
+        strategy.sharding = True
+        strategy.sharding_configs = {"stage": args.sharding_stage}
     return strategy
 
 

@@ -96,6 +96,21 @@ def test_benchmark_smoke_counts_half_the_bytes(tmp_path):
         rows["distamp_o2_bf16"]["median_s"] / rows["torch_bf16"]["median_s"])
 
 
+@pytest.mark.timeout(80)
+def test_benchmark_stage3_sends_what_torch_fsdp2_sends_plus_the_verdict(tmp_path):
+    modes = "torch_bf16_fsdp2,distamp_o2_bf16_stage3"
+    distrun(tmp_path, "benchmark.py", "--model", "shallow", "--batch", "4", "--modes", modes,
+            "--reps", "2", "--steps", "1", "--warmup", "1", "--probe_steps", "1", "--json", "bench.json", timeout=70)
+
+    rows = json.loads((tmp_path / "bench.json").read_text())["modes"]
+    torch_bytes = rows["torch_bf16_fsdp2"]["wire_bytes_per_step"]
+    assert torch_bytes > 0
+    # The same BF16 all-gathers and reduce-scatters, plus distamp's found-inf flag all-reduce.
+    assert torch_bytes < rows["distamp_o2_bf16_stage3"]["wire_bytes_per_step"] <= torch_bytes + 64
+    assert rows["distamp_o2_bf16_stage3"]["vs_torch_native"] == pytest.approx(
+        rows["distamp_o2_bf16_stage3"]["median_s"] / rows["torch_bf16_fsdp2"]["median_s"])
+
+
 BF16_MODES = "fp32,torch_bf16,distamp_o1_bf16,distamp_o2_bf16"
 SMOKE = ("--reps", "1", "--steps", "1", "--warmup", "1", "--probe_steps", "1")
 

@@ -108,7 +108,7 @@ def _assert_well_formed(strategy: DistributedStrategy) -> None:
     assert isinstance(strategy.amp, bool)
     assert isinstance(strategy.gradient_merge, bool)
     assert isinstance(strategy.sharding, bool)
-    assert strategy.sharding_config.stage in (1, 2)
+    assert strategy.sharding_config.stage in (1, 2, 3)
     assert isinstance(strategy.find_unused_parameters, bool)
     assert strategy.fuse_grad_size_in_MB > 0
     assert math.isfinite(strategy.fuse_grad_size_in_MB)
@@ -162,7 +162,7 @@ def test_random_constructor_keywords_are_accepted_or_name_the_attribute(kwargs):
         "amp": _values,
         "amp_configs": st.dictionaries(st.sampled_from(list(AmpConfig().to_dict())), _values, max_size=3),
         "gradient_merge_configs": st.dictionaries(st.sampled_from(["k_steps", "avg", "k_step"]), _values, max_size=2),
-        "sharding_configs": st.dictionaries(st.sampled_from(["stage", "stag"]), _values, max_size=2),
+        "sharding_configs": st.dictionaries(st.sampled_from(["stage", "stag", "units"]), _values, max_size=2),
         "fuse_grad_size_in_MB": _values,
     }),
     _values,

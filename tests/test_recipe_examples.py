@@ -46,3 +46,20 @@ def test_gpt_example_learns_with_schedule_clipping_and_merge(tmp_path):
     applied = [line for line in done.stdout.splitlines() if "steps_applied=" in line]
     assert len(applied) == 1
     assert "steps_applied=40 steps_skipped=0" in applied[0]
+
+
+def _gpt_final_loss(tmp_path, *args: str) -> float:
+    script = os.path.join(ROOT, "examples", "train_gpt.py")
+    cmd = [sys.executable, "-m", "distamp.launcher", "--nproc_per_node", "2", script, *args]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=150, check=False)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    line = next(line for line in done.stdout.splitlines() if line.startswith("[rank0]: final_loss"))
+    return float(line.removeprefix("[rank0]: ").split()[0].split("=")[1])
+
+
+@pytest.mark.timeout(330)
+def test_gpt_example_fp16_o2_stage3_ends_within_2_percent_of_unsharded(tmp_path):
+    args = ("--dtype", "float16", "--steps", "40", "--merge", "2", "--warmup", "5")
+    unsharded = _gpt_final_loss(tmp_path, *args)
+    sharded = _gpt_final_loss(tmp_path, *args, "--sharding_stage", "3")
+    assert abs(sharded - unsharded) <= 0.02 * unsharded, (sharded, unsharded)

@@ -629,14 +629,15 @@ def test_fuzz_known_keys_with_random_values(amp, merge):
 def test_sharding_configs_defaults_round_trip_and_view():
     s = DistributedStrategy()
     assert s.sharding is False
-    assert s.sharding_configs == {"stage": 1, "overlap_param_gather": False}
+    assert s.sharding_configs == {"stage": 1, "overlap_param_gather": False, "units": []}
     s.sharding = True
     s.sharding_configs = {"stage": 2}
     assert s.sharding_config == ShardingConfig(stage=2)
     assert s.sharding_config.stage == 2
     assert repr(s) == "DistributedStrategy(sharding=True, sharding_configs={'stage': 2})"
-    assert repr(ShardingConfig(stage=2)) == "ShardingConfig(stage=2, overlap_param_gather=False)"
-    assert ShardingConfig.from_dict({"stage": 2}).to_dict() == {"stage": 2, "overlap_param_gather": False}
+    assert repr(ShardingConfig(stage=2)) == "ShardingConfig(stage=2, overlap_param_gather=False, units=())"
+    assert ShardingConfig.from_dict({"stage": 2}).to_dict() == {"stage": 2, "overlap_param_gather": False,
+                                                                "units": []}
     back = DistributedStrategy.from_dict(json.loads(json.dumps(s.to_dict())))
     assert back == s
     assert copy.deepcopy(s) == s
@@ -646,16 +647,20 @@ def test_sharding_configs_defaults_round_trip_and_view():
     with pytest.raises(ValueError, match=r"sharding_config is read-only; assign a dict to sharding_configs"):
         s.sharding_config = ShardingConfig()
     s.sharding_configs = {"overlap_param_gather": True}
-    assert s.sharding_configs == {"stage": 1, "overlap_param_gather": True}  # assigning replaces: stage is 1 again
+    assert s.sharding_configs == {"stage": 1, "overlap_param_gather": True, "units": []}  # replaces: stage is 1 again
     assert repr(s) == "DistributedStrategy(sharding=True, sharding_configs={'overlap_param_gather': True})"
     s.sharding_configs = {}
-    assert s.sharding_configs == {"stage": 1, "overlap_param_gather": False}
+    assert s.sharding_configs == {"stage": 1, "overlap_param_gather": False, "units": []}
+    s.sharding_configs = {"stage": 3, "units": ("blocks.*",)}
+    assert s.sharding_configs == {"stage": 3, "overlap_param_gather": False, "units": ["blocks.*"]}
+    assert repr(s) == "DistributedStrategy(sharding=True, sharding_configs={'stage': 3, 'units': ['blocks.*']})"
+    assert DistributedStrategy.from_dict(json.loads(json.dumps(s.to_dict()))) == s
 
 
 def test_sharding_configs_typo_suggests_stage():
     with pytest.raises(
         ValueError, match=r"sharding_configs has no key 'stag'\. Did you mean 'stage'\? Valid keys: stage, "
-        r"overlap_param_gather\."
+        r"overlap_param_gather, units\."
     ):
         DistributedStrategy().sharding_configs = {"stag": 1}
     with pytest.raises(ValueError, match=r"Did you mean 'overlap_param_gather'\?"):
@@ -669,13 +674,27 @@ def test_overlap_param_gather_must_be_a_bool(value):
         DistributedStrategy().sharding_configs = {"overlap_param_gather": value}
 
 
-@pytest.mark.parametrize("value", [3, 0, True, "1", 1.0, None])
-def test_sharding_stage_must_be_1_or_2(value):
-    with pytest.raises(ValueError, match=re.escape(f"sharding_configs['stage'] must be one of 1, 2; got {value!r}.")):
+@pytest.mark.parametrize("value", [4, 0, True, "1", 1.0, None])
+def test_sharding_stage_must_be_1_2_or_3(value):
+    with pytest.raises(ValueError, match=re.escape(
+            f"sharding_configs['stage'] must be one of 1, 2, 3; got {value!r}.")):
         DistributedStrategy().sharding_configs = {"stage": value}
-    if value == 3:
-        with pytest.raises(ValueError, match="Stage 3 \\(sharded parameters\\) is not implemented"):
-            ShardingConfig(stage=3)
+
+
+def test_stage_3_refuses_overlap_param_gather_and_other_stages_refuse_units():
+    with pytest.raises(ValueError, match=re.escape(
+            "sharding_configs['overlap_param_gather'] must be False with stage 3; got True. It overlaps the "
+            "all-gather of stages 1 and 2")):
+        DistributedStrategy().sharding_configs = {"stage": 3, "overlap_param_gather": True}
+    with pytest.raises(ValueError, match=re.escape(
+            "sharding_configs['units'] must be empty unless stage is 3; got ['blocks.*'].")):
+        DistributedStrategy().sharding_configs = {"stage": 2, "units": ["blocks.*"]}
+    with pytest.raises(ValueError, match=re.escape(
+            "sharding_configs['units'] must be a list of module-name patterns (non-empty strings); got 'blocks'. "
+            "Wrap a single name in a list: ['blocks'].")):
+        DistributedStrategy().sharding_configs = {"stage": 3, "units": "blocks"}
+    with pytest.raises(ValueError, match=re.escape("whose item '' is not a non-empty string")):
+        DistributedStrategy().sharding_configs = {"stage": 3, "units": [""]}
 
 
 def test_sharding_flag_must_be_a_bool():

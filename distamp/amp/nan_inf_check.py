@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["NanInfChecker"]
@@ -31,6 +33,12 @@ def _nonfinite_kind(t: torch.Tensor) -> str | None:
     if not t.is_floating_point() or bool(torch.isfinite(t).all()):
         return None
     return "NaN" if bool(torch.isnan(t).any()) else "inf"
+
+
+def _class_name(module: nn.Module) -> str:
+    """The module's class name; for a module ``fully_shard`` converted (``FSDPLinear``), the user's (``Linear``)."""
+    name = type(module).__name__
+    return name.removeprefix("FSDP") if isinstance(module, FSDPModule) else name
 
 
 class NanInfChecker:
@@ -46,12 +54,20 @@ class NanInfChecker:
         self._step = step
         self._rank = rank
         self._handles: list[Any] = []
-        root = type(model).__name__
+        self._watched: set[int] = set()
+        root = _class_name(model)
         for name, module in model.named_modules():
-            label = f"module {name!r} ({type(module).__name__})" if name else f"the model ({root})"
+            label = f"module {name!r} ({_class_name(module)})" if name else f"the model ({root})"
             self._handles.append(module.register_forward_hook(functools.partial(self._check_output, label)))
-        for name, param in model.named_parameters():
-            if param.requires_grad:
+        # A DTensor parameter (sharding stage 3) never gets a local gradient from autograd: FSDP2 computes it
+        # on the unsharded parameter, which fleet.distributed_model hands to watch_grads after its first forward.
+        self.watch_grads([(name, p) for name, p in model.named_parameters() if not isinstance(p, DTensor)])
+
+    def watch_grads(self, named_params: list[tuple[str, torch.Tensor]]) -> None:
+        """Check the local gradient of each ``(name, parameter)`` that requires one (once per tensor)."""
+        for name, param in named_params:
+            if param.requires_grad and id(param) not in self._watched:
+                self._watched.add(id(param))
                 hook = functools.partial(self._check_grad, f"parameter {name!r}")
                 self._handles.append(param.register_hook(hook))
 
@@ -79,3 +95,4 @@ class NanInfChecker:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._watched.clear()

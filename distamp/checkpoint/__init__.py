@@ -43,14 +43,16 @@ point, even while the same step is saved again, leaves the previous
 committed checkpoint intact; a save that fails removes what it wrote.
 
 Every checkpoint has the part ``common``, written by rank 0. With
-``strategy.sharding`` each rank also writes its slice of the optimizer
+``strategy.sharding`` stages 1 and 2 each rank also writes its slice of the optimizer
 state as its own part ``rank-<R>`` (e.g.
 ``step-00000200.rank-00003.<hash>.pt``), with the slice's range in the flat
 parameter space; rank 0 commits one manifest listing every part once all
 are written, and nothing is gathered to rank 0. A reader verifies and
 loads only the parts it needs: the common one and the saved slices that
 overlap its own, so any world size, sharded or not, can resume any
-checkpoint (:mod:`distamp.optim.flat_state` re-slices).
+checkpoint (:mod:`distamp.optim.flat_state` re-slices). Sharding stage 3
+(FSDP2) saves whole tensors, gathered on every rank, in the unsharded
+format, and cuts them into each rank's shards on load.
 Manifests of format ``distamp.checkpoint/1`` (``step-<N>.pt`` payloads) are
 still read.
 

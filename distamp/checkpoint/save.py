@@ -24,6 +24,7 @@ from .state import (
     check_extra,
     check_objects,
     check_plain,
+    model_state,
 )
 
 __all__ = ["save_checkpoint"]
@@ -71,6 +72,9 @@ def save_checkpoint(
     ``rank-<R>``; nothing is gathered to rank 0, and the one manifest that
     rank 0 commits lists every part. Any world size, sharded or not, can
     load it (see :func:`~distamp.checkpoint.load_latest_checkpoint`).
+    With sharding stage 3 (FSDP2) every rank gathers the model's and the
+    optimizer's state whole, one tensor at a time, and rank 0 writes them
+    as an unsharded run would: any world size and stage loads it.
 
     Example::
 
@@ -104,6 +108,7 @@ def save_checkpoint(
     # Checked on every rank (the states are replicated), so all raise alike.
     optimizer_state, shard = flat_state.split(optimizer.state_dict())
     scheduler_state = scheduler.state_dict() if scheduler is not None else None
+    model_state_dict = model_state(model)  # on every rank: gathering a sharded (stage 3) model is collective
     check_plain(optimizer_state, "optimizer.state_dict()")
     check_plain(shard, "optimizer.state_dict()")
     check_plain(scheduler_state, "scheduler.state_dict()")
@@ -117,7 +122,8 @@ def save_checkpoint(
         try:
             parts = _part_files(gathered)
             payload = build_payload(step, coordinator.world_size, model, type(optimizer).__name__,
-                                    optimizer_state, scheduler_state, [g[0] for g in gathered], extra)
+                                    optimizer_state, scheduler_state, [g[0] for g in gathered], extra,
+                                    model_state_dict=model_state_dict)
             outcome = ("saved", _write(path, step, payload, keep, parts))
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             outcome, failure = ("failed", f"{type(exc).__name__}: {exc}"), exc

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from distamp.optim import flat_state
 
@@ -29,6 +30,7 @@ __all__ = [
     "check_payload",
     "check_plain",
     "check_shard_payload",
+    "model_state",
     "restore",
     "unwrap",
 ]
@@ -116,6 +118,15 @@ def check_extra(extra: Any) -> dict:
     return extra
 
 
+def model_state(model: nn.Module) -> dict:
+    """``state_dict()`` of the module inside the wrappers, sharded (DTensor) entries gathered whole.
+
+    Collective when the model is sharded (stage 3): every rank calls it.
+    """
+    return {key: value.full_tensor() if isinstance(value, DTensor) else value
+            for key, value in unwrap(model).state_dict().items()}
+
+
 def build_payload(
     step: int,
     world_size: int,
@@ -125,13 +136,19 @@ def build_payload(
     scheduler_state: Any,
     rng_states: list[dict],
     extra: dict,
+    *,
+    model_state_dict: dict | None = None,
 ) -> dict[str, Any]:
-    """The common payload: everything but per-rank shards, identical on every rank but the RNG."""
+    """The common payload: everything but per-rank shards, identical on every rank but the RNG.
+
+    ``model_state_dict``: the model's state as :func:`model_state` gathered it
+    (on every rank, beforehand); None: ``model``'s own ``state_dict()``.
+    """
     return {
         "format": FORMAT,
         "step": step,
         "world_size": world_size,
-        "model": unwrap(model).state_dict(),
+        "model": unwrap(model).state_dict() if model_state_dict is None else model_state_dict,
         "optimizer_type": optimizer_type,
         "optimizer": optimizer_state,
         "scheduler": scheduler_state,

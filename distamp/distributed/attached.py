@@ -19,7 +19,7 @@ from torch import nn
 from distamp.distributed.flat_layout import FlatLayout
 from distamp.distributed.powersgd import GradCompressor
 
-__all__ = ["AttachedOptimizer", "GradSlice", "SliceOwner"]
+__all__ = ["AttachedOptimizer", "FullyShardedOptimizer", "GradSlice", "SliceOwner"]
 
 
 class GradSlice(Protocol):
@@ -61,3 +61,22 @@ class AttachedOptimizer(Protocol):
 
     def defer_param_gather(self, deferred: bool) -> bool:
         """Whether ``step()`` may leave its all-gather to the model's forward hooks; True when it overlaps."""
+
+
+class FullyShardedOptimizer(Protocol):
+    """A meta-optimizer attached to a stage-3 model (``fleet.distributed_model`` on FSDP2)."""
+
+    master_weights: Any  # ShardedParameters: model_params
+    precision: Any  # the precision plugin: stage
+
+    def adopt_model(self, model: nn.Module, keep_fp32: list[nn.Parameter]) -> None:
+        """The model is known: names for attribution, ``check_nan_inf`` hooks."""
+
+    def adopt_sharded_parameters(self, new_of: dict[int, nn.Parameter]) -> None:
+        """``fully_shard`` replaced each parameter ``old`` by the DTensor ``new_of[id(old)]``."""
+
+    def watch_local_grads(self, named_params: list[tuple[str, torch.Tensor]]) -> None:
+        """``check_nan_inf``: also check these unsharded parameters' local gradients."""
+
+    def add_sync_listener(self, listener: Any) -> None:
+        """Tell ``listener.set_grad_sync(optimizer, flag)`` whether the next backward closes a merge window."""

@@ -32,6 +32,7 @@ from distamp.optim.amp_status import AmpStatus
 from distamp.optim.autocast_watch import AutocastWatch
 from distamp.optim.delegating import DelegatingOptimizer
 from distamp.optim.first_forward import FirstForwardFinder
+from distamp.optim.fully_sharded_precision import FullyShardedPrecision
 from distamp.optim.grad_clipping import GradClipper
 from distamp.optim.grad_watch import GradWatch
 from distamp.optim.model_binding import ModelBinding
@@ -328,6 +329,45 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         if self._pending_compressor_state is not None:
             compressor.load_state_dict(self._pending_compressor_state)
             self._pending_compressor_state = None
+
+    def adopt_sharded_parameters(self, new_of: dict[int, nn.Parameter]) -> None:
+        """Follow ``fully_shard`` (sharding stage 3): ``new_of[id(old)]`` replaced parameter ``old``.
+
+        ``fleet.distributed_model`` calls it when this optimizer was built
+        before the model was sharded: the inner optimizer's param groups (and
+        any state it already has) move to the DTensor parameters.
+
+        Raises:
+            RuntimeError: this optimizer is not a stage-3 one.
+        """
+        precision = self.precision
+        if not isinstance(precision, FullyShardedPrecision):
+            raise RuntimeError(  # noqa: TRY004 - the strategies disagree; the argument's type is fine
+                "fleet.distributed_model sharded the parameters (sharding stage 3), but this optimizer was built "
+                "with another strategy; pass the same strategy (sharding_configs={'stage': 3}) to both calls"
+            )
+        for group in self.inner_opt.param_groups:
+            # In place: some optimizers keep a reference to the list.
+            group["params"][:] = [new_of.get(id(p), p) for p in group["params"]]
+        old_state = dict(self.inner_opt.state)
+        if any(id(p) in new_of for p in old_state):
+            self.inner_opt.state.clear()
+            for p, s in old_state.items():
+                self.inner_opt.state[new_of.get(id(p), p)] = s
+        precision.master_weights.replace(new_of)
+        self._watch.params = [new_of.get(id(p), p) for p in self._watch.params]
+        self._watch.after_step()
+
+    def watch_local_grads(self, named_params: list[tuple[str, torch.Tensor]]) -> None:
+        """``check_nan_inf`` under stage 3: check these (unsharded) parameters' local gradients too.
+
+        FSDP2 computes each gradient on the unsharded parameter of the
+        moment, not on the sharded one the model lists, so
+        ``fleet.distributed_model`` passes those here after its first forward.
+        """
+        checker = self.binding.checker
+        if checker is not None:
+            checker.watch_grads(named_params)
 
     def add_sync_listener(self, listener: Any) -> None:
         """Keep ``listener.set_grad_sync(optimizer, flag)`` told whether the next backward communicates."""

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import nn
 
+from distamp.optim.fully_sharded_precision import FullyShardedPrecision
 from distamp.optim.precision import FullPrecision, MixedPrecision, PureLowPrecision
 from distamp.optim.sharded_precision import ShardedPrecision
 from distamp.strategy import DistributedStrategy
@@ -22,6 +23,8 @@ def precision_for(
     strategy: DistributedStrategy, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None = None
 ) -> FullPrecision:
     """The plugin ``strategy`` asks for: AMP off, O1 or O2, sharded over ``group`` with ``strategy.sharding``."""
+    if strategy.sharding and strategy.sharding_config.stage == 3:
+        return FullyShardedPrecision(params, strategy, group)
     if strategy.sharding:
         return ShardedPrecision(params, strategy, group)
     config = strategy.amp_config

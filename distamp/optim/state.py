@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from distamp.optim.dtensor_state import gather_full, reshard_loaded
+from distamp.optim.fully_sharded_precision import FullyShardedPrecision
+
 if TYPE_CHECKING:
     from distamp.optim.optimizer import AmpOptimizer
 
@@ -26,11 +29,14 @@ def optimizer_state(opt: AmpOptimizer) -> dict:
     compressor = opt.policy.compressor
     compressor_state = compressor.state_dict() if compressor is not None else opt._pending_compressor_state
     powersgd = {"powersgd": compressor_state} if compressor_state is not None else {}
+    inner = opt.inner_opt.state_dict()
+    if isinstance(opt.precision, FullyShardedPrecision):
+        inner = gather_full(inner)  # stage 3: whole tensors, as unsharded (collective)
     return {
         **powersgd,
         **sharding,
         "format": STATE_FORMAT,
-        "inner": opt.inner_opt.state_dict(),
+        "inner": inner,
         "master_weights": precision.get("master_weights", []),
         "loss_scaler_type": precision["loss_scaler_type"],
         "loss_scaler": precision["loss_scaler"],
@@ -71,6 +77,8 @@ def load_optimizer_state(opt: AmpOptimizer, state_dict: dict) -> None:
         )
     opt.precision.load_state_dict(state_dict)
     opt.inner_opt.load_state_dict(state_dict["inner"])
+    if isinstance(opt.precision, FullyShardedPrecision):
+        reshard_loaded(opt.inner_opt)
     if masters:
         opt.master_weights.load_state_dict(masters)
     counters, policy = state_dict["counters"], opt.policy

@@ -57,3 +57,32 @@ def test_sharding_peak_per_rank_is_at_most_0_7_of_unsharded_on_two_ranks():
     assert unsharded >= 20  # weights, gradients, masters, master gradients, moments
     for stage in (1, 2):
         assert max(per_param[stage]) <= 0.7 * unsharded, (stage, per_param)
+
+
+STAGE3_ARGV = ["--hidden", "1024", "--layers", "3", "--batch", "8", "--steps", "2"]
+
+
+def _measure_stage3(rank, world):
+    """Sharding off, then stage 3, at the default settings (units, buckets) on a 2.2M-parameter MLP."""
+    import gc
+
+    peaks = {}
+    for stage in (0, 3):
+        gc.collect()
+        peaks[stage] = sharding_memory.measure(rank, world, stage, sharding_memory.parse_args(STAGE3_ARGV))
+    return peaks
+
+
+@pytest.mark.timeout(240)
+def test_stage3_peak_per_rank_is_at_most_half_of_unsharded_on_two_ranks():
+    """Per parameter on 2 ranks: FP32 shard 2 + FP32 gradient shard 2 + Adam moments 4 = 8 bytes, plus one
+    unit's unsharded 16-bit parameters and gradients in flight (each Linear is a unit by default)."""
+    by_rank = run_workers(_measure_stage3, 2, timeout=200)
+    params = by_rank[0][0]["params"]
+    assert 2.0e6 < params < 2.5e6
+    unsharded = max(r[0]["peak_bytes"] for r in by_rank)
+    sharded = max(r[3]["peak_bytes"] for r in by_rank)
+    print(f"peak bytes per parameter per rank: sharding off {unsharded / params:.1f}, stage 3 {sharded / params:.1f}")
+    assert all(r[stage]["every_thread"] for r in by_rank for stage in (0, 3))
+    assert unsharded / params >= 20
+    assert sharded <= 0.5 * unsharded, (sharded, unsharded)

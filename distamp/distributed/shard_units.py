@@ -1,0 +1,91 @@
+"""Which modules sharding stage 3 shards as one unit each (one ``fully_shard`` call per unit).
+
+A unit's parameters are all-gathered together before it runs and its
+gradients reduce-scattered together after its backward, so at any moment a
+rank holds the whole (unsharded) parameters of about one unit, plus the
+prefetched next one. Units the size of the model's repeated blocks keep that
+transient small without paying a collective per tiny tensor.
+
+Default (``sharding_configs["units"]`` empty): every child holding
+parameters of each ``nn.ModuleList`` or ``nn.Sequential`` (a transformer's
+blocks, an MLP's layers), the outermost containers first; a block's own
+containers are not searched again. A model with no such container: every
+submodule holding parameters of its own. The root is always sharded last and
+holds what no unit took.
+
+Example::
+
+    units = choose_units(model, patterns=())            # default
+    units = choose_units(model, patterns=["blocks.*"])  # each transformer block
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+
+from torch import nn
+
+from distamp.suggest import did_you_mean
+
+__all__ = ["choose_units"]
+
+_SHOWN_NAMES = 8
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+
+
+def choose_units(model: nn.Module, patterns: Sequence[str]) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of each unit of ``model``, in ``named_modules()`` order; never the root.
+
+    Args:
+        model: the model to shard.
+        patterns: ``sharding_configs["units"]``: qualified module names or
+            fnmatch patterns; empty for the default described in the module
+            docstring.
+
+    Raises:
+        ValueError: a pattern matches no submodule (the message lists the
+            model's module names).
+    """
+    named = [(name, module) for name, module in model.named_modules() if name]
+    if patterns:
+        _check_all_match(model, named, patterns)
+        return [(name, module) for name, module in named
+                if any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns) and _holds_parameters(module)]
+    blocks = _repeated_blocks(model)
+    if blocks:
+        return blocks
+    return [(name, module) for name, module in named if any(True for _ in module.parameters(recurse=False))]
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Parameter-holding children of the outermost ``ModuleList`` / ``Sequential`` containers (the root included)."""
+    blocks: list[tuple[str, nn.Module]] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        if any(name == t or name.startswith(f"{t}.") for t in taken):
+            continue
+        if isinstance(module, _CONTAINERS):
+            for child_name, child in module.named_children():
+                if _holds_parameters(child):
+                    qualified = f"{name}.{child_name}" if name else child_name
+                    blocks.append((qualified, child))
+                    taken.append(qualified)
+    return blocks
+
+
+def _check_all_match(model: nn.Module, named: list[tuple[str, nn.Module]], patterns: Sequence[str]) -> None:
+    names = [name for name, _ in named]
+    for pattern in patterns:
+        if not any(name == pattern or fnmatch.fnmatchcase(name, pattern) for name in names):
+            shown = ", ".join(repr(n) for n in names[:_SHOWN_NAMES])
+            more = f" and {len(names) - _SHOWN_NAMES} more" if len(names) > _SHOWN_NAMES else ""
+            raise ValueError(
+                f"sharding_configs['units'] pattern {pattern!r} matches no submodule of "
+                f"{type(model).__name__}.{did_you_mean(pattern, names)} Patterns are qualified names from "
+                f"model.named_modules() or fnmatch patterns; the model's modules: {shown}{more}."
+            )
