@@ -29,7 +29,16 @@ from distamp.distributed.comm_hooks import CommStats
 from distamp.distributed.flat_layout import FlatLayout, Piece
 from distamp.distributed.wire_rounds import round_bytes
 
-__all__ = ["GatherInFlight", "SliceAllGather"]
+__all__ = ["GATHER_BYTES", "GatherInFlight", "SliceAllGather"]
+
+GATHER_BYTES = 2 << 20
+"""Cap on ``chunk_bytes`` for the sharded optimizer's gather: received bytes in flight at once.
+
+A larger budget buys nothing on gloo (it runs the rounds in order) and holds
+a receive buffer of up to the whole model's 16-bit size at step time, which
+with a 25 MB ``fuse_grad_size_in_MB`` and a model of a few million
+parameters is most of what sharding saves.
+"""
 
 # all_gather_single is the non-deprecated name from torch 2.13 on.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -43,10 +43,23 @@ from distamp.distributed.attached import SliceOwner
 from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
 from distamp.distributed.wire_rounds import round_bytes
 
-__all__ = ["MAX_IN_FLIGHT", "ShardedGradReduce", "bucket_future", "reduce_scatter_hook"]
+__all__ = ["MAX_IN_FLIGHT", "REDUCE_BUCKET_BYTES", "ShardedGradReduce", "bucket_future", "reduce_scatter_hook"]
 
 MAX_IN_FLIGHT = 2
 """Buckets exchanged at once: each holds a packed copy of its bucket and W received copies of its slice."""
+
+REDUCE_BUCKET_BYTES = 1 << 20
+"""Largest gradient bucket of sharding stages 1 and 2, in wire bytes (DeepSpeed's ``reduce_bucket_size``).
+
+Each of the :data:`MAX_IN_FLIGHT` exchanges holds its bucket, a packed copy
+unless the bucket goes out as it is, and the W received copies of this
+rank's part (as many bytes as the bucket), so peak memory holds a few
+buckets: at 1 MB a few MB whatever the model, where DDP's 25 MB default
+would hold the whole 16-bit gradient of a model of a few million
+parameters. On gloo an exchange is cut into rounds of 1 MB per peer anyway
+(:mod:`distamp.distributed.wire_rounds`), so smaller buckets cost no extra
+collectives there.
+"""
 
 
 _Entry = tuple[int, int, SliceOwner, int]  # (start in the bucket, length, slice owner, start in its grad slice)
@@ -175,35 +188,47 @@ class ShardedGradReduce:
         return _BucketPlan(rounds=tuple(rounds), identity=identity)
 
 
+    def launch(self, buffer: torch.Tensor, params: Sequence[torch.Tensor],
+               done: torch.futures.Future | None = None) -> None:
+        """Start reduce-scattering ``buffer`` (the gradients of ``params``, end to end) into the owners' slices.
+
+        Waits first for the oldest exchange while :data:`MAX_IN_FLIGHT` are
+        running. When the exchange is finished, ``buffer`` is zeroed and
+        ``done`` (DDP's bucket future) completed with it; without ``done``
+        the buffer's storage is freed (the stage-2 reducer's own buckets).
+        """
+        self.finish_completed(wait=False)
+        while len(self.in_flight) >= MAX_IN_FLIGHT:  # bound the exchange buffers when the wire is slower
+            self.in_flight.pop(0).finish(self.world_size)
+        plan = self.plan(params)
+        add_pending_fp32(buffer, params, self.pending)
+        world = self.world_size
+        launched = []
+        for rnd in plan.rounds:
+            if plan.identity:
+                send = buffer if buffer.dtype == self.wire_dtype else buffer.to(self.wire_dtype)
+            else:
+                send = torch.cat([buffer[start : start + length] for start, length in rnd.send]).to(self.wire_dtype)
+            received = torch.empty(world * rnd.received, dtype=self.wire_dtype, device=buffer.device)
+            self.stats.calls += 1
+            self.stats.bytes += send.numel() * send.element_size()
+            work = dist.all_to_all_single(
+                received, send, [rnd.received] * world, list(rnd.input_splits), group=self.process_group,
+                async_op=True,
+            )
+            launched.append(_RoundExchange(work, rnd, send, received))
+        for rnd in plan.rounds:
+            for shard, _, _ in rnd.dest:
+                shard.grads.reduced = True
+        self.in_flight.append(_Exchange(launched, buffer, done))
+
+
 # No ``from __future__ import annotations`` here: DDP checks this hook's annotations as objects.
 def reduce_scatter_hook(state: ShardedGradReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook body for :class:`ShardedGradReduce` (``state`` is the instance)."""
-    state.finish_completed(wait=False)
-    while len(state.in_flight) >= MAX_IN_FLIGHT:  # bound the exchange buffers when the wire is slower than backward
-        state.in_flight.pop(0).finish(state.world_size)
     buffer = bucket.buffer()
-    params = bucket.parameters()
-    plan = state.plan(params)
-    add_pending_fp32(buffer, params, state.pending)
-    world = state.world_size
-    launched = []
-    for rnd in plan.rounds:
-        if plan.identity:
-            send = buffer if buffer.dtype == state.wire_dtype else buffer.to(state.wire_dtype)
-        else:
-            send = torch.cat([buffer[start : start + length] for start, length in rnd.send]).to(state.wire_dtype)
-        received = torch.empty(world * rnd.received, dtype=state.wire_dtype, device=buffer.device)
-        state.stats.calls += 1
-        state.stats.bytes += send.numel() * send.element_size()
-        work = dist.all_to_all_single(
-            received, send, [rnd.received] * world, list(rnd.input_splits), group=state.process_group, async_op=True
-        )
-        launched.append(_RoundExchange(work, rnd, send, received))
-    for rnd in plan.rounds:
-        for shard, _, _ in rnd.dest:
-            shard.grads.reduced = True
     done = bucket_future(buffer)
-    state.in_flight.append(_Exchange(launched, buffer, done))
+    state.launch(buffer, bucket.parameters(), done)
     if bucket.is_last():
         state.finish_completed(wait=True)  # DDP waits for every bucket's future right after this hook
     return done
@@ -255,15 +280,18 @@ class _Exchange:
 
     rounds: list[_RoundExchange]
     buffer: torch.Tensor
-    done: torch.futures.Future
+    done: torch.futures.Future | None  # DDP's bucket future; None: free the buffer when finished
 
     def is_completed(self) -> bool:
         """Whether every round has arrived."""
         return all(r.work.is_completed() for r in self.rounds)
 
     def finish(self, world: int) -> None:
-        """Finish every round in order, zero the bucket, complete the future."""
+        """Finish every round in order; zero the bucket and complete the future, or free the bucket."""
         for r in self.rounds:
             r.finish(world, self.buffer)
+        if self.done is None:
+            self.buffer.untyped_storage().resize_(0)
+            return
         self.buffer.zero_()
         self.done.set_result(self.buffer)
