@@ -48,7 +48,7 @@ __all__ = ["MAX_IN_FLIGHT", "REDUCE_BUCKET_BYTES", "ShardedGradReduce", "bucket_
 MAX_IN_FLIGHT = 2
 """Buckets exchanged at once: each holds a packed copy of its bucket and W received copies of its slice."""
 
-REDUCE_BUCKET_BYTES = 1 << 20
+REDUCE_BUCKET_BYTES = 1 << 19
 """Largest gradient bucket of sharding stages 1 and 2, in wire bytes (DeepSpeed's ``reduce_bucket_size``).
 
 Each of the :data:`MAX_IN_FLIGHT` exchanges holds its bucket, a packed copy

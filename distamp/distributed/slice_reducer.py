@@ -29,8 +29,9 @@ filled plus those in flight. Buckets are at most :data:`~distamp.distributed.red
 ``reduce_bucket_size`` caps its buckets independently of anything else.
 
 What it does for users that DDP did: parameters and buffers are broadcast
-from rank 0 when it is built, buffers again before each training forward
-(``broadcast_buffers``), and with ``find_unused_parameters`` the ranks
+from rank 0 when it is built, buffers again before each forward that
+follows a training forward outside ``no_sync`` (``broadcast_buffers``, DDP's
+rule), and with ``find_unused_parameters`` the ranks
 agree which parameters got a gradient on any rank (the others keep
 ``grad = None`` in the optimizer, as with DDP); without it a parameter that
 got no gradient counts as a zero gradient.
@@ -116,6 +117,7 @@ class SliceReducer:
         self.broadcast_buffers = broadcast_buffers
         self.sync = True
         """Whether the backward of the last forward reduces (False under ``no_sync``: ``.grad`` accumulates)."""
+        self._sync_buffers_next = True
         params = _unique(p for p in reversed(list(module.parameters())) if p.requires_grad)
         self.params = params
         self.buckets = _cut(params, max(1, min(bucket_bytes, REDUCE_BUCKET_BYTES) // wire_dtype.itemsize))
@@ -151,12 +153,16 @@ class SliceReducer:
 
     @torch.compiler.disable
     def before_forward(self, sync: bool) -> None:
-        """Record whether this forward's backward reduces; broadcast the buffers first if it does."""
+        """Record whether this forward's backward reduces; broadcast rank 0's buffers first when DDP would.
+
+        As DDP does, buffers are broadcast before a forward that follows a
+        forward with gradients outside ``no_sync`` (and before the first).
+        """
         if self._flush_queued:  # the last backward raised before its end: start clean
             self.exchange.finish_completed(wait=True)
             self._reset()
         self.sync = sync
-        if sync and self.broadcast_buffers and torch.is_grad_enabled():
+        if self._sync_buffers_next and self.broadcast_buffers:
             buffers = [b.detach() for b in self.module.buffers()]
             if buffers:
                 _sync_params_and_buffers(_group(self.process_group), buffers, _BROADCAST_BYTES, 0)
@@ -164,7 +170,8 @@ class SliceReducer:
     @torch.compiler.disable
     def watch(self, output: Any) -> Any:
         """Hook the forward's output tensors so their backward queues the end-of-backward flush; returns ``output``."""
-        if self.sync and torch.is_grad_enabled():
+        self._sync_buffers_next = self.sync and torch.is_grad_enabled()
+        if self._sync_buffers_next:
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(self._backward_started)
