@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from distamp.distributed.ddp_preparation import DDPPreparation, check_device
+from distamp.distributed.reduce_scatter import REDUCE_BUCKET_BYTES
 from distamp.strategy import DistributedStrategy
 from tests.multiprocess import run_workers
 
@@ -119,8 +120,11 @@ def test_one_preparation_makes_ranks_identical_and_picks_the_comm_hook(amp, stag
     for rank in (0, 1):
         assert out[rank]["hook"] == hook
         assert out[rank]["reduce_scatter"] == (stage > 0)
-        if stage < 2:
+        if stage == 0:
             assert out[rank]["bucket_bytes_cap"] == 1024 * 1024  # strategy.fuse_grad_size_in_MB = 1
+        if stage == 1:  # reduce-scattered buckets are capped, whatever fuse_grad_size_in_MB says
+            assert out[rank]["bucket_bytes_cap"] == REDUCE_BUCKET_BYTES < 1024 * 1024
+        if stage < 2:
             assert out[rank]["bucket_view"]
     # Rank 1 started from other weights; after the preparation it holds rank 0's, bit for bit.
     for w0, w1 in zip(out[0]["weights"], out[1]["weights"], strict=True):
