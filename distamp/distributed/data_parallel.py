@@ -170,7 +170,7 @@ class DataParallel(nn.Module):
 
     @property
     def ddp(self) -> DistributedDataParallel | None:
-        """The underlying DDP module (``None`` before the first forward and in a one-process run)."""
+        """The underlying DDP module (``None`` before it is built, in a one-process run and under sharding stage 2)."""
         return self._runtime.ddp
 
     @property

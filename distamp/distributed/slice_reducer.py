@@ -39,6 +39,7 @@ got no gradient counts as a zero gradient.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,12 +72,16 @@ class _Bucket:
 class SliceReducer:
     """Stage 2's reducer: gradients into 16-bit buckets as they are accumulated, out as FP32 slices.
 
-    Example::
+    Example (what ``DataParallel`` does with it)::
 
         reducer = SliceReducer(model, [optimizer.master_weights], torch.bfloat16, group)
-        output = reducer.before_forward() or model(x)   # see DataParallel.forward
-        reducer.watch(output)
-        loss.backward()        # .grad is None everywhere; the slices hold the reduced sums
+        reducer.broadcast_from_rank0()
+        reducer.before_forward(sync=True)
+        loss = loss_fn(reducer.watch(model(x)), y)
+        loss.backward()        # .grad is None everywhere; the owners' FP32 slices hold the reduced sums
+
+    The parameters' hooks hold the reducer weakly: once it is garbage, they
+    are removed and the model's gradients are left alone.
 
     Args:
         module: the model; its parameters that require a gradient must all
@@ -125,7 +130,15 @@ class SliceReducer:
                       for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self._index = {id(p): i for i, p in enumerate(params)}
         self._owner = {id(p): (shard, i) for shard in self.shards for i, p in enumerate(shard.model_params)}
-        self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+        reducer = weakref.ref(self)
+
+        def grad_ready(param: torch.Tensor) -> None:
+            alive = reducer()
+            if alive is not None:
+                alive._grad_ready(param)
+
+        self._handles = [p.register_post_accumulate_grad_hook(grad_ready) for p in params]
+        weakref.finalize(self, _remove, self._handles)
         self._reset()
 
     @property
@@ -253,10 +266,14 @@ class SliceReducer:
         return [p for p, used in zip(self.params, flags.tolist(), strict=True) if used]
 
     def remove(self) -> None:
-        """Remove the post-accumulate-grad hooks."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        """Remove the post-accumulate-grad hooks (also done when the reducer is garbage collected)."""
+        _remove(self._handles)
+
+
+def _remove(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:

@@ -63,7 +63,7 @@ def _reduce(rank, world, wire, round_bytes=None):
         "identity": plan.identity,
         "pieces": [(p.param, p.start, p.stop) for p in shard.pieces],
         "stats": (state.stats.calls, state.stats.bytes),
-        "in_flight": len(state.in_flight),
+        "in_flight": len(state.open),
     }
 
 

@@ -193,3 +193,29 @@ def test_ddp_options_stage_2_cannot_honour_are_refused_before_anything_runs():
         DataParallel(nn.Linear(2, 2), _strategy(2), mixed_precision=None, delay_all_reduce_named_params=None,
                      static_graph=True)
     DataParallel(nn.Linear(2, 2), _strategy(1), static_graph=True)  # stage 1 still runs on DDP
+
+
+def _reducer_dropped(rank, world):
+    import gc
+
+    from distamp.distributed.slice_reducer import SliceReducer
+    from distamp.optim.sharded_masters import ShardedMasters
+
+    model = nn.Linear(4, 2)
+    masters = ShardedMasters(model.parameters(), None, None, rank, world)
+    reducer = SliceReducer(model, [masters], torch.float32)
+    reducer.before_forward(sync=True)
+    reducer.watch(model(torch.ones(1, 4))).sum().backward()
+    taken = [p.grad for p in model.parameters()]
+    del reducer
+    gc.collect()
+    model(torch.ones(1, 4)).sum().backward()
+    return taken, [p.grad for p in model.parameters()], masters.grads.reduced
+
+
+@pytest.mark.timeout(120)
+def test_a_garbage_reducer_leaves_the_models_gradients_alone():
+    for taken, kept, reduced in run_workers(_reducer_dropped, 2, timeout=100):
+        assert taken == [None, None]
+        assert reduced
+        assert all(g is not None for g in kept)
