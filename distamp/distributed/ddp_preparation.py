@@ -23,7 +23,7 @@ from distamp.distributed.comm_hooks import LowPrecisionAllReduce, PendingFp32Gra
 from distamp.distributed.fingerprint import check_ranks_agree
 from distamp.distributed.powersgd import PowerSGD
 from distamp.distributed.process_group import wait_for_comm_threads
-from distamp.distributed.reduce_scatter import REDUCE_BUCKET_BYTES, ShardedGradReduce
+from distamp.distributed.reduce_scatter import ShardedGradReduce, reduce_bucket_bytes
 from distamp.distributed.slice_reducer import SliceReducer
 from distamp.distributed.timeouts import named_collective
 from distamp.strategy import DistributedStrategy
@@ -100,9 +100,9 @@ class DDPPreparation:
             if stage == 2:
                 reducer = self._build_reducer(optimizers)
                 return PreparedDDP(None, None, True, reducer)
-            # Stage 1's buckets are reduce-scattered: as small as stage 2's, so the exchanges stay small.
+            # Stage 1's buckets are reduce-scattered: sized as stage 2's, so the exchanges stay small.
             cap = self.strategy.fuse_grad_size_in_MB
-            ddp = self._build_ddp(min(cap, REDUCE_BUCKET_BYTES / 2**20) if stage == 1 else cap)
+            ddp = self._build_ddp(self._bucket_bytes() / 2**20 if stage == 1 else cap)
         comm_hook = self._comm_hook(optimizers, stage == 1)
         if comm_hook is not None:
             comm_hook.register(ddp)
@@ -111,13 +111,19 @@ class DDPPreparation:
     def _wire_dtype(self) -> torch.dtype:
         return self.strategy.amp_config.comm_torch_dtype if self.strategy.amp else torch.float32
 
+    def _bucket_bytes(self) -> int:
+        """The sharded stages' bucket size for this model's gradient (see ``reduce_bucket_bytes``)."""
+        numel = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        fuse = max(1, int(self.strategy.fuse_grad_size_in_MB * 2**20))
+        return reduce_bucket_bytes(numel * self._wire_dtype().itemsize, fuse)
+
     def _build_reducer(self, optimizers: list[AttachedOptimizer]) -> SliceReducer:
         """Stage 2: hooks that reduce-scatter 16-bit buckets as gradients arrive (no DDP, no full-size gradient)."""
         # check_sharding made every optimizer stage 2, whose masters are sharded.
         shards: list[SliceOwner] = [opt.master_weights for opt in optimizers]
         reducer = SliceReducer(
             self.module, shards, self._wire_dtype(), self.process_group, PendingFp32Grads(optimizers),
-            bucket_bytes=max(1, min(int(self.strategy.fuse_grad_size_in_MB * 2**20), REDUCE_BUCKET_BYTES)),
+            bucket_bytes=self._bucket_bytes(),
             find_unused_parameters=self.find_unused_parameters,
             broadcast_buffers=self.ddp_kwargs.get("broadcast_buffers", True),
         )
@@ -152,7 +158,7 @@ class DDPPreparation:
         if reduce_scatter:
             # check_sharding made every optimizer stage 1, whose masters are sharded.
             shards: list[SliceOwner] = [opt.master_weights for opt in optimizers]
-            return ShardedGradReduce(shards, self._wire_dtype(), self.process_group, pending)
+            return ShardedGradReduce(shards, self._wire_dtype(), self.process_group, pending, self._bucket_bytes())
         if self.strategy.powersgd:
             # The optimizer binds itself (DataParallel.bind_compressor): it reports each step's verdict.
             wire = cfg.comm_torch_dtype if self.strategy.amp else torch.float32

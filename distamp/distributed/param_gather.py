@@ -32,12 +32,13 @@ from distamp.distributed.wire_rounds import round_bytes
 __all__ = ["GATHER_BYTES", "GatherInFlight", "SliceAllGather"]
 
 GATHER_BYTES = 2 << 20
-"""Cap on ``chunk_bytes`` for the sharded optimizer's gather: received bytes in flight at once.
+"""Smallest budget (``chunk_bytes``) of the sharded optimizer's gather: received bytes in flight at once.
 
-A larger budget buys nothing on gloo (it runs the rounds in order) and holds
-a receive buffer of up to the whole model's 16-bit size at step time, which
-with a 25 MB ``fuse_grad_size_in_MB`` and a model of a few million
-parameters is most of what sharding saves.
+The optimizer asks for two of the reduce-scatter's buckets
+(:func:`~distamp.distributed.reduce_scatter.reduce_bucket_bytes`), at least
+this: ``fuse_grad_size_in_MB`` alone (25 MB) would hold a receive buffer of
+the whole 16-bit model at step time on a model of a few million
+parameters, most of what sharding saves.
 """
 
 # all_gather_single is the non-deprecated name from torch 2.13 on.

@@ -11,8 +11,8 @@ Each rank then adds the W received copies of its elements, divided by W,
 in FP32 into its FP32 gradient slice (``grads`` of the sharded masters), where
 several backward passes (and gradient
 merge's micro-batches) accumulate without 16-bit rounding. A bucket's
-exchange is cut into rounds that send at most :data:`REDUCE_BUCKET_BYTES`
-in all (and on gloo at most
+exchange is cut into rounds that send at most a bucket's bytes
+(:func:`reduce_bucket_bytes`) in all (and on gloo at most
 :data:`~distamp.distributed.wire_rounds.GLOO_ROUND_BYTES` to each peer; see
 :mod:`distamp.distributed.wire_rounds`), each destination's elements cut
 evenly, round by round, so a parameter larger than a bucket never needs
@@ -47,23 +47,34 @@ from distamp.distributed.attached import SliceOwner
 from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
 from distamp.distributed.wire_rounds import round_bytes
 
-__all__ = ["MAX_IN_FLIGHT", "REDUCE_BUCKET_BYTES", "ShardedGradReduce", "bucket_future", "reduce_scatter_hook"]
+__all__ = ["BUCKET_FRACTION", "MAX_IN_FLIGHT", "REDUCE_BUCKET_BYTES", "ShardedGradReduce", "bucket_future",
+           "reduce_bucket_bytes", "reduce_scatter_hook"]
 
 MAX_IN_FLIGHT = 2
 """Rounds on the wire at once (each with its packed send and W received copies), and buckets open at once."""
 
 REDUCE_BUCKET_BYTES = 1 << 19
-"""Largest gradient bucket of sharding stages 1 and 2, in wire bytes (DeepSpeed's ``reduce_bucket_size``).
+"""Smallest gradient bucket of sharding stages 1 and 2, in wire bytes (see :func:`reduce_bucket_bytes`)."""
 
-Each of the :data:`MAX_IN_FLIGHT` exchanges holds its bucket, a packed copy
-unless the bucket goes out as it is, and the W received copies of this
-rank's part (as many bytes as the bucket), so peak memory holds a few
-buckets: at 1 MB a few MB whatever the model, where DDP's 25 MB default
-would hold the whole 16-bit gradient of a model of a few million
-parameters. On gloo an exchange is cut into rounds of 1 MB per peer anyway
-(:mod:`distamp.distributed.wire_rounds`), so smaller buckets cost no extra
-collectives there.
-"""
+BUCKET_FRACTION = 8
+"""A bucket is at most this fraction of the model's 16-bit gradient (above :data:`REDUCE_BUCKET_BYTES`)."""
+
+
+def reduce_bucket_bytes(gradient_bytes: int, fuse_bytes: int) -> int:
+    """Bucket size (and round size) of the sharded stages for a gradient of ``gradient_bytes`` on the wire.
+
+    DeepSpeed's ``reduce_bucket_size``, chosen from the model: each of the
+    :data:`MAX_IN_FLIGHT` exchanges holds a packed copy and the W received
+    copies of this rank's share (as many bytes as the bucket), so peak
+    memory holds a few buckets, which a fixed 25 MB would make most of what
+    stage 2 saves on a model of a few million parameters; but every bucket
+    and round costs gloo about half a millisecond of CPU, which small
+    buckets multiply (on a 6.56M-parameter MLP, 512 KB buckets cost 1.57x
+    the CPU time of the unsharded step, 2 MB 1.10x). So a bucket is an
+    eighth of the gradient, at least :data:`REDUCE_BUCKET_BYTES` and at
+    most ``fuse_bytes`` (``fuse_grad_size_in_MB``).
+    """
+    return max(1, min(fuse_bytes, max(REDUCE_BUCKET_BYTES, gradient_bytes // BUCKET_FRACTION)))
 
 
 _Entry = tuple[int, int, SliceOwner, int]  # (start in the bucket, length, slice owner, start in its grad slice)
@@ -113,6 +124,8 @@ class ShardedGradReduce:
         process_group: the data-parallel group (``None``: the world).
         pending: returns gradient-merge FP32 sums to add before the wire cast
             (see :class:`~distamp.distributed.comm_hooks.PendingFp32Grads`).
+        bucket_bytes: most bytes one round sends in all (see
+            :func:`reduce_bucket_bytes`).
 
     Raises:
         TypeError: an unsupported ``wire_dtype``.
@@ -124,6 +137,7 @@ class ShardedGradReduce:
         wire_dtype: torch.dtype,
         process_group: dist.ProcessGroup | None = None,
         pending: Pending | None = None,
+        bucket_bytes: int = REDUCE_BUCKET_BYTES,
     ) -> None:
         if wire_dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"wire_dtype={wire_dtype!r} is not supported; use torch.float16, bfloat16 or float32")
@@ -136,7 +150,7 @@ class ShardedGradReduce:
         self.open: deque[_Exchange] = deque()  # buckets handed over and not yet summed, in order
         self._queued: deque[_RoundExchange] = deque()  # rounds not yet launched, in order
         self._running: deque[_RoundExchange] = deque()  # rounds on the wire, in launch order
-        per_peer = REDUCE_BUCKET_BYTES // (self.world_size * wire_dtype.itemsize)
+        per_peer = bucket_bytes // (self.world_size * wire_dtype.itemsize)
         limit = round_bytes(process_group)
         if limit is not None:
             per_peer = min(per_peer, limit // wire_dtype.itemsize)

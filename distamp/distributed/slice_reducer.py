@@ -24,9 +24,11 @@ replaces DDP for stage 2, as DeepSpeed's stage 2 does with its IPG buckets
 
 Between backward and ``step()`` a rank therefore holds its FP32 gradient
 slice and no ``.grad`` at all; during backward, at most the buckets being
-filled plus those in flight. Buckets are at most :data:`~distamp.distributed.reduce_scatter.REDUCE_BUCKET_BYTES`
-(or ``fuse_grad_size_in_MB`` when smaller), as DeepSpeed's
-``reduce_bucket_size`` caps its buckets independently of anything else.
+filled plus those in flight. Buckets are sized from the model
+(:func:`~distamp.distributed.reduce_scatter.reduce_bucket_bytes`), as
+DeepSpeed's ``reduce_bucket_size`` sizes its buckets independently of
+anything else. A parameter alone in its bucket whose gradient already has
+the wire dtype lends its gradient as the bucket (no copy).
 
 What it does for users that DDP did: parameters and buffers are broadcast
 from rank 0 when it is built, buffers again before each forward that
@@ -90,8 +92,8 @@ class SliceReducer:
         wire_dtype: dtype of the gradients in the buckets and on the wire.
         process_group: the data-parallel group (``None``: the world).
         pending: gradient-merge FP32 sums to add before the wire cast.
-        bucket_bytes: bucket size cap in wire bytes (further capped at
-            :data:`~distamp.distributed.reduce_scatter.REDUCE_BUCKET_BYTES`).
+        bucket_bytes: bucket size cap in wire bytes (a larger parameter has a
+            bucket of its own); also the exchange's round size.
         find_unused_parameters: agree over the ranks which parameters got a
             gradient (one small all-reduce per backward).
         broadcast_buffers: broadcast rank 0's buffers before each forward
@@ -114,7 +116,7 @@ class SliceReducer:
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes!r} must be > 0")
-        self.exchange = ShardedGradReduce(shards, wire_dtype, process_group, pending)
+        self.exchange = ShardedGradReduce(shards, wire_dtype, process_group, pending, bucket_bytes)
         self.module = module
         self.shards = list(shards)
         self.process_group = process_group
@@ -125,7 +127,7 @@ class SliceReducer:
         self._sync_buffers_next = True
         params = _unique(p for p in reversed(list(module.parameters())) if p.requires_grad)
         self.params = params
-        self.buckets = _cut(params, max(1, min(bucket_bytes, REDUCE_BUCKET_BYTES) // wire_dtype.itemsize))
+        self.buckets = _cut(params, max(1, bucket_bytes // wire_dtype.itemsize))
         self._slot = {id(p): (b, bucket.offsets[i], i)
                       for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
         self._index = {id(p): i for i, p in enumerate(params)}
@@ -216,6 +218,13 @@ class SliceReducer:
                 "bucket was sent (a parameter used both inside and outside a reentrant activation checkpoint); "
                 "use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
             )
+        if len(self.buckets[b].params) == 1 and _lendable(grad, self.exchange.wire_dtype):
+            self._buffers[b] = grad.detach().view(-1)  # the gradient is the bucket: no copy
+            self._used.add(id(param))
+            self._ready[b] = 1
+            param.grad = None
+            self._launch_ready()
+            return
         buffer = self._buffers[b]
         if buffer is None:
             buffer = self._buffers[b] = torch.zeros(self.buckets[b].numel, dtype=self.exchange.wire_dtype,
@@ -228,6 +237,10 @@ class SliceReducer:
             self._used.add(id(param))
             self._ready[b] += 1
         param.grad = None
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Send the filled buckets, in order, up to the first one still waiting for a gradient."""
         while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].params):
             self._launch(self._next)
 
@@ -274,6 +287,16 @@ def _remove(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
     handles.clear()
+
+
+def _lendable(grad: torch.Tensor, wire_dtype: torch.dtype) -> bool:
+    """Whether ``grad`` can serve as its bucket: the wire dtype, dense, and the sole user of its whole storage.
+
+    Its storage is freed when the exchange is done, so it must not be a view
+    (autograd may accumulate a slice of a larger gradient, e.g. of a ``cat``).
+    """
+    return (grad.dtype == wire_dtype and grad.is_contiguous() and grad._base is None and grad.storage_offset() == 0
+            and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size())
 
 
 def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:

@@ -28,6 +28,7 @@ from torch import nn
 from distamp.distributed.flag_sync import all_reduce_max
 from distamp.distributed.groups import group_rank, group_size
 from distamp.distributed.param_gather import GATHER_BYTES
+from distamp.distributed.reduce_scatter import reduce_bucket_bytes
 from distamp.optim.grad_accumulator import Fp32GradAccumulator
 from distamp.optim.loss_scaler import build_loss_scaler
 from distamp.optim.precision import FullPrecision, MixedPrecision
@@ -40,14 +41,21 @@ __all__ = ["ShardedPrecision"]
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _gather_bytes(params: Sequence[nn.Parameter], strategy: DistributedStrategy, itemsize: int) -> int:
+    """Bytes the all-gather receives at a time: two of the reduce-scatter's buckets, at least GATHER_BYTES."""
+    fuse = max(1, int(strategy.fuse_grad_size_in_MB * 2**20))
+    bucket = reduce_bucket_bytes(sum(p.numel() for p in params) * itemsize, fuse)
+    return min(fuse, max(GATHER_BYTES, 2 * bucket))
+
+
 class ShardedPrecision(MixedPrecision):
     """Sharded optimizer state (ZeRO stage 1 or 2) in any AMP mode.
 
     Args:
         params: the parameters the inner optimizer was built on.
         strategy: ``amp``, ``amp_configs``, ``sharding_configs`` and
-            ``fuse_grad_size_in_MB`` (the all-gather's round size, at most
-            :data:`~distamp.distributed.param_gather.GATHER_BYTES`).
+            ``fuse_grad_size_in_MB`` (the all-gather's budget, at most that and
+            at least :data:`~distamp.distributed.param_gather.GATHER_BYTES`).
         group: the data-parallel group (``None``: a one-process world).
 
     Notes:
@@ -60,6 +68,7 @@ class ShardedPrecision(MixedPrecision):
 
     def __init__(self, params: Sequence[nn.Parameter], strategy: DistributedStrategy,
                  group: dist.ProcessGroup | None) -> None:
+        params = list(params)
         config = strategy.amp_config
         self.config = config
         self.group = group
@@ -71,7 +80,7 @@ class ShardedPrecision(MixedPrecision):
         self.mode = "O2" if pure else ("O1" if strategy.amp else "off")
         self.master_weights = ShardedMasters(
             params, config.torch_dtype if pure else None, group, group_rank(group), group_size(group),
-            chunk_bytes=min(int(strategy.fuse_grad_size_in_MB * 2**20), GATHER_BYTES),
+            chunk_bytes=_gather_bytes(params, strategy, 2 if pure or strategy.amp else 4),
         )
         self.scaler = build_loss_scaler(config) if strategy.amp else None
         self.consecutive_stuck = 0
