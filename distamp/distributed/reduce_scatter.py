@@ -150,12 +150,11 @@ class ShardedGradReduce:
         self.open: deque[_Exchange] = deque()  # buckets handed over and not yet summed, in order
         self._queued: deque[_RoundExchange] = deque()  # rounds not yet launched, in order
         self._running: deque[_RoundExchange] = deque()  # rounds on the wire, in launch order
-        per_peer = bucket_bytes // (self.world_size * wire_dtype.itemsize)
+        self.round_elements = max(1, bucket_bytes // wire_dtype.itemsize)
+        """Most elements a rank sends per round, to all peers together."""
         limit = round_bytes(process_group)
-        if limit is not None:
-            per_peer = min(per_peer, limit // wire_dtype.itemsize)
-        self.round_elements = max(1, per_peer)
-        """Most elements a rank sends to one peer per round."""
+        self.peer_elements = None if limit is None else max(1, limit // wire_dtype.itemsize)
+        """Most elements a rank sends to one peer per round (``None``: no limit)."""
         self._owner = {id(p): (shard, i) for shard in shards for i, p in enumerate(shard.model_params)}
         self._plans: dict[tuple[int, ...], _BucketPlan] = {}
 
@@ -208,7 +207,9 @@ class ShardedGradReduce:
             position += p.numel()
         totals = [sum(e[1] for e in entries) for entries in per_rank]
         # The same count on every rank: it depends only on the bucket and the layout.
-        count = max(1, -(-max(totals) // self.round_elements))
+        count = max(1, -(-sum(totals) // self.round_elements))
+        if self.peer_elements is not None:
+            count = max(count, -(-max(totals) // self.peer_elements))
         rounds = []
         for j in range(count):
             parts = [_window(entries, j * n // count, (j + 1) * n // count)
