@@ -1,8 +1,10 @@
-"""ZeRO stage 2: a DDP comm hook that reduce-scatters each gradient bucket, 16-bit on the wire, summed in FP32.
+"""ZeRO stages 1 and 2: reduce-scatter each gradient bucket, 16-bit on the wire, summed in FP32.
 
-DDP's reducer still computes gradients into its buckets and calls the hook
-per bucket as soon as the bucket is ready (overlapped with the rest of
-backward). Instead of all-reducing the bucket, the hook sends every rank
+In stage 1 DDP's reducer computes gradients into its buckets and calls this
+module's comm hook per bucket as soon as the bucket is ready (overlapped
+with the rest of backward); in stage 2 distamp's reducer
+(:mod:`distamp.distributed.slice_reducer`) hands over its own buckets
+through :meth:`ShardedGradReduce.launch`. Instead of all-reducing the bucket, the hook sends every rank
 the elements of the bucket that rank owns in the flat parameter space
 (:mod:`distamp.distributed.flat_layout`): one ``all_to_all_single`` of 16-bit
 chunks with per-rank split sizes (gloo and NCCL both take split sizes), so
@@ -68,9 +70,10 @@ def reduce_bucket_bytes(gradient_bytes: int, fuse_bytes: int) -> int:
     copies of this rank's share (as many bytes as the bucket), so peak
     memory holds a few buckets, which a fixed 25 MB would make most of what
     stage 2 saves on a model of a few million parameters; but every bucket
-    and round costs gloo about half a millisecond of CPU, which small
-    buckets multiply (on a 6.56M-parameter MLP, 512 KB buckets cost 1.57x
-    the CPU time of the unsharded step, 2 MB 1.10x). So a bucket is an
+    and round costs gloo CPU time, which small buckets multiply (stage 2
+    on the 6.56M-parameter benchmark MLP, 2 ranks: 512 KB buckets took
+    1.46x-1.57x the CPU time of the unsharded step, an eighth of the
+    gradient 1.08x-1.19x, on a shared 2-core host). So a bucket is an
     eighth of the gradient, at least :data:`REDUCE_BUCKET_BYTES` and at
     most ``fuse_bytes`` (``fuse_grad_size_in_MB``).
     """
@@ -110,7 +113,7 @@ def _window(entries: list[_Entry], lo: int, hi: int) -> list[_Entry]:
 
 
 class ShardedGradReduce:
-    """State of the stage-2 comm hook: the layouts it reduces for, the wire dtype, byte counters.
+    """State of the reduce-scatter: the layouts it reduces for, the wire dtype, rounds in flight, byte counters.
 
     Example::
 
