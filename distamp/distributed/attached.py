@@ -27,6 +27,7 @@ class GradSlice(Protocol):
 
     buffer: torch.Tensor
     reduced: bool
+    arrived: set[int]  # indices (in the owner's model_params) of parameters whose gradient was summed here
 
 
 class SliceOwner(Protocol):

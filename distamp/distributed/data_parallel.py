@@ -17,10 +17,13 @@ optimizer comes. By then parameter dtypes are final, so DDP (whose buckets
 are per dtype) is built exactly once, and outside any ``torch.compile``d
 region.
 
-With ``strategy.sharding`` stage 2 the comm hook reduce-scatters instead of
-all-reducing (:mod:`distamp.distributed.reduce_scatter`), and every
-backward communicates, gradient merge's micro-batches included: each is
-summed into the owners' FP32 gradient slices.
+With ``strategy.sharding`` stage 1 the comm hook reduce-scatters instead of
+all-reducing (:mod:`distamp.distributed.reduce_scatter`); stage 2 replaces
+DDP by :class:`~distamp.distributed.slice_reducer.SliceReducer`, which
+reduce-scatters the same way from small 16-bit buckets and frees each
+``.grad`` as soon as it is in one. In both, every backward communicates,
+gradient merge's micro-batches included: each is summed into the owners'
+FP32 gradient slices.
 """
 
 from __future__ import annotations
@@ -38,11 +41,12 @@ from distamp.amp.black_modules import keep_in_fp32
 from distamp.amp.fp32_parameters import fp32_parameters
 from distamp.distributed.attached import AttachedOptimizer
 from distamp.distributed.comm_hooks import CommStats, LowPrecisionAllReduce
-from distamp.distributed.ddp_preparation import DDPPreparation, check_device
+from distamp.distributed.ddp_preparation import STAGE2_DDP_KWARGS, DDPPreparation, check_device
 from distamp.distributed.groups import group_size
 from distamp.distributed.param_gather_hooks import ForwardParamGather
 from distamp.distributed.powersgd import PowerSGD
 from distamp.distributed.reduce_scatter import ShardedGradReduce
+from distamp.distributed.slice_reducer import SliceReducer
 from distamp.model_views import fp32_model_state_dict
 from distamp.strategy import DistributedStrategy
 
@@ -69,10 +73,11 @@ class _Runtime:
     def __init__(self, module: nn.Module) -> None:
         self.ddp: DistributedDataParallel | None = None
         self.comm_hook: LowPrecisionAllReduce | ShardedGradReduce | PowerSGD | None = None
+        self.reducer: SliceReducer | None = None  # sharding stage 2, instead of DDP
         self.optimizers: list[AttachedOptimizer] = []
         self.optimizer_sync: dict[int, bool] = {}
         self.merge_sync = True  # all(optimizer_sync): a plain bool for forward (torch.compile guards on it)
-        self.reduce_scatter = False  # sharding stage 2: every micro-batch communicates
+        self.reduce_scatter = False  # sharding stage 1 or 2: every micro-batch communicates
         self.sync_enabled = True
         self.prepared = False
         self.param_gather = ForwardParamGather(module)  # overlap_param_gather: finished in forward
@@ -106,6 +111,11 @@ class DataParallel(nn.Module):
             parameter and buffer must be there (``ValueError`` naming the first
             that is not). ``None``: not checked, DDP uses the parameters' device.
         ddp_kwargs: further keyword arguments for DDP (e.g. ``static_graph``).
+            Sharding stage 2 uses no DDP and takes only ``broadcast_buffers``,
+            ``init_sync`` and ``static_graph`` (which it needs no hint for).
+
+    Raises:
+        ValueError: a DDP argument distamp sets itself, or one stage 2 cannot honour.
     """
 
     def __init__(
@@ -128,6 +138,13 @@ class DataParallel(nn.Module):
                 raise ValueError(
                     f"{name}={ddp_kwargs[name]!r} is set by distamp (device from LOCAL_RANK, "
                     "bucket size from strategy.fuse_grad_size_in_MB); remove it"
+                )
+        if strategy.sharding and strategy.sharding_config.stage == 2:
+            refused = sorted(set(ddp_kwargs) - set(STAGE2_DDP_KWARGS))
+            if refused:
+                raise ValueError(
+                    f"{refused} are DDP options, but sharding stage 2 replaces DDP by distamp's reducer, which "
+                    f"takes only {list(STAGE2_DDP_KWARGS)} (and find_unused_parameters); remove the others"
                 )
         self.module = module
         self.strategy = strategy
@@ -153,14 +170,21 @@ class DataParallel(nn.Module):
 
     @property
     def ddp(self) -> DistributedDataParallel | None:
-        """The underlying DDP module (``None`` before the first forward and in a one-process run)."""
+        """The underlying DDP module (``None`` before it is built, in a one-process run and under sharding stage 2)."""
         return self._runtime.ddp
 
     @property
+    def reducer(self) -> SliceReducer | None:
+        """Sharding stage 2's gradient reducer, which replaces DDP (``None`` otherwise and before it is built)."""
+        return self._runtime.reducer
+
+    @property
     def comm_stats(self) -> CommStats | None:
-        """Calls and bytes of the gradient comm hook (``None`` without a hook: no DDP, or AMP off unsharded)."""
-        hook = self._runtime.comm_hook
-        return hook.stats if hook is not None else None
+        """Calls and bytes of the gradient comm hook or stage 2's reducer (``None``: no DDP, or AMP off unsharded)."""
+        runtime = self._runtime
+        if runtime.reducer is not None:
+            return runtime.reducer.stats
+        return runtime.comm_hook.stats if runtime.comm_hook is not None else None
 
     def owns_any(self, params: list[nn.Parameter]) -> bool:
         """Whether any of ``params`` belongs to the wrapped module."""
@@ -240,8 +264,8 @@ class DataParallel(nn.Module):
         preparation = DDPPreparation(self.module, self.strategy, self._process_group, self._device,
                                      self.find_unused_parameters, self._ddp_kwargs)
         prepared = preparation.run(runtime.optimizers)
-        runtime.ddp, runtime.comm_hook, runtime.reduce_scatter = (
-            prepared.ddp, prepared.comm_hook, prepared.reduce_scatter
+        runtime.ddp, runtime.comm_hook, runtime.reduce_scatter, runtime.reducer = (
+            prepared.ddp, prepared.comm_hook, prepared.reduce_scatter, prepared.reducer
         )
         for optimizer in runtime.optimizers:
             self._bind_compressor(optimizer)
@@ -259,9 +283,12 @@ class DataParallel(nn.Module):
             self.prepare()
         ddp = runtime.ddp
         try:
+            if runtime.reducer is not None:
+                runtime.reducer.before_forward(runtime.sync_enabled)
+                return runtime.reducer.watch(self.module(*args, **kwargs))
             if ddp is None:
                 return self.module(*args, **kwargs)
-            # Stage 2 reduce-scatters every micro-batch: the owners sum them in FP32 slices.
+            # Stage 1 reduce-scatters every micro-batch: the owners sum them in FP32 slices.
             ddp.require_backward_grad_sync = runtime.sync_enabled and (runtime.reduce_scatter or runtime.merge_sync)
             ddp.training = self.training
             rebuilt = ddp._has_rebuilt_buckets

@@ -3,6 +3,8 @@
 :class:`DDPPreparation` is what ``DataParallel.prepare`` runs, once, when the
 first optimizer is attached or at the first forward: by then parameter
 dtypes are final, so DDP (whose buckets are per dtype) is built exactly once.
+Sharding stage 2 gets no DDP but distamp's own reducer
+(:mod:`distamp.distributed.slice_reducer`), which keeps no full-size gradient.
 """
 
 from __future__ import annotations
@@ -21,11 +23,15 @@ from distamp.distributed.comm_hooks import LowPrecisionAllReduce, PendingFp32Gra
 from distamp.distributed.fingerprint import check_ranks_agree
 from distamp.distributed.powersgd import PowerSGD
 from distamp.distributed.process_group import wait_for_comm_threads
-from distamp.distributed.reduce_scatter import ShardedGradReduce
+from distamp.distributed.reduce_scatter import ShardedGradReduce, reduce_bucket_bytes
+from distamp.distributed.slice_reducer import SliceReducer
 from distamp.distributed.timeouts import named_collective
 from distamp.strategy import DistributedStrategy
 
-__all__ = ["DDPPreparation", "PreparedDDP", "check_device"]
+__all__ = ["STAGE2_DDP_KWARGS", "DDPPreparation", "PreparedDDP", "check_device"]
+
+STAGE2_DDP_KWARGS = ("broadcast_buffers", "init_sync", "static_graph")
+"""DDP keyword arguments sharding stage 2 (which replaces DDP) honours; ``static_graph`` needs nothing from it."""
 
 
 def check_device(module: nn.Module, device: torch.device) -> torch.device:
@@ -49,12 +55,14 @@ def check_device(module: nn.Module, device: torch.device) -> torch.device:
 
 @dataclass
 class PreparedDDP:
-    """What a preparation built: DDP, its gradient comm hook (if any) and whether it reduce-scatters."""
+    """What a preparation built: DDP and its gradient comm hook (if any), or stage 2's reducer."""
 
-    ddp: DistributedDataParallel
+    ddp: DistributedDataParallel | None
     comm_hook: LowPrecisionAllReduce | ShardedGradReduce | PowerSGD | None
     reduce_scatter: bool
-    """Sharding stage 2: every backward communicates, gradient merge's micro-batches included."""
+    """Sharding stage 1 or 2: every backward communicates, gradient merge's micro-batches included."""
+    reducer: SliceReducer | None = None
+    """Sharding stage 2: distamp's reducer instead of DDP."""
 
 
 @dataclass
@@ -79,7 +87,7 @@ class DDPPreparation:
 
     def run(self, optimizers: list[AttachedOptimizer]) -> PreparedDDP:
         """Check the ranks agree, make them identical and build DDP with its comm hook (collective)."""
-        reduce_scatter = self.check_sharding(optimizers)
+        stage = self.check_sharding(optimizers)
         # 0. Ranks that disagree on the strategy or the model fail here, naming the difference,
         #    instead of summing FP16 with BF16 bit patterns or hanging in mismatched collectives.
         check_ranks_agree(self.strategy, self.module)
@@ -88,14 +96,42 @@ class DDPPreparation:
             for opt in optimizers:
                 if opt.master_weights.enabled:
                     opt.master_weights.broadcast(src=0, group=self.process_group)
-            # 2. DDP on the final dtypes (its buckets are per dtype); it broadcasts the rest.
-            ddp = self._build_ddp()
-        comm_hook = self._comm_hook(optimizers, reduce_scatter)
+            # 2. DDP (or stage 2's reducer) on the final dtypes; it broadcasts the rest.
+            if stage == 2:
+                reducer = self._build_reducer(optimizers)
+                return PreparedDDP(None, None, True, reducer)
+            # Stage 1's buckets are reduce-scattered: sized as stage 2's, so the exchanges stay small.
+            cap = self.strategy.fuse_grad_size_in_MB
+            ddp = self._build_ddp(self._bucket_bytes() / 2**20 if stage == 1 else cap)
+        comm_hook = self._comm_hook(optimizers, stage == 1)
         if comm_hook is not None:
             comm_hook.register(ddp)
-        return PreparedDDP(ddp, comm_hook, reduce_scatter)
+        return PreparedDDP(ddp, comm_hook, stage == 1)
 
-    def _build_ddp(self) -> DistributedDataParallel:
+    def _wire_dtype(self) -> torch.dtype:
+        return self.strategy.amp_config.comm_torch_dtype if self.strategy.amp else torch.float32
+
+    def _bucket_bytes(self) -> int:
+        """The sharded stages' bucket size for this model's gradient (see ``reduce_bucket_bytes``)."""
+        numel = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        fuse = max(1, int(self.strategy.fuse_grad_size_in_MB * 2**20))
+        return reduce_bucket_bytes(numel * self._wire_dtype().itemsize, fuse)
+
+    def _build_reducer(self, optimizers: list[AttachedOptimizer]) -> SliceReducer:
+        """Stage 2: hooks that reduce-scatter 16-bit buckets as gradients arrive (no DDP, no full-size gradient)."""
+        # check_sharding made every optimizer stage 2, whose masters are sharded.
+        shards: list[SliceOwner] = [opt.master_weights for opt in optimizers]
+        reducer = SliceReducer(
+            self.module, shards, self._wire_dtype(), self.process_group, PendingFp32Grads(optimizers),
+            bucket_bytes=self._bucket_bytes(),
+            find_unused_parameters=self.find_unused_parameters,
+            broadcast_buffers=self.ddp_kwargs.get("broadcast_buffers", True),
+        )
+        if self.ddp_kwargs.get("init_sync", True):
+            reducer.broadcast_from_rank0()
+        return reducer
+
+    def _build_ddp(self, bucket_cap_mb: float) -> DistributedDataParallel:
         device = self.device or next((p.device for p in self.module.parameters()), torch.device("cpu"))
         ddp = DistributedDataParallel(
             self.module,
@@ -104,7 +140,7 @@ class DDPPreparation:
             device_ids=[device] if device.type == "cuda" else None,
             process_group=self.process_group,
             find_unused_parameters=self.find_unused_parameters,
-            bucket_cap_mb=self.strategy.fuse_grad_size_in_MB,
+            bucket_cap_mb=bucket_cap_mb,
             gradient_as_bucket_view=True,
             **self.ddp_kwargs,
         )
@@ -116,14 +152,13 @@ class DDPPreparation:
     def _comm_hook(
         self, optimizers: list[AttachedOptimizer], reduce_scatter: bool
     ) -> LowPrecisionAllReduce | ShardedGradReduce | PowerSGD | None:
-        """Stage 2: reduce-scatter into the owners' FP32 slices; PowerSGD; AMP: a 16-bit all-reduce; else DDP's own."""
+        """Stage 1: reduce-scatter into the owners' FP32 slices; PowerSGD; AMP: a 16-bit all-reduce; else DDP's own."""
         cfg = self.strategy.amp_config
         pending = PendingFp32Grads(optimizers)
         if reduce_scatter:
-            wire = cfg.comm_torch_dtype if self.strategy.amp else torch.float32
-            # check_sharding made every optimizer stage 2, whose masters are sharded.
+            # check_sharding made every optimizer stage 1, whose masters are sharded.
             shards: list[SliceOwner] = [opt.master_weights for opt in optimizers]
-            return ShardedGradReduce(shards, wire, self.process_group, pending)
+            return ShardedGradReduce(shards, self._wire_dtype(), self.process_group, pending, self._bucket_bytes())
         if self.strategy.powersgd:
             # The optimizer binds itself (DataParallel.bind_compressor): it reports each step's verdict.
             wire = cfg.comm_torch_dtype if self.strategy.amp else torch.float32
@@ -138,33 +173,38 @@ class DDPPreparation:
             )
         return None
 
-    def check_sharding(self, optimizers: list[AttachedOptimizer]) -> bool:
-        """Whether gradients are reduce-scattered (sharding stage 2); raises before any collective on a mismatch.
+    def check_sharding(self, optimizers: list[AttachedOptimizer]) -> int:
+        """The sharding stage (0: off); raises before any collective on a mismatch.
+
+        Stages 1 and 2 reduce-scatter gradients into the optimizers' slices,
+        so model and optimizers must agree on the stage, and every parameter
+        that gets a gradient needs an owner.
 
         Raises:
             RuntimeError: the model's strategy and an attached optimizer's
-                disagree on stage 2, or a parameter that gets a gradient
-                belongs to no stage-2 optimizer (nobody would own its sum).
+                disagree on the stage, or a parameter that gets a gradient
+                belongs to no sharded optimizer (nobody would own its sum).
         """
         strategy = self.strategy
         model_stage = strategy.sharding_config.stage if strategy.sharding else 0
         for opt in optimizers:
             opt_stage = getattr(opt.precision, "stage", 0)
-            if (opt_stage == 2) != (model_stage == 2):
+            if opt_stage != model_stage:
                 raise RuntimeError(
                     f"the optimizer's strategy has sharding stage {opt_stage or 'off'} but the model's "
-                    f"(fleet.distributed_model) has stage {model_stage or 'off'}; stage 2 changes how the model "
-                    "communicates gradients, so both must use it. Pass the same strategy to both calls"
+                    f"(fleet.distributed_model) has stage {model_stage or 'off'}; stages 1 and 2 change how the "
+                    "model communicates gradients (reduce-scattered to the optimizer's slices), so both must use "
+                    "the same stage. Pass the same strategy to both calls"
                 )
-        if model_stage != 2:
-            return False
+        if model_stage == 0:
+            return 0
         owned = {id(p) for opt in optimizers for p in opt.master_weights.model_params}
         missing = [name for name, p in self.module.named_parameters() if p.requires_grad and id(p) not in owned]
         if missing:
             raise RuntimeError(
-                f"sharding stage 2 reduce-scatters each gradient to the optimizer slice that owns it, but "
-                f"{missing[:5]} (of {len(missing)}) belong to no optimizer built with fleet.distributed_optimizer "
-                "for this model. Give every trainable parameter to such an optimizer, or set "
-                "requires_grad=False on the others"
+                f"sharding stage {model_stage} reduce-scatters each gradient to the optimizer slice that owns it, "
+                f"but {missing[:5]} (of {len(missing)}) belong to no optimizer built with "
+                "fleet.distributed_optimizer for this model. Give every trainable parameter to such an optimizer, "
+                "or set requires_grad=False on the others"
             )
-        return True
+        return model_stage

@@ -29,7 +29,17 @@ from distamp.distributed.comm_hooks import CommStats
 from distamp.distributed.flat_layout import FlatLayout, Piece
 from distamp.distributed.wire_rounds import round_bytes
 
-__all__ = ["GatherInFlight", "SliceAllGather"]
+__all__ = ["GATHER_BYTES", "GatherInFlight", "SliceAllGather"]
+
+GATHER_BYTES = 2 << 20
+"""Smallest budget (``chunk_bytes``) of the sharded optimizer's gather: received bytes in flight at once.
+
+The optimizer asks for two of the reduce-scatter's buckets
+(:func:`~distamp.distributed.reduce_scatter.reduce_bucket_bytes`), at least
+this: ``fuse_grad_size_in_MB`` alone (25 MB) would hold a receive buffer of
+the whole 16-bit model at step time on a model of a few million
+parameters, most of what sharding saves.
+"""
 
 # all_gather_single is the non-deprecated name from torch 2.13 on.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -12,8 +12,8 @@ copies the gradients into the FP32 masters.
 
 The buffer covers the 16-bit parameters (FP32 ones already accumulate in
 FP32): 4 bytes per parameter, allocated at the first merged micro-batch and
-kept. Under sharding stage 2 it is never needed: every micro-batch is
-reduce-scattered and summed into the rank's FP32 gradient slice.
+kept. Under sharding (stages 1 and 2) it is never needed: every micro-batch
+is reduce-scattered and summed into the rank's FP32 gradient slice.
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ slice only:
   (the masters), in O1 and with AMP off views of the FP32 model parameters
   themselves;
 * the FP32 gradient ("main grad", as Megatron-LM calls it): a flat buffer
-  (:class:`~distamp.optim.slice_grads.SliceGrads`) filled from the model's
-  ``.grad`` at step time (stage 1) or summed into by the reduce-scatter hook
-  during backward (stage 2);
+  (:class:`~distamp.optim.slice_grads.SliceGrads`) summed into by the
+  reduce-scatter during backward (stages 1 and 2), or filled from the
+  model's ``.grad`` at step time when no data-parallel model reduces;
 * one ``nn.Parameter`` per piece, a 1-D view of both, which is what the
   inner optimizer's param groups hold, so its state is the slice's too.
 
@@ -46,7 +46,7 @@ class ShardedMasters:
         masters = ShardedMasters(model.parameters(), torch.bfloat16, group, rank, world_size)
         inner = torch.optim.AdamW(model.parameters())
         masters.install(inner)           # inner's groups now hold this rank's pieces
-        ...backward (gradients all-reduced)...
+        ...backward (gradients reduce-scattered into masters.grads)...
         masters.grads.collect()          # my slice of the gradients, in FP32
         inner.step()
         masters.refresh_model()          # all-gather: every rank's model is updated

@@ -4,8 +4,9 @@ It runs the same loop as the unsharded plugins of
 :mod:`distamp.optim.precision`, on the slice of the flat parameter space
 this rank owns (:class:`~distamp.optim.sharded_masters.ShardedMasters`):
 
-* the FP32 gradient slice is taken from the model's all-reduced ``.grad``
-  (stage 1) or was summed there by the reduce-scatter hook (stage 2);
+* the FP32 gradient slice was summed there during backward by the
+  reduce-scatter (DDP's comm hook in stage 1, distamp's reducer in stage 2),
+  or, with no data-parallel model, is taken from the model's ``.grad``;
 * unscaling and the inf/NaN check run on the slice (one fused kernel); the
   verdict is all-reduced (MAX) before anyone decides, so a non-finite value
   that only another rank's slice holds still skips the step everywhere;
@@ -26,6 +27,8 @@ from torch import nn
 
 from distamp.distributed.flag_sync import all_reduce_max
 from distamp.distributed.groups import group_rank, group_size
+from distamp.distributed.param_gather import GATHER_BYTES
+from distamp.distributed.reduce_scatter import reduce_bucket_bytes
 from distamp.optim.grad_accumulator import Fp32GradAccumulator
 from distamp.optim.loss_scaler import build_loss_scaler
 from distamp.optim.precision import FullPrecision, MixedPrecision
@@ -38,13 +41,21 @@ __all__ = ["ShardedPrecision"]
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _gather_bytes(params: Sequence[nn.Parameter], strategy: DistributedStrategy, itemsize: int) -> int:
+    """Bytes the all-gather receives at a time: two of the reduce-scatter's buckets, at least GATHER_BYTES."""
+    fuse = max(1, int(strategy.fuse_grad_size_in_MB * 2**20))
+    bucket = reduce_bucket_bytes(sum(p.numel() for p in params) * itemsize, fuse)
+    return min(fuse, max(GATHER_BYTES, 2 * bucket))
+
+
 class ShardedPrecision(MixedPrecision):
     """Sharded optimizer state (ZeRO stage 1 or 2) in any AMP mode.
 
     Args:
         params: the parameters the inner optimizer was built on.
         strategy: ``amp``, ``amp_configs``, ``sharding_configs`` and
-            ``fuse_grad_size_in_MB`` (the all-gather's round size).
+            ``fuse_grad_size_in_MB`` (the all-gather's budget, at most that and
+            at least :data:`~distamp.distributed.param_gather.GATHER_BYTES`).
         group: the data-parallel group (``None``: a one-process world).
 
     Notes:
@@ -57,6 +68,7 @@ class ShardedPrecision(MixedPrecision):
 
     def __init__(self, params: Sequence[nn.Parameter], strategy: DistributedStrategy,
                  group: dist.ProcessGroup | None) -> None:
+        params = list(params)
         config = strategy.amp_config
         self.config = config
         self.group = group
@@ -68,7 +80,7 @@ class ShardedPrecision(MixedPrecision):
         self.mode = "O2" if pure else ("O1" if strategy.amp else "off")
         self.master_weights = ShardedMasters(
             params, config.torch_dtype if pure else None, group, group_rank(group), group_size(group),
-            chunk_bytes=int(strategy.fuse_grad_size_in_MB * 2**20),
+            chunk_bytes=_gather_bytes(params, strategy, 2 if pure or strategy.amp else 4),
         )
         self.scaler = build_loss_scaler(config) if strategy.amp else None
         self.consecutive_stuck = 0

@@ -3,10 +3,11 @@
 Under sharding each rank needs the reduced gradient of its own slice only
 (:mod:`distamp.optim.sharded_masters`), in FP32 (the "main grad", as
 Megatron-LM calls it). :class:`SliceGrads` is that flat FP32 buffer. It is
-filled either from the model's all-reduced ``.grad`` at step time (stage 1,
-or no data-parallel model) or, during backward, by the stage-2
-reduce-scatter hook, which adds every micro-batch into it and sets
-:attr:`SliceGrads.reduced`.
+filled either from the model's ``.grad`` at step time (no data-parallel
+model) or, during backward, by the reduce-scatter of stages 1 and 2, which
+adds every micro-batch into it and sets :attr:`SliceGrads.reduced`. Stage 2
+frees each ``.grad`` once it is in a bucket, so its reducer also records in
+:attr:`SliceGrads.arrived` which parameters got a gradient.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ class SliceGrads:
         self.lo = lo
         device = model_params[0].device if model_params else torch.device("cpu")
         self.buffer = torch.zeros(hi - lo, dtype=torch.float32, device=device)
-        self.reduced = False  # set by the stage-2 hook: the buffer already holds the reduced sum
+        self.reduced = False  # set by the reduce-scatter: the buffer already holds the reduced sum
+        self.arrived: set[int] = set()
+        """Indices of parameters whose gradient the stage-2 reducer summed here (their ``.grad`` is freed)."""
 
     def view(self, index: int) -> torch.Tensor:
         """The FP32 gradient of piece ``index``."""
@@ -58,21 +61,22 @@ class SliceGrads:
     def collect(self, extra: dict[int, torch.Tensor] | None = None) -> None:
         """Fill the buffer (unless :attr:`reduced`) and point each piece's ``.grad`` at it.
 
-        Unless the stage-2 hook already summed the reduced gradients into
-        it, the buffer is copied from the model's (reduced) ``.grad``;
-        ``extra`` (``{id(param): FP32 tensor}``, e.g. a gradient-merge sum the
+        Unless the reduce-scatter already summed the reduced gradients into
+        it, the buffer is copied from the model's ``.grad``; ``extra``
+        (``{id(param): FP32 tensor}``, e.g. a gradient-merge sum the
         communication did not take) is added. A piece whose parameter has no
-        gradient gets ``grad = None``, so the inner optimizer skips it.
+        gradient (no ``.grad`` and not :attr:`arrived`) gets ``grad = None``,
+        so the inner optimizer skips it.
         """
         dst, src = [], []
         for j, (piece, master) in enumerate(zip(self.pieces, self.masters, strict=True)):
             model_grad = self.model_params[piece.param].grad
-            if model_grad is None:
+            if model_grad is None and piece.param not in self.arrived:
                 master.grad = None
                 self.view(j).zero_()  # nothing stale for the check and the norm to find
                 continue
             master.grad = self.view(j).view_as(master)
-            if not self.reduced:
+            if not self.reduced and model_grad is not None:
                 dst.append(master.grad)
                 src.append(model_grad.view(-1)[piece.start : piece.stop])
         if dst:
@@ -113,5 +117,6 @@ class SliceGrads:
         """Clear the buffer (what the next backward sums into) and the pieces' ``.grad``."""
         self.buffer.zero_()
         self.reduced = False
+        self.arrived.clear()
         for master in self.masters:
             master.grad = None

@@ -31,8 +31,8 @@ class ShardingConfig(Config):
     _STAGES: ClassVar[tuple[int, ...]] = (1, 2, 3)
 
     stage: int = 1
-    """1: optimizer state, FP32 masters and FP32 gradients sharded, gradients all-reduced;
-    2: gradients reduce-scattered instead (16-bit on the wire, summed in FP32);
+    """1: optimizer state, FP32 masters and FP32 gradients sharded; DDP's buckets reduce-scattered (16-bit on
+    the wire, summed in FP32); 2: the same without DDP, keeping no full-size gradient (``.grad`` freed);
     3: parameters sharded too (torch's FSDP2 ``fully_shard``), all-gathered unit by unit for forward and
     backward."""
 

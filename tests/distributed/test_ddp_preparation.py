@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from distamp.distributed.ddp_preparation import DDPPreparation, check_device
+from distamp.distributed.reduce_scatter import REDUCE_BUCKET_BYTES
 from distamp.strategy import DistributedStrategy
 from tests.multiprocess import run_workers
 
@@ -53,11 +54,12 @@ def _preparation(model: nn.Module, strategy: DistributedStrategy) -> DDPPreparat
     return DDPPreparation(model, strategy, None, None, find_unused_parameters=False)
 
 
-def test_check_sharding_is_false_without_stage_2():
+def test_check_sharding_returns_the_stage_both_sides_agree_on():
     model = nn.Linear(2, 2)
     params = list(model.parameters())
-    assert not _preparation(model, _strategy(stage=1)).check_sharding([_Stage(1, params)])
-    assert not _preparation(model, _strategy()).check_sharding([_Stage(0, params)])
+    assert _preparation(model, _strategy(stage=1)).check_sharding([_Stage(1, params)]) == 1
+    assert _preparation(model, _strategy(stage=2)).check_sharding([_Stage(2, params)]) == 2
+    assert _preparation(model, _strategy()).check_sharding([_Stage(0, params)]) == 0
 
 
 def test_check_sharding_refuses_a_model_and_optimizer_on_different_stages():
@@ -68,6 +70,9 @@ def test_check_sharding_refuses_a_model_and_optimizer_on_different_stages():
         _preparation(model, _strategy()).check_sharding([opt])
     with pytest.raises(RuntimeError, match=r"has sharding stage off but the model's .* has stage 2"):
         _preparation(model, _strategy(stage=2)).check_sharding([_Stage(0, [])])
+    # Stage 1 reduce-scatters too: a stage-1 optimizer with a stage-2 model (or the reverse) is refused.
+    with pytest.raises(RuntimeError, match=r"has sharding stage 1 but the model's .* has stage 2"):
+        _preparation(model, _strategy(stage=2)).check_sharding([_Stage(1, list(model.parameters()))])
 
 
 def test_check_sharding_names_trainable_parameters_no_optimizer_owns():
@@ -84,6 +89,7 @@ def _prepare(rank: int, world: int, amp: bool, stage: int) -> dict:
     from distamp import fleet
     from distamp.distributed.comm_hooks import LowPrecisionAllReduce
     from distamp.distributed.reduce_scatter import ShardedGradReduce
+    from distamp.distributed.slice_reducer import SliceReducer
 
     torch.manual_seed(rank)  # different starting weights on each rank
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
@@ -91,13 +97,13 @@ def _prepare(rank: int, world: int, amp: bool, stage: int) -> dict:
     fleet.init(strategy=strategy)
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
     prepared = DDPPreparation(model, strategy, None, None, find_unused_parameters=False).run([opt])
-    hook = prepared.comm_hook
+    hook = prepared.comm_hook if prepared.reducer is None else prepared.reducer
     return {
-        "hook": {LowPrecisionAllReduce: "16-bit all-reduce", ShardedGradReduce: "reduce-scatter"}.get(
-            type(hook), repr(hook)),
+        "hook": {LowPrecisionAllReduce: "16-bit all-reduce", ShardedGradReduce: "reduce-scatter",
+                 SliceReducer: "stage-2 reducer, no DDP"}.get(type(hook), repr(hook)),
         "reduce_scatter": prepared.reduce_scatter,
-        "bucket_bytes_cap": prepared.ddp.bucket_bytes_cap,
-        "bucket_view": prepared.ddp.gradient_as_bucket_view,
+        "bucket_bytes_cap": None if prepared.ddp is None else prepared.ddp.bucket_bytes_cap,
+        "bucket_view": None if prepared.ddp is None else prepared.ddp.gradient_as_bucket_view,
         "weights": [p.detach().clone() for p in model.parameters()],
         "masters": [m.detach().clone() for m in opt.master_weights.masters],
     }
@@ -106,15 +112,20 @@ def _prepare(rank: int, world: int, amp: bool, stage: int) -> dict:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("amp", "stage", "hook"),
-    [(False, 0, "None"), (True, 0, "16-bit all-reduce"), (True, 2, "reduce-scatter")],
+    [(False, 0, "None"), (True, 0, "16-bit all-reduce"), (True, 1, "reduce-scatter"),
+     (True, 2, "stage-2 reducer, no DDP")],
 )
 def test_one_preparation_makes_ranks_identical_and_picks_the_comm_hook(amp, stage, hook):
     out = run_workers(_prepare, 2, amp, stage, timeout=100)
     for rank in (0, 1):
         assert out[rank]["hook"] == hook
-        assert out[rank]["reduce_scatter"] == (stage == 2)
-        assert out[rank]["bucket_bytes_cap"] == 1024 * 1024  # strategy.fuse_grad_size_in_MB = 1
-        assert out[rank]["bucket_view"]
+        assert out[rank]["reduce_scatter"] == (stage > 0)
+        if stage == 0:
+            assert out[rank]["bucket_bytes_cap"] == 1024 * 1024  # strategy.fuse_grad_size_in_MB = 1
+        if stage == 1:  # reduce-scattered buckets are capped, whatever fuse_grad_size_in_MB says
+            assert out[rank]["bucket_bytes_cap"] == REDUCE_BUCKET_BYTES < 1024 * 1024
+        if stage < 2:
+            assert out[rank]["bucket_view"]
     # Rank 1 started from other weights; after the preparation it holds rank 0's, bit for bit.
     for w0, w1 in zip(out[0]["weights"], out[1]["weights"], strict=True):
         assert torch.equal(w0, w1)

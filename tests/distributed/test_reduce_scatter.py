@@ -1,4 +1,4 @@
-"""The stage-2 reduce-scatter hook alone, on a real 2-rank gloo group, driven by a stand-in bucket.
+"""The reduce-scatter of sharding stages 1 and 2 alone, on a real 2-rank gloo group, with a stand-in bucket.
 
 Parameters of 5 and 4 elements: 9 elements, rank 0 owns [0, 4) (the first 4 of
 parameter 0), rank 1 owns [4, 9) (the last element of parameter 0 and all of
@@ -63,7 +63,7 @@ def _reduce(rank, world, wire, round_bytes=None):
         "identity": plan.identity,
         "pieces": [(p.param, p.start, p.stop) for p in shard.pieces],
         "stats": (state.stats.calls, state.stats.bytes),
-        "in_flight": len(state.in_flight),
+        "in_flight": len(state.open),
     }
 
 
@@ -179,3 +179,47 @@ def test_the_bucket_future_orders_a_cuda_bucket_for_the_stream_that_waits():
         future.set_result(buffer)  # records an event on the side stream
     value = future.wait()  # the current (default) stream waits for that event
     assert bool((value == 3.0).all())
+
+
+def _large_parameter(rank, world):
+    """One parameter 2.5x a bucket's bytes, alone in its bucket (as DDP and the stage-2 reducer put it)."""
+    from torch import nn
+
+    from distamp.distributed import reduce_scatter
+    from distamp.optim.sharded_masters import ShardedMasters
+
+    n = 5 * reduce_scatter.REDUCE_BUCKET_BYTES // 2 // 2  # BF16 elements
+    param = nn.Parameter(torch.zeros(n))
+    shard = ShardedMasters([param], None, None, rank, world)
+    state = reduce_scatter.ShardedGradReduce([shard], torch.bfloat16)
+    sends, running = [], []
+    launch = reduce_scatter.dist.all_to_all_single
+
+    def recording(output, send, *args, **kwargs):
+        sends.append(send.numel() * send.element_size())
+        running.append(len(state._running))
+        return launch(output, send, *args, **kwargs)
+
+    reduce_scatter.dist.all_to_all_single = recording
+    g = torch.Generator().manual_seed(rank)
+    grad = torch.randn(n, generator=g).bfloat16()
+    done = bucket_future(grad)
+    state.launch(grad.clone(), [param], done)
+    state.finish_completed(wait=True)
+    return sends, running, shard.grads.buffer.clone(), grad, done.done()
+
+
+@pytest.mark.timeout(120)
+def test_a_parameter_larger_than_a_bucket_goes_in_rounds_of_at_most_a_bucket_two_at_a_time():
+    from distamp.distributed.reduce_scatter import MAX_IN_FLIGHT, REDUCE_BUCKET_BYTES
+
+    out = run_workers(_large_parameter, 2, timeout=100)
+    for sends, running, _, _, done in out:
+        assert done
+        assert len(sends) >= 3
+        assert max(sends) <= REDUCE_BUCKET_BYTES
+        assert max(running) < MAX_IN_FLIGHT  # rounds already on the wire when another is launched
+    total = out[0][3].float() / 2 + out[1][3].float() / 2  # each copy halved in FP32: exact
+    half = total.numel() // 2
+    assert torch.equal(out[0][2], total[:half])
+    assert torch.equal(out[1][2], total[half:])
