@@ -125,7 +125,7 @@ class SliceReducer:
         self.sync = True
         """Whether the backward of the last forward reduces (False under ``no_sync``: ``.grad`` accumulates)."""
         self._sync_buffers_next = True
-        params = _unique(p for p in reversed(list(module.parameters())) if p.requires_grad)
+        params = list(dict.fromkeys(p for p in reversed(list(module.parameters())) if p.requires_grad))  # by identity
         self.params = params
         self.buckets = _cut(params, max(1, bucket_bytes // wire_dtype.itemsize))
         self._slot = {id(p): (b, bucket.offsets[i], i)
@@ -301,16 +301,6 @@ def _lendable(grad: torch.Tensor, wire_dtype: torch.dtype) -> bool:
 
 def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return process_group if process_group is not None else dist.group.WORLD  # type: ignore[return-value]
-
-
-def _unique(params: Any) -> list[nn.Parameter]:
-    seen: set[int] = set()
-    out = []
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
 
 
 def _cut(params: Sequence[nn.Parameter], bucket_elements: int) -> list[_Bucket]:

@@ -36,8 +36,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distamp.distributed.groups import group_size
 from distamp.optim.dtensor_state import shard_like
+from distamp.optim.grad_clipping import global_clip
 from distamp.optim.loss_scaler import build_loss_scaler
 from distamp.optim.master_weights import clear_grads
 from distamp.optim.precision import FullPrecision, MixedPrecision
@@ -46,7 +46,6 @@ from distamp.strategy import DistributedStrategy
 __all__ = ["FullyShardedPrecision", "ShardedParameters", "local_shard"]
 
 # all_gather_single is the non-deprecated name from torch 2.13 on.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
@@ -247,17 +246,7 @@ class FullyShardedPrecision(MixedPrecision):
         if shards:
             norms = torch.stack(torch._foreach_norm(shards, norm_type)).float()
             local[0] = norms.max() if math.isinf(norm_type) else (norms**norm_type).sum()
-        world = group_size(self.group)
-        parts = local.repeat(world)
-        if self.group is not None and world > 1:
-            _all_gather(parts, local, group=self.group)
-        total = parts.max() if math.isinf(norm_type) else parts.sum() ** (1.0 / norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(
-                f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped; "
-                "set error_if_nonfinite=False to skip this check"
-            )
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        total, coefficient = global_clip(local, max_norm, norm_type, self.group, error_if_nonfinite)
         if shards:
             torch._foreach_mul_(shards, coefficient)
         return total

@@ -75,7 +75,7 @@ class ShardedMasters:
         chunk_bytes: int = 25 * 2**20,
     ) -> None:
         self.low_dtype = low_dtype
-        self.model_params: list[nn.Parameter] = _unique(params)
+        self.model_params: list[nn.Parameter] = list(dict.fromkeys(params))  # distinct, by identity
         _check_params(self.model_params, low_dtype)
         self.group, self.rank = group, rank
         self.layout = FlatLayout([p.numel() for p in self.model_params], world_size)
@@ -322,16 +322,6 @@ class ShardedMasters:
             "bounds": list(self.layout.bounds),
             "groups": [list(g) for g in self.groups],
         }
-
-
-def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-    seen: set[int] = set()
-    out = []
-    for p in params:
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append(p)
-    return out
 
 
 def _check_params(params: list[nn.Parameter], low_dtype: torch.dtype | None) -> None:

@@ -30,6 +30,7 @@ from distamp.distributed.groups import group_rank, group_size
 from distamp.distributed.param_gather import GATHER_BYTES
 from distamp.distributed.reduce_scatter import reduce_bucket_bytes
 from distamp.optim.grad_accumulator import Fp32GradAccumulator
+from distamp.optim.grad_clipping import global_clip
 from distamp.optim.loss_scaler import build_loss_scaler
 from distamp.optim.precision import FullPrecision, MixedPrecision
 from distamp.optim.sharded_masters import ShardedMasters
@@ -38,7 +39,6 @@ from distamp.strategy import DistributedStrategy
 __all__ = ["ShardedPrecision"]
 
 # all_gather_single is the non-deprecated name from torch 2.13 on.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _gather_bytes(params: Sequence[nn.Parameter], strategy: DistributedStrategy, itemsize: int) -> int:
@@ -179,16 +179,7 @@ class ShardedPrecision(MixedPrecision):
                 local[0] = flat.abs().max()
             else:
                 local[0] = torch.linalg.vector_norm(flat, norm_type) ** norm_type
-        parts = local.repeat(group_size(self.group))
-        if self.group is not None and group_size(self.group) > 1:
-            _all_gather(parts, local, group=self.group)
-        total = parts.max() if math.isinf(norm_type) else parts.sum() ** (1.0 / norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(
-                f"the total norm of order {norm_type} of the gradients is non-finite, so it cannot be clipped; "
-                "set error_if_nonfinite=False to skip this check"
-            )
-        coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        total, coefficient = global_clip(local, max_norm, norm_type, self.group, error_if_nonfinite)
         flat.mul_(coefficient)
         return total
 
