@@ -28,6 +28,7 @@ class GradSlice(Protocol):
     buffer: torch.Tensor
     reduced: bool
     arrived: set[int]  # indices (in the owner's model_params) of parameters whose gradient was summed here
+    deliveries: int  # backward passes whose gradients the stage-2 reducer summed here, ever
 
 
 class SliceOwner(Protocol):

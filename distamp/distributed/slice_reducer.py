@@ -262,6 +262,7 @@ class SliceReducer:
         arrived = self._agreed_used() if self.find_unused_parameters else self.params
         for shard in self.shards:
             shard.grads.reduced = True
+            shard.grads.deliveries += 1
         for p in arrived:
             owner = self._owner.get(id(p))
             if owner is not None:

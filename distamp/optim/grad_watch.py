@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from torch import nn
 
@@ -32,7 +32,7 @@ __all__ = ["GradWatch"]
 
 logger = logging.getLogger("distamp")
 
-_Snapshot = list[tuple[weakref.ref, int] | None]
+_Snapshot = tuple[int, list[tuple[weakref.ref, int] | None]]
 
 
 class GradWatch:
@@ -40,10 +40,14 @@ class GradWatch:
 
     Args:
         params: the model parameters whose ``.grad`` the optimizer applies.
+        deliveries: a count of backward passes whose gradients reached the
+            optimizer without any ``.grad`` (sharding stage 2 frees them);
+            a change counts as new gradients.
     """
 
-    def __init__(self, params: Iterable[nn.Parameter]) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], deliveries: Callable[[], int] = lambda: 0) -> None:
         self.params = list(params)
+        self._deliveries = deliveries
         self._backward_since_step = False
         self._after_backward: _Snapshot | None = None
         self._after_step = self._snapshot()
@@ -55,12 +59,16 @@ class GradWatch:
         self._after_step = self._snapshot()
 
     def _snapshot(self) -> _Snapshot:
-        return [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in self.params]
+        grads = [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in self.params]
+        return self._deliveries(), grads
 
     def _unchanged_since(self, snapshot: _Snapshot) -> bool:
         # strict=False: track() (add_param_group) may append parameters after the snapshot was taken;
         # those have no earlier state to compare, so only the snapshotted prefix is checked.
-        for p, seen in zip(self.params, snapshot, strict=False):
+        deliveries, grads = snapshot
+        if deliveries != self._deliveries():
+            return False
+        for p, seen in zip(self.params, grads, strict=False):
             grad = p.grad
             if grad is None:
                 if seen is not None:

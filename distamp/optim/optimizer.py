@@ -110,7 +110,10 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         self.merge = GradientMerge.from_strategy(strategy)
         self.binding = ModelBinding(self.master_weights, strategy.amp_config, self.amp_enabled,
                                     lambda: self.policy.step_number + 1)
-        self._watch = GradWatch(self.master_weights.model_params)
+        # Sharded masters' FP32 gradient slice counts the backward passes no .grad shows (stage 2).
+        slices: Any = getattr(self.master_weights, "grads", None)
+        deliveries = (lambda: slices.deliveries) if hasattr(slices, "deliveries") else (lambda: 0)
+        self._watch = GradWatch(self.master_weights.model_params, deliveries)
         self.policy = StepPolicy(optimizer, self.precision, self.merge, self._watch, self.binding, process_group)
         self.clipper = GradClipper(self.precision, self.policy, self.merge)
         o1 = self.amp_enabled and not strategy.amp_config.use_pure_fp16

@@ -51,6 +51,8 @@ class SliceGrads:
         self.reduced = False  # set by the reduce-scatter: the buffer already holds the reduced sum
         self.arrived: set[int] = set()
         """Indices of parameters whose gradient the stage-2 reducer summed here (their ``.grad`` is freed)."""
+        self.deliveries = 0
+        """Backward passes the stage-2 reducer summed here, ever: new gradients that no ``.grad`` shows."""
 
     def view(self, index: int) -> torch.Tensor:
         """The FP32 gradient of piece ``index``."""

@@ -350,3 +350,38 @@ def test_overlap_param_gather_trains_bitwise_as_without_and_finishes_in_forward(
         assert seen[3] == ("finished", True, True, True)
         assert seen[4] == ("after forward", True)
         assert seen[-1] == ("state_dict", True, True, True)
+
+
+def _plain_backward(rank, world, stage, dtype):
+    """``loss.backward()`` + ``step()`` (no optimizer.backward): what a torch loop does unchanged."""
+    from distamp import fleet
+
+    fleet.init()
+    model = _model()
+    strategy = _strategy(stage, dtype=dtype, use_pure_fp16=True, init_loss_scaling=1024.0)
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    applied = []
+    for x, y in _batches(world, 3):
+        x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+        opt.zero_grad()
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(x).float(), y)
+        loss.backward()
+        try:
+            applied.append(opt.step())
+        except RuntimeError as exc:
+            return {"error": str(exc)}
+    return {"applied": applied, "params": _flat(model)}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_plain_backward_is_applied_at_scale_1_and_refused_under_fp16_scaling(stage):
+    # Stage 2 frees every .grad: the optimizer learns of the backward from its gradient slice, so a plain
+    # loss.backward() is neither taken for "no new gradients" (BF16) nor applied unscaled (FP16).
+    plain = run_workers(_plain_backward, 2, stage, "bfloat16", timeout=120)
+    assert [r["applied"] for r in plain] == [[True] * 3] * 2
+    assert torch.equal(plain[0]["params"], plain[1]["params"])
+    assert not torch.equal(plain[0]["params"], _flat(_model()).bfloat16().float())  # it trained
+    scaled = run_workers(_plain_backward, 2, stage, "float16", timeout=120)
+    assert all("optimizer.backward(loss)" in r["error"] for r in scaled), scaled
