@@ -37,6 +37,9 @@ def _train_destroy_free(rank: int, world_size: int, port: int, iterations: int, 
         dist.destroy_process_group()  # the user's teardown, then the model goes out of scope
         del model, optimizer, module, loss
     dist.init_process_group("gloo", store=dist.PrefixStore("last", store), rank=rank, world_size=world_size)
+    # A rank may return from init before its peer finished connecting: a rank that exited at once
+    # closed its sockets under the peer's handshake ("connection closed by peer").
+    dist.barrier()
     return iterations
 
 
