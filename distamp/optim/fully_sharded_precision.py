@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from distamp.optim.dtensor_state import shard_like
 from distamp.optim.grad_clipping import global_clip
 from distamp.optim.loss_scaler import build_loss_scaler
-from distamp.optim.master_weights import clear_grads
+from distamp.optim.master_weights import check_saved_masters, clear_grads
 from distamp.optim.precision import FullPrecision, MixedPrecision
 from distamp.strategy import DistributedStrategy
 
@@ -142,18 +142,9 @@ class ShardedParameters:
         Raises:
             ValueError: the count or a shape differs from this optimizer's parameters.
         """
-        if len(tensors) != len(self.model_params):
-            raise ValueError(
-                f"checkpoint has {len(tensors)} master weights but this optimizer manages "
-                f"{len(self.model_params)} parameters; was it saved from the same model?"
-            )
+        check_saved_masters(tensors, self.model_params)
         with torch.no_grad():
-            for i, (p, t) in enumerate(zip(self.model_params, tensors, strict=True)):
-                if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"master weight {i} has shape {tuple(t.shape)} in the checkpoint but {tuple(p.shape)} "
-                        "in the model"
-                    )
+            for p, t in zip(self.model_params, tensors, strict=True):
                 local_shard(p).copy_(local_shard(shard_like(t.float(), p)))
 
 

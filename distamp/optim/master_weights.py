@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["MasterWeights", "MasterWeightsSurface", "clear_grads"]
+__all__ = ["MasterWeights", "MasterWeightsSurface", "check_saved_masters", "clear_grads"]
 
 
 class MasterWeightsSurface(Protocol):
@@ -286,20 +286,10 @@ class MasterWeights:
 
     def load_state_dict(self, tensors: Sequence[torch.Tensor]) -> None:
         """Load masters saved by :meth:`state_dict` and refresh the model copies."""
-        if len(tensors) != len(self.model_params):
-            raise ValueError(
-                f"checkpoint has {len(tensors)} master weights but this optimizer manages "
-                f"{len(self.model_params)} parameters; was it saved from the same model?"
-            )
+        check_saved_masters(tensors, self.model_params)
         with torch.no_grad():
-            for i, (p, t) in enumerate(zip(self.model_params, tensors, strict=True)):
-                master = self._master_of[id(p)]
-                if tuple(t.shape) != tuple(master.shape):
-                    raise ValueError(
-                        f"master weight {i} has shape {tuple(t.shape)} in the checkpoint "
-                        f"but {tuple(master.shape)} in the model"
-                    )
-                master.copy_(t)
+            for p, t in zip(self.model_params, tensors, strict=True):
+                self._master_of[id(p)].copy_(t)
         self.copy_masters_to_model()
 
 
@@ -319,3 +309,21 @@ def clear_grads(params: Iterable[nn.Parameter], set_to_none: bool = True) -> Non
         grads.append(p.grad)
     if grads:
         torch._foreach_zero_(grads)
+
+
+def check_saved_masters(tensors: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
+    """Refuse saved masters whose count or shapes differ from the parameters they are loaded for.
+
+    Raises:
+        ValueError: naming the count, or the first parameter whose shape differs.
+    """
+    if len(tensors) != len(params):
+        raise ValueError(
+            f"checkpoint has {len(tensors)} master weights but this optimizer manages "
+            f"{len(params)} parameters; was it saved from the same model?"
+        )
+    for i, (p, t) in enumerate(zip(params, tensors, strict=True)):
+        if tuple(t.shape) != tuple(p.shape):
+            raise ValueError(
+                f"master weight {i} has shape {tuple(t.shape)} in the checkpoint but {tuple(p.shape)} in the model"
+            )
