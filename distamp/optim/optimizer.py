@@ -114,6 +114,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         slices: Any = getattr(self.master_weights, "grads", None)
         deliveries = (lambda: slices.deliveries) if hasattr(slices, "deliveries") else (lambda: 0)
         self._watch = GradWatch(self.master_weights.model_params, deliveries)
+        self._warned_slices = False
         self.policy = StepPolicy(optimizer, self.precision, self.merge, self._watch, self.binding, process_group)
         self.clipper = GradClipper(self.precision, self.policy, self.merge)
         o1 = self.amp_enabled and not strategy.amp_config.use_pure_fp16
@@ -195,10 +196,24 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         rounded to 16 bits from the FP32 masters), so a loop can inspect or
         clip them with torch's own tools (``torch.nn.utils.clip_grad_norm_``);
         what it changes is applied. The following ``step()`` does not unscale
-        again.
+        again. Under sharding stages 1 and 2 on several ranks ``.grad`` holds
+        this rank's slice only (stage 2: no ``.grad`` at all), which a torch
+        clip would measure as the whole: this warns once, pointing at
+        :meth:`clip_grad_norm_`.
         """
         self.finish_param_gather()
         self.clipper.unscale_()
+        precision = self.precision
+        sliced = isinstance(precision, ShardedPrecision) and precision.master_weights.world_size > 1
+        if sliced and not self._warned_slices:
+            self._warned_slices = True
+            warn_user(
+                "optimizer.unscale_() under sharding: the model's .grad holds only this rank's slice of the unscaled "
+                "gradients (zeros elsewhere with stage 1, no .grad at all with stage 2), so "
+                "torch.nn.utils.clip_grad_norm_(model.parameters()) would clip by a partial norm (stage 1) or "
+                "nothing (stage 2). Clip with optimizer.clip_grad_norm_(max_norm): it combines every rank's "
+                "slice into the global norm."
+            )
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False

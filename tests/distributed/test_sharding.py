@@ -385,3 +385,44 @@ def test_a_plain_backward_is_applied_at_scale_1_and_refused_under_fp16_scaling(s
     assert not torch.equal(plain[0]["params"], _flat(_model()).bfloat16().float())  # it trained
     scaled = run_workers(_plain_backward, 2, stage, "float16", timeout=120)
     assert all("optimizer.backward(loss)" in r["error"] for r in scaled), scaled
+
+
+def _unscale_then_clip(rank, world, stage):
+    import warnings
+
+    from distamp import fleet
+
+    fleet.init()
+    model = _model()
+    strategy = _strategy(stage, dtype="bfloat16", use_pure_fp16=True)
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    caught = []
+    for x, y in _batches(world, 2):
+        x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+        opt.zero_grad()
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(x).float(), y)
+        opt.backward(loss)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            opt.clip_grad_norm_(1.0)  # the global norm: nothing to warn about
+            opt.step()
+            opt.zero_grad()
+            with fleet.auto_cast():
+                loss = F.mse_loss(wrapped(x).float(), y)
+            opt.backward(loss)
+            opt.unscale_()  # a loop about to clip .grad with torch's own tools
+            opt.step()
+        caught.append([str(w.message) for w in seen])
+    return caught
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_unscale_under_sharding_warns_once_that_grad_holds_a_slice(stage):
+    for caught in run_workers(_unscale_then_clip, 2, stage, timeout=120):
+        first, second = caught
+        assert len(first) == 1, caught
+        assert "optimizer.clip_grad_norm_(max_norm)" in first[0]
+        assert "slice" in first[0]
+        assert second == [], caught
