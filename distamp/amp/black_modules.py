@@ -22,7 +22,7 @@ The module's ``forward`` is wrapped (an instance attribute, as
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     # typing.Self is Python 3.11+; mypy checks for 3.10 (setup.cfg).
     import typing_extensions
 
-__all__ = ["BlackModulesHandle", "FP32Forward", "autocast_device_types", "find_black_modules", "keep_in_fp32"]
+__all__ = ["BlackModulesHandle", "FP32Forward", "autocast_device_types", "check_patterns_match", "find_black_modules",
+           "keep_in_fp32", "name_matches"]
 
 _SHOWN_NAMES = 8
 
@@ -59,8 +60,30 @@ def _check_patterns(patterns: Any) -> list[str]:
     return patterns
 
 
-def _matches(name: str, pattern: str) -> bool:
+def name_matches(name: str, pattern: str) -> bool:
+    """Whether the qualified module ``name`` is ``pattern`` or matches it as an fnmatch pattern."""
     return name == pattern or fnmatch.fnmatchcase(name, pattern)
+
+
+def check_patterns_match(model: nn.Module, names: Sequence[str], patterns: Iterable[str], key: str,
+                         listing: str = "available") -> None:
+    """Refuse the first of ``patterns`` that matches none of ``names`` (module names of ``model``).
+
+    Raises:
+        ValueError: naming ``key``, the pattern, the closest name and, after
+            ``listing``, some of the available ones (the root's ``""`` is
+            matched but not shown).
+    """
+    for pattern in patterns:
+        if not any(name_matches(name, pattern) for name in names):
+            shown_names = [name for name in names if name]
+            shown = ", ".join(repr(n) for n in shown_names[:_SHOWN_NAMES])
+            more = f" and {len(shown_names) - _SHOWN_NAMES} more" if len(shown_names) > _SHOWN_NAMES else ""
+            raise ValueError(
+                f"{key} pattern {pattern!r} matches no submodule of "
+                f"{type(model).__name__}.{did_you_mean(pattern, shown_names)} Patterns are "
+                f"qualified names from model.named_modules() or fnmatch patterns; {listing}: {shown}{more}."
+            )
 
 
 def find_black_modules(model: nn.Module, patterns: Iterable[str]) -> list[tuple[str, nn.Module]]:
@@ -84,24 +107,14 @@ def find_black_modules(model: nn.Module, patterns: Iterable[str]) -> list[tuple[
     if not patterns:
         return []
     named = list(model.named_modules(remove_duplicate=False))
-    unmatched = [p for p in patterns if not any(_matches(name, p) for name, _ in named)]
-    if unmatched:
-        names = [name for name, _ in named if name]
-        shown = ", ".join(repr(n) for n in names[:_SHOWN_NAMES])
-        more = f" and {len(names) - _SHOWN_NAMES} more" if len(names) > _SHOWN_NAMES else ""
-        raise ValueError(
-            f"custom_black_varnames pattern {unmatched[0]!r} matches no submodule of "
-            f"{type(model).__name__}.{did_you_mean(unmatched[0], names)} Patterns are "
-            f"qualified names from model.named_modules() or fnmatch patterns; available: "
-            f"{shown}{more}."
-        )
+    check_patterns_match(model, [name for name, _ in named], patterns, "custom_black_varnames")
     chosen: list[tuple[str, nn.Module]] = []
     chosen_prefixes: list[str] = []
     seen: set[int] = set()
     for name, module in named:
         if any(name.startswith(prefix) for prefix in chosen_prefixes):
             continue
-        if any(_matches(name, p) for p in patterns):
+        if any(name_matches(name, p) for p in patterns):
             # The root's name is "": everything is then under it.
             chosen_prefixes.append(f"{name}." if name else "")
             if id(module) not in seen:

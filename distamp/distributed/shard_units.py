@@ -21,16 +21,14 @@ Example::
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Sequence
 
 from torch import nn
 
-from distamp.suggest import did_you_mean
+from distamp.amp.black_modules import check_patterns_match, name_matches
 
 __all__ = ["choose_units"]
 
-_SHOWN_NAMES = 8
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 
 
@@ -49,9 +47,10 @@ def choose_units(model: nn.Module, patterns: Sequence[str]) -> list[tuple[str, n
     """
     named = [(name, module) for name, module in model.named_modules() if name]
     if patterns:
-        _check_all_match(model, named, patterns)
+        check_patterns_match(model, [name for name, _ in named], patterns, "sharding_configs['units']",
+                             "the model's modules")
         return [(name, module) for name, module in named
-                if any(name == p or fnmatch.fnmatchcase(name, p) for p in patterns) and _holds_parameters(module)]
+                if any(name_matches(name, p) for p in patterns) and _holds_parameters(module)]
     blocks = _repeated_blocks(model)
     if blocks:
         return blocks
@@ -76,16 +75,3 @@ def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
                     blocks.append((qualified, child))
                     taken.append(qualified)
     return blocks
-
-
-def _check_all_match(model: nn.Module, named: list[tuple[str, nn.Module]], patterns: Sequence[str]) -> None:
-    names = [name for name, _ in named]
-    for pattern in patterns:
-        if not any(name == pattern or fnmatch.fnmatchcase(name, pattern) for name in names):
-            shown = ", ".join(repr(n) for n in names[:_SHOWN_NAMES])
-            more = f" and {len(names) - _SHOWN_NAMES} more" if len(names) > _SHOWN_NAMES else ""
-            raise ValueError(
-                f"sharding_configs['units'] pattern {pattern!r} matches no submodule of "
-                f"{type(model).__name__}.{did_you_mean(pattern, names)} Patterns are qualified names from "
-                f"model.named_modules() or fnmatch patterns; the model's modules: {shown}{more}."
-            )
