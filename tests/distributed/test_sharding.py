@@ -352,22 +352,33 @@ def test_overlap_param_gather_trains_bitwise_as_without_and_finishes_in_forward(
         assert seen[-1] == ("state_dict", True, True, True)
 
 
-def _plain_backward(rank, world, stage, dtype):
-    """``loss.backward()`` + ``step()`` (no optimizer.backward): what a torch loop does unchanged."""
+def _o2_sgd(stage, dtype, **amp):
+    """``(model, wrapped model, optimizer)``: O2 SGD at ``stage``, the model and optimizer built by fleet."""
     from distamp import fleet
 
     fleet.init()
     model = _model()
-    strategy = _strategy(stage, dtype=dtype, use_pure_fp16=True, init_loss_scaling=1024.0)
+    strategy = _strategy(stage, dtype=dtype, use_pure_fp16=True, **amp)
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
-    wrapped = fleet.distributed_model(model, strategy)
+    return model, fleet.distributed_model(model, strategy), opt
+
+
+def _rank_loss(wrapped, rank, x, y):
+    """This rank's share of the batch through the model, under fleet.auto_cast()."""
+    from distamp import fleet
+
+    x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+    with fleet.auto_cast():
+        return F.mse_loss(wrapped(x).float(), y)
+
+
+def _plain_backward(rank, world, stage, dtype):
+    """``loss.backward()`` + ``step()`` (no optimizer.backward): what a torch loop does unchanged."""
+    model, wrapped, opt = _o2_sgd(stage, dtype, init_loss_scaling=1024.0)
     applied = []
     for x, y in _batches(world, 3):
-        x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
         opt.zero_grad()
-        with fleet.auto_cast():
-            loss = F.mse_loss(wrapped(x).float(), y)
-        loss.backward()
+        _rank_loss(wrapped, rank, x, y).backward()
         try:
             applied.append(opt.step())
         except RuntimeError as exc:
@@ -390,28 +401,17 @@ def test_a_plain_backward_is_applied_at_scale_1_and_refused_under_fp16_scaling(s
 def _unscale_then_clip(rank, world, stage):
     import warnings
 
-    from distamp import fleet
-
-    fleet.init()
-    model = _model()
-    strategy = _strategy(stage, dtype="bfloat16", use_pure_fp16=True)
-    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
-    wrapped = fleet.distributed_model(model, strategy)
+    _, wrapped, opt = _o2_sgd(stage, "bfloat16")
     caught = []
     for x, y in _batches(world, 2):
-        x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
         opt.zero_grad()
-        with fleet.auto_cast():
-            loss = F.mse_loss(wrapped(x).float(), y)
-        opt.backward(loss)
+        opt.backward(_rank_loss(wrapped, rank, x, y))
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             opt.clip_grad_norm_(1.0)  # the global norm: nothing to warn about
             opt.step()
             opt.zero_grad()
-            with fleet.auto_cast():
-                loss = F.mse_loss(wrapped(x).float(), y)
-            opt.backward(loss)
+            opt.backward(_rank_loss(wrapped, rank, x, y))
             opt.unscale_()  # a loop about to clip .grad with torch's own tools
             opt.step()
         caught.append([str(w.message) for w in seen])
