@@ -56,11 +56,13 @@ def _train(rank, world, wrapped, opt, scheduler, first, last):
         scheduler.step()
 
 
-def _save_and_resume_at_the_same_size(rank, world, root):
+def _save_and_resume_at_the_same_size(rank, world, root, stages=(0, 1, 2), readout=None):
+    """Per stage: (uninterrupted, resumed) after END steps, read by ``readout(model, wrapped, opt)``."""
     from distamp.checkpoint import load_latest_checkpoint, save_checkpoint
 
+    readout = readout or (lambda model, wrapped, opt: _flat(model))
     out = {}
-    for stage in (0, 1, 2):
+    for stage in stages:
         model, wrapped, opt, scheduler = _build(stage)
         _train(rank, world, wrapped, opt, scheduler, 0, SAVE_AT)
         save_checkpoint(os.path.join(root, f"stage{stage}"), SAVE_AT, model=wrapped, optimizer=opt,
@@ -72,7 +74,7 @@ def _save_and_resume_at_the_same_size(rank, world, root):
         assert info.step == SAVE_AT
         assert info.rng_restored
         _train(rank, world, wrapped2, opt2, scheduler2, SAVE_AT, END)
-        out[stage] = (_flat(model), _flat(model2))
+        out[stage] = (readout(model, wrapped, opt), readout(model2, wrapped2, opt2))
     return out
 
 

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from tests.checkpoint.test_sharded_checkpoint import END, SAVE_AT, _build, _train
+from tests.checkpoint.test_sharded_checkpoint import END, SAVE_AT, _build, _save_and_resume_at_the_same_size, _train
 from tests.distributed.test_sharding import assert_within_bf16_rounding
 from tests.multiprocess import run_workers
 
@@ -25,23 +25,8 @@ def _fp32(wrapped, opt) -> torch.Tensor:
     return torch.cat([v.reshape(-1) for v in opt.fp32_state_dict(wrapped).values()])
 
 
-def _save_and_resume_at_the_same_size(rank, world, root):
-    from distamp.checkpoint import load_latest_checkpoint, save_checkpoint
-
-    out = {}
-    for stage in (0, 2, 3):
-        _, wrapped, opt, scheduler = _build(stage)
-        _train(rank, world, wrapped, opt, scheduler, 0, SAVE_AT)
-        save_checkpoint(os.path.join(root, f"stage{stage}"), SAVE_AT, model=wrapped, optimizer=opt,
-                        scheduler=scheduler)
-        _train(rank, world, wrapped, opt, scheduler, SAVE_AT, END)
-        _, wrapped2, opt2, scheduler2 = _build(stage)
-        info = load_latest_checkpoint(os.path.join(root, f"stage{stage}"), model=wrapped2, optimizer=opt2,
-                                      scheduler=scheduler2)
-        assert info.step == SAVE_AT
-        _train(rank, world, wrapped2, opt2, scheduler2, SAVE_AT, END)
-        out[stage] = (_fp32(wrapped, opt), _fp32(wrapped2, opt2))
-    return out
+def _exported(model, wrapped, opt) -> torch.Tensor:
+    return _fp32(wrapped, opt)
 
 
 def _resume(rank, world, root, plan):
@@ -61,7 +46,7 @@ def _resume(rank, world, root, plan):
 
 @pytest.mark.timeout(300)
 def test_stage3_checkpoint_resumes_bitwise_at_two_ranks_and_within_bf16_on_one_and_four(tmp_path):
-    saved = run_workers(_save_and_resume_at_the_same_size, 2, str(tmp_path), timeout=150)
+    saved = run_workers(_save_and_resume_at_the_same_size, 2, str(tmp_path), (0, 2, 3), _exported, timeout=150)
     for stage in (0, 2, 3):
         uninterrupted, resumed = saved[0][stage]
         assert torch.equal(resumed, uninterrupted), stage
