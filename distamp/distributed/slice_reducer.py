@@ -128,9 +128,8 @@ class SliceReducer:
         params = list(dict.fromkeys(p for p in reversed(list(module.parameters())) if p.requires_grad))  # by identity
         self.params = params
         self.buckets = _cut(params, max(1, bucket_bytes // wire_dtype.itemsize))
-        self._slot = {id(p): (b, bucket.offsets[i], i)
+        self._slot = {id(p): (b, bucket.offsets[i])
                       for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)}
-        self._index = {id(p): i for i, p in enumerate(params)}
         self._owner = {id(p): (shard, i) for shard in self.shards for i, p in enumerate(shard.model_params)}
         reducer = weakref.ref(self)
 
@@ -211,7 +210,7 @@ class SliceReducer:
         if grad.is_sparse:
             raise TypeError("sparse gradients are not supported by sharding stage 2; use dense gradients")
         self._queue_flush()  # a backward that did not start from a watched output
-        b, offset, _ = self._slot[id(param)]
+        b, offset = self._slot[id(param)]
         if b < self._next:
             raise RuntimeError(
                 f"a parameter of shape {tuple(param.shape)} received a second gradient in one backward after its "
@@ -272,10 +271,7 @@ class SliceReducer:
     def _agreed_used(self) -> list[nn.Parameter]:
         """The parameters that got a gradient on any rank (one all-reduce of a flag per parameter)."""
         device = self.params[0].device if self.params else torch.device("cpu")
-        flags = torch.zeros(len(self.params), dtype=torch.int32, device=device)
-        for i, p in enumerate(self.params):
-            if id(p) in self._used:
-                flags[i] = 1
+        flags = torch.tensor([id(p) in self._used for p in self.params], dtype=torch.int32, device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
         return [p for p, used in zip(self.params, flags.tolist(), strict=True) if used]
 
