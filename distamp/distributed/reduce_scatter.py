@@ -12,20 +12,23 @@ each element crosses the wire once, where an all-reduce sends it twice.
 Each rank then adds the W received copies of its elements, divided by W,
 in FP32 into its FP32 gradient slice (``grads`` of the sharded masters), where
 several backward passes (and gradient
-merge's micro-batches) accumulate without 16-bit rounding. A bucket's
-exchange is cut into rounds that send at most a bucket's bytes
-(:func:`reduce_bucket_bytes`) in all (and on gloo at most
-:data:`~distamp.distributed.wire_rounds.GLOO_ROUND_BYTES` to each peer; see
-:mod:`distamp.distributed.wire_rounds`), each destination's elements cut
-evenly, round by round, so a parameter larger than a bucket never needs
-exchange buffers of its own size. No pre-division is needed: the sum is
-FP32, so it cannot overflow. That work runs on the backward thread: each
-call launches queued rounds while fewer than :data:`MAX_IN_FLIGHT` are on
-the wire and finishes those done, in order, and the last bucket's hook
-waits for the rest, so DDP finds every future done. At most
-:data:`MAX_IN_FLIGHT` buckets are open (handed over, not yet summed): when
-the wire is slower than backward, a hook waits for the oldest rather than
-let the buffers of every bucket pile up.
+merge's micro-batches) accumulate without 16-bit rounding. No pre-division is
+needed: the sum is FP32, so it cannot overflow.
+
+The exchanges go in rounds formed across buckets (see
+:class:`ShardedGradReduce`): a round carries as many elements for every
+destination rank, at most a bucket's bytes in all (:func:`reduce_bucket_bytes`)
+and on gloo at most
+:data:`~distamp.distributed.wire_rounds.GLOO_ROUND_BYTES` to each peer (see
+:mod:`distamp.distributed.wire_rounds`), so a parameter larger than a bucket
+never needs exchange buffers of its own size and every link carries as much
+each way. That work runs on the backward thread: each call launches queued
+rounds while fewer than :data:`MAX_IN_FLIGHT` are on the wire and finishes
+those done, in order, and the last bucket's hook sends what is left and
+waits for the rest, so DDP finds every future done. The stage-2 reducer
+bounds the buckets open (handed over, not yet summed): when the wire is
+slower than backward, a hand-over waits for the oldest rather than let the
+buffers of every bucket pile up.
 
 DDP lists a bucket's parameters in whatever order it chose (the first
 iteration uses one order, later ones the order gradients became ready), so
@@ -37,10 +40,9 @@ after ``backward`` the ``.grad`` of every parameter in a bucket is zero on
 every rank; the reduced gradient exists only as the owners' FP32 slices.
 """
 
-import itertools
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -81,39 +83,34 @@ def reduce_bucket_bytes(gradient_bytes: int, fuse_bytes: int) -> int:
 
 
 _Entry = tuple[int, int, SliceOwner, int]  # (start in the bucket, length, slice owner, start in its grad slice)
-
-
-@dataclass(frozen=True)
-class _Round:
-    """One all-to-all of a bucket's exchange (the same on every rank but for ``dest``)."""
-
-    send: tuple[tuple[int, int], ...]  # (start, length) in the bucket, grouped by owning rank in rank order
-    input_splits: tuple[int, ...]
-    received: int  # elements this rank owns in the round
-    dest: tuple[tuple[SliceOwner, int, int], ...]  # (slice owner, start in its grad slice, length)
+_Part = tuple["_Exchange", int, int, SliceOwner, int]  # an entry of one handed-over bucket: (exchange, *entry)
 
 
 @dataclass(frozen=True)
 class _BucketPlan:
-    """Who gets which elements of one bucket, round by round, and where this rank's go."""
+    """Where the elements of one bucket go: for each destination rank, its entries in bucket order."""
 
-    rounds: tuple[_Round, ...]
-    identity: bool  # one round whose send is the bucket as it is: no packing copy needed
-
-
-def _window(entries: list[_Entry], lo: int, hi: int) -> list[_Entry]:
-    """The part of ``entries`` (laid end to end) from element ``lo`` to ``hi``."""
-    out, position = [], 0
-    for start, length, shard, slice_start in entries:
-        a, b = max(lo, position), min(hi, position + length)
-        if b > a:
-            out.append((start + a - position, b - a, shard, slice_start + a - position))
-        position += length
-    return out
+    per_rank: tuple[tuple[_Entry, ...], ...]
+    numel: int
 
 
 class ShardedGradReduce:
     """State of the reduce-scatter: the layouts it reduces for, the wire dtype, rounds in flight, byte counters.
+
+    Rounds are formed from a pool of the elements handed over and not yet
+    sent, kept per destination rank in hand-over order. A round takes the
+    same number of elements for every destination (at most a round's share
+    each), so every rank sends as much as it receives: with one contiguous
+    slice per rank, a bucket of the last layers' gradients belongs mostly to
+    the last rank, and sending it on its own would load one direction of
+    each link (one rank's ingress) while the others idle (stage 1 on the
+    benchmark MLP over a 1 Gbit/s link, 2 ranks: 78 ms for a reduce-scatter
+    the line allows in 52). Elements wait in the pool until every
+    destination has a round's share, at most ``max_pending`` buckets of
+    them (the oldest then goes in rounds as it is), and the last bucket of
+    a backward sends everything. Which rounds go out is a function of the
+    buckets handed over only, never of timing, so every rank launches the
+    same collectives in the same order.
 
     Example::
 
@@ -129,9 +126,14 @@ class ShardedGradReduce:
             (see :class:`~distamp.distributed.comm_hooks.PendingFp32Grads`).
         bucket_bytes: most bytes one round sends in all (see
             :func:`reduce_bucket_bytes`).
+        max_open: most buckets handed over and not yet summed before
+            :meth:`launch` waits for the oldest (``None``: no bound, for
+            DDP's buckets, which live through backward anyway); elements of
+            at most ``max_open - 1`` buckets wait for a balanced round.
 
     Raises:
         TypeError: an unsupported ``wire_dtype``.
+        ValueError: ``max_open`` < 1.
     """
 
     def __init__(
@@ -141,28 +143,39 @@ class ShardedGradReduce:
         process_group: dist.ProcessGroup | None = None,
         pending: Pending | None = None,
         bucket_bytes: int = REDUCE_BUCKET_BYTES,
+        max_open: int | None = None,
     ) -> None:
         if wire_dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"wire_dtype={wire_dtype!r} is not supported; use torch.float16, bfloat16 or float32")
+        if max_open is not None and max_open < 1:
+            raise ValueError(f"max_open={max_open!r} must be >= 1 or None")
         self.wire_dtype = wire_dtype
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.pending = pending
+        self.max_open = max_open
+        self.max_pending = None if max_open is None else max_open - 1
         self.stats = CommStats()
         self.open: deque[_Exchange] = deque()  # buckets handed over and not yet summed, in order
+        self._pool: list[deque[_Part]] = [deque() for _ in range(self.world_size)]  # not yet in a round
+        self._pool_sizes = [0] * self.world_size
+        self._unsent: deque[_Exchange] = deque()  # exchanges with elements in the pool, in order
         self._queued: deque[_RoundExchange] = deque()  # rounds not yet launched, in order
         self._running: deque[_RoundExchange] = deque()  # rounds on the wire, in launch order
-        self.round_elements = max(1, bucket_bytes // wire_dtype.itemsize)
-        """Most elements a rank sends per round, to all peers together."""
+        round_elements = max(1, bucket_bytes // wire_dtype.itemsize)
         limit = round_bytes(process_group)
-        self.peer_elements = None if limit is None else max(1, limit // wire_dtype.itemsize)
-        """Most elements a rank sends to one peer per round (``None``: no limit)."""
+        share = max(1, round_elements // self.world_size)
+        self.share = share if limit is None else min(share, max(1, limit // wire_dtype.itemsize))
+        """Most elements a round carries for one destination (a bucket's bytes in all; gloo's limit per peer)."""
         self._owner = {id(p): (shard, i) for shard in shards for i, p in enumerate(shard.model_params)}
         self._plans: dict[tuple[int, ...], _BucketPlan] = {}
 
     def finish_completed(self, wait: bool) -> None:
-        """Launch queued rounds while fewer than :data:`MAX_IN_FLIGHT` run; finish those done (all with ``wait``).
+        """Launch queued rounds while fewer than :data:`MAX_IN_FLIGHT` run; finish those done.
+
+        With ``wait``: first put every element still in the pool into
+        rounds (the end of backward), then finish every round.
 
         Rounds launch and finish in order. Finishing happens here, on the
         thread that runs backward, not in a callback on the communication
@@ -171,6 +184,8 @@ class ShardedGradReduce:
         ``torch.profiler``'s memory events, which only record the profiled
         thread.
         """
+        if wait:
+            self._form_rounds(flush=True)
         while self._advance(block=wait):
             pass
 
@@ -183,7 +198,7 @@ class ShardedGradReduce:
             return True
         if self._running and (block or self._running[0].is_completed()):
             self._running.popleft().finish(self.world_size)
-            while self.open and self.open[0].done_rounds == len(self.open[0].rounds):
+            while self.open and self.open[0].is_done():
                 self.open.popleft().complete()
             return True
         return False
@@ -193,7 +208,7 @@ class ShardedGradReduce:
         ddp.register_comm_hook(self, reduce_scatter_hook)
 
     def plan(self, params: Sequence[torch.Tensor]) -> _BucketPlan:
-        """The plan for a bucket holding ``params`` in this order (cached)."""
+        """Where the elements of a bucket holding ``params`` in this order go (cached)."""
         key = tuple(id(p) for p in params)
         plan = self._plans.get(key)
         if plan is None:
@@ -208,51 +223,85 @@ class ShardedGradReduce:
             for rank, piece in shard.layout.owners(index):
                 per_rank[rank].append((position + piece.start, piece.length, shard, piece.offset - shard.lo))
             position += p.numel()
-        totals = [sum(e[1] for e in entries) for entries in per_rank]
-        # The same count on every rank: it depends only on the bucket and the layout.
-        count = max(1, -(-sum(totals) // self.round_elements))
-        if self.peer_elements is not None:
-            count = max(count, -(-max(totals) // self.peer_elements))
-        rounds = []
-        for j in range(count):
-            parts = [_window(entries, j * n // count, (j + 1) * n // count)
-                     for entries, n in zip(per_rank, totals, strict=True)]
-            mine = parts[self.rank]
-            rounds.append(_Round(
-                send=tuple((start, length) for entries in parts for start, length, _, _ in entries),
-                input_splits=tuple(sum(e[1] for e in entries) for entries in parts),
-                received=sum(e[1] for e in mine),
-                dest=tuple((shard, start, length) for _, length, shard, start in mine),
-            ))
-        send = rounds[0].send
-        identity = count == 1 and (not send or send[0][0] == 0) and sum(totals) == position
-        identity = identity and all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(send))
-        return _BucketPlan(rounds=tuple(rounds), identity=identity)
+        return _BucketPlan(per_rank=tuple(tuple(entries) for entries in per_rank), numel=position)
 
     def launch(self, buffer: torch.Tensor, params: Sequence[torch.Tensor],
-               done: torch.futures.Future | None = None) -> None:
-        """Queue the reduce-scatter of ``buffer`` (the gradients of ``params``, end to end) into the owners' slices.
+               done: torch.futures.Future | None = None, last: bool = False) -> None:
+        """Hand over ``buffer`` (the gradients of ``params``, end to end) for reduce-scattering into the owners' slices.
 
-        Waits first for the oldest bucket while :data:`MAX_IN_FLIGHT` are
-        open. When every round is summed, ``buffer`` is zeroed and ``done``
-        (DDP's bucket future) completed with it; without ``done`` the
-        buffer's storage is freed (the stage-2 reducer's own buckets).
+        Waits first for the oldest bucket while ``max_open`` are open. When
+        every element is summed, ``buffer`` is zeroed and ``done`` (DDP's
+        bucket future) completed with it; without ``done`` the buffer's
+        storage is freed (the stage-2 reducer's own buckets). ``last``: the
+        last bucket of this backward, after which every element goes out.
         """
-        while len(self.open) >= MAX_IN_FLIGHT:  # bound the open buckets when the wire is slower than backward
-            self._advance(block=True)
+        while self.max_open is not None and len(self.open) >= self.max_open and (self._running or self._queued):
+            self._advance(block=True)  # bound the open buckets when the wire is slower than backward
         plan = self.plan(params)
         add_pending_fp32(buffer, params, self.pending)
-        exchange = _Exchange(buffer, done, plan.identity)
-        exchange.rounds = [_RoundExchange(exchange, rnd) for rnd in plan.rounds]
-        for rnd in plan.rounds:
-            for shard, _, _ in rnd.dest:
+        exchange = _Exchange(buffer, done, unsent=plan.numel)  # every element has one owner
+        for entries in plan.per_rank:
+            for _, _, shard, _ in entries:
                 shard.grads.reduced = True
         self.open.append(exchange)
-        self._queued.extend(exchange.rounds)
-        if not exchange.rounds:
-            self.open.remove(exchange)
-            exchange.complete()
+        if exchange.unsent:
+            self._unsent.append(exchange)
+            for rank, entries in enumerate(plan.per_rank):
+                self._pool[rank].extend((exchange, *entry) for entry in entries)
+                self._pool_sizes[rank] += sum(entry[1] for entry in entries)
+        self._form_rounds(flush=last)
+        while self.open and self.open[0].is_done():
+            self.open.popleft().complete()
         self.finish_completed(wait=False)
+
+    def _form_rounds(self, flush: bool) -> None:
+        """Queue the rounds the pool allows: balanced ones; the oldest bucket's when too many wait; all on ``flush``."""
+        while True:
+            sizes = self._pool_sizes
+            if min(sizes) >= self.share:
+                take = [self.share] * self.world_size
+            elif flush and max(sizes) > 0:
+                take = [min(self.share, n) for n in sizes]
+            elif self.max_pending is not None and sum(1 for e in self._unsent if e.unsent) > self.max_pending:
+                oldest = self._unsent[0]
+                take = [min(self.share, _front_of(pool, oldest)) for pool in self._pool]
+            else:
+                return
+            self._queued.append(self._take(take))
+
+    def _take(self, take: list[int]) -> "_RoundExchange":
+        """A round of ``take[d]`` elements from the front of each destination ``d``'s pool."""
+        parts: list[tuple[_Part, ...]] = []
+        for rank, want in enumerate(take):
+            pool, out = self._pool[rank], []
+            self._pool_sizes[rank] -= want
+            while want:
+                exchange, start, length, shard, slice_start = pool[0]
+                n = min(want, length)
+                out.append((exchange, start, n, shard, slice_start))
+                if n == length:
+                    pool.popleft()
+                else:
+                    pool[0] = (exchange, start + n, length - n, shard, slice_start + n)
+                exchange.unsent -= n
+                want -= n
+            parts.append(tuple(out))
+        rnd = _RoundExchange(tuple(parts), tuple(take), self.rank)
+        for exchange in rnd.exchanges:
+            exchange.rounds_open += 1
+        while self._unsent and not self._unsent[0].unsent:
+            self._unsent.popleft()
+        return rnd
+
+
+def _front_of(pool: deque[_Part], exchange: "_Exchange") -> int:
+    """Elements at the front of ``pool`` that belong to ``exchange``."""
+    total = 0
+    for part in pool:
+        if part[0] is not exchange:
+            break
+        total += part[2]
+    return total
 
 
 # No ``from __future__ import annotations`` here: DDP checks this hook's annotations as objects.
@@ -260,8 +309,9 @@ def reduce_scatter_hook(state: ShardedGradReduce, bucket: dist.GradBucket) -> to
     """DDP comm hook body for :class:`ShardedGradReduce` (``state`` is the instance)."""
     buffer = bucket.buffer()
     done = bucket_future(buffer)
-    state.launch(buffer, bucket.parameters(), done)
-    if bucket.is_last():
+    last = bucket.is_last()
+    state.launch(buffer, bucket.parameters(), done, last=last)
+    if last:
         state.finish_completed(wait=True)  # DDP waits for every bucket's future right after this hook
     return done
 
@@ -277,31 +327,53 @@ def bucket_future(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else None)
 
 
-@dataclass(eq=False)
 class _RoundExchange:
-    """One round of a bucket's exchange: queued, then on the wire with its buffers, then summed."""
+    """One all-to-all: for each destination rank, in rank order, parts of handed-over buckets; then summed.
 
-    exchange: "_Exchange"
-    round: _Round
-    work: dist.Work | None = None
-    send: torch.Tensor | None = None  # kept alive until the exchange is done
-    received: torch.Tensor | None = None
+    The same on every rank but for which parts are this rank's to sum.
+    """
+
+    def __init__(self, parts: tuple[tuple[_Part, ...], ...], input_splits: tuple[int, ...], rank: int) -> None:
+        self.parts = parts
+        self.input_splits = input_splits
+        self.received = input_splits[rank]  # every rank sends this rank as many elements as it sends anyone
+        self.dest = tuple((shard, slice_start, length) for _, _, length, shard, slice_start in parts[rank])
+        self.exchanges = tuple(dict.fromkeys(part[0] for rank_parts in parts for part in rank_parts))
+        self.work: dist.Work | None = None
+        self.send: torch.Tensor | None = None  # kept alive until the round is summed
+        self.received_copies: torch.Tensor | None = None
+
+    def _whole_bucket(self) -> torch.Tensor | None:
+        """The bucket when this round sends exactly one bucket, in its own order: it goes without packing."""
+        if len(self.exchanges) != 1:
+            return None
+        buffer, position = self.exchanges[0].buffer, 0
+        for rank_parts in self.parts:
+            for _, start, length, _, _ in rank_parts:
+                if start != position:
+                    return None
+                position += length
+        return buffer if position == buffer.numel() else None
 
     def start(self, state: ShardedGradReduce) -> None:
-        """Pack this round's elements (unless the bucket goes as it is) and launch its all-to-all."""
-        rnd, buffer, world = self.round, self.exchange.buffer, state.world_size
-        if self.exchange.identity:
-            send = buffer if buffer.dtype == state.wire_dtype else buffer.to(state.wire_dtype)
+        """Pack this round's elements (unless it is one bucket as it is) and launch its all-to-all."""
+        whole = self._whole_bucket()
+        if whole is not None:
+            send = whole if whole.dtype == state.wire_dtype else whole.to(state.wire_dtype)
         else:
-            send = torch.cat([buffer[start : start + length] for start, length in rnd.send]).to(state.wire_dtype)
-        received = torch.empty(world * rnd.received, dtype=state.wire_dtype, device=buffer.device)
+            pieces = [exchange.buffer[start : start + length]
+                      for rank_parts in self.parts for exchange, start, length, _, _ in rank_parts]
+            send = torch.cat(pieces).to(state.wire_dtype)
+        world = state.world_size
+        device = self.exchanges[0].buffer.device
+        received = torch.empty(world * self.received, dtype=state.wire_dtype, device=device)
         state.stats.calls += 1
         state.stats.bytes += send.numel() * send.element_size()
         self.work = dist.all_to_all_single(
-            received, send, [rnd.received] * world, list(rnd.input_splits), group=state.process_group,
+            received, send, [self.received] * world, list(self.input_splits), group=state.process_group,
             async_op=True,
         )
-        self.send, self.received = send, received
+        self.send, self.received_copies = send, received
 
     def is_completed(self) -> bool:
         """Whether the round has arrived."""
@@ -309,41 +381,47 @@ class _RoundExchange:
 
     def finish(self, world: int) -> None:
         """Sum the received copies in FP32 into the owners' slices and free the round's buffers."""
-        if self.work is None or self.received is None or self.send is None:
+        if self.work is None or self.received_copies is None or self.send is None:
             raise RuntimeError("finish() before start()")
         self.work.wait()
-        rnd, buffer = self.round, self.exchange.buffer
-        if rnd.received:
+        if self.received:
             # Each rank's 16-bit copy, divided by W, added in FP32 straight into the owners' FP32 slices
             # (no FP32 temporary): exact for a power-of-two W, where dividing is exact.
-            n, lengths = rnd.received, [length for _, _, length in rnd.dest]
-            targets = [shard.grads.buffer[start : start + length] for shard, start, length in rnd.dest]
+            n, lengths = self.received, [length for _, _, length in self.dest]
+            targets = [shard.grads.buffer[start : start + length] for shard, start, length in self.dest]
             for r in range(world):
-                torch._foreach_add_(targets, list(self.received[r * n : (r + 1) * n].split(lengths)), alpha=1 / world)
+                copies = list(self.received_copies[r * n : (r + 1) * n].split(lengths))
+                torch._foreach_add_(targets, copies, alpha=1 / world)
         # Free the exchange buffers here and now: the communication thread may still hold them a moment
         # (and would then free them where the profiler does not look). On CUDA this is stream-safe:
         # work.wait() made the current stream (the buffers' allocation stream, whose blocks the caching
         # allocator reuses only for that stream) wait for NCCL's, and NCCL recorded its own use of them.
-        for tensor in (self.send, self.received):
-            if tensor.data_ptr() != buffer.data_ptr():
+        buffers = {exchange.buffer.data_ptr() for exchange in self.exchanges}
+        for tensor in (self.send, self.received_copies):
+            if tensor.data_ptr() not in buffers:
                 tensor.untyped_storage().resize_(0)
-        self.send = self.received = None
-        self.exchange.done_rounds += 1
+        self.send = self.received_copies = None
+        for exchange in self.exchanges:
+            exchange.rounds_open -= 1
+        self.exchanges = ()
+        self.parts = ()
 
 
 @dataclass(eq=False)
 class _Exchange:
-    """One bucket handed over for reduce-scattering, and what to do once all its rounds are summed."""
+    """One bucket handed over for reduce-scattering, and what to do once all its elements are summed."""
 
     buffer: torch.Tensor
     done: torch.futures.Future | None  # DDP's bucket future; None: free the buffer when finished
-    identity: bool  # the bucket goes out as it is (one round, no packing copy)
-    rounds: list[_RoundExchange] = field(default_factory=list)
-    done_rounds: int = 0
+    unsent: int  # elements not yet in a round
+    rounds_open: int = 0  # rounds holding some of its elements, not yet summed
+
+    def is_done(self) -> bool:
+        """Every element is in a round and every such round is summed."""
+        return self.unsent == 0 and self.rounds_open == 0
 
     def complete(self) -> None:
-        """Every round is summed: zero the bucket and complete the future, or free the bucket."""
-        self.rounds = []  # each round points back here: without this the bucket would wait for the cycle collector
+        """Zero the bucket and complete the future, or free the bucket."""
         if self.done is None:
             self.buffer.untyped_storage().resize_(0)
             return

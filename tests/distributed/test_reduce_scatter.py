@@ -35,6 +35,22 @@ def _grads(rank):
     return torch.linspace(-3.0, 5.0, 9) * (1.0 + rank / 3) + 0.001
 
 
+def _recorded_rounds():
+    """Record every all-to-all the reduce-scatter launches: its split sizes and whether it sent a bucket as it is."""
+    from distamp.distributed import reduce_scatter
+
+    rounds = []
+    launch = reduce_scatter.dist.all_to_all_single
+
+    def recording(output, send, output_splits, input_splits, **kwargs):
+        rounds.append({"input_splits": tuple(input_splits), "received": output_splits[0], "send": send.clone(),
+                       "send_ptr": send.data_ptr()})
+        return launch(output, send, output_splits, input_splits, **kwargs)
+
+    reduce_scatter.dist.all_to_all_single = recording
+    return rounds
+
+
 def _reduce(rank, world, wire, round_bytes=None):
     from torch import nn
 
@@ -51,16 +67,16 @@ def _reduce(rank, world, wire, round_bytes=None):
     shard = ShardedMasters(params, None, None, rank, world)
     state = ShardedGradReduce([shard], wire)
     buffer = _grads(rank).clone()
-    plan = state.plan(params)
+    rounds = _recorded_rounds()
     out = reduce_scatter_hook(state, Bucket(buffer, params)).wait()
     return {
         "slice": shard.grads.buffer.clone(),
         "returned_is_bucket": out is buffer,
         "bucket": buffer.clone(),
         "reduced": shard.grads.reduced,
-        "input_splits": [r.input_splits for r in plan.rounds],
-        "received": [r.received for r in plan.rounds],
-        "identity": plan.identity,
+        "input_splits": [r["input_splits"] for r in rounds],
+        "received": [r["received"] for r in rounds],
+        "identity": [r["send_ptr"] == buffer.data_ptr() for r in rounds],
         "pieces": [(p.param, p.start, p.stop) for p in shard.pieces],
         "stats": (state.stats.calls, state.stats.bytes),
         "in_flight": len(state.open),
@@ -86,24 +102,23 @@ def test_each_rank_gets_its_slice_of_the_mean_of_the_16_bit_gradients(wire):
         assert result["reduced"]
         assert result["input_splits"] == [(4, 5)]  # one round: 18 bytes are well under gloo's round size
         assert result["received"] == [(4, 5)[rank]]
-        assert result["identity"]  # the bucket is already in rank order: sent without packing
+        assert result["identity"] == [wire == torch.float32]  # a 16-bit wire casts the FP32 bucket
         assert result["stats"] == (1, 9 * 2)
         assert result["in_flight"] == 0
 
 
 @pytest.mark.timeout(120)
-def test_rounds_on_gloo_cut_each_destination_evenly_and_sum_the_same():
-    # 4 bytes per peer and round: 2 BF16 elements, so rank 1's 5 elements take 3 rounds; round j carries
-    # elements [j*n//3, (j+1)*n//3) of each destination's n.
+def test_rounds_on_gloo_carry_as_much_for_each_destination_and_sum_the_same():
+    # 4 bytes per peer and round: 2 BF16 elements for each destination while both have them, then the rest.
     out = run_workers(_reduce, 2, torch.bfloat16, 4, timeout=100)
     rounded = [_grads(r).to(torch.bfloat16).float() for r in range(2)]
     expected = (rounded[0] + rounded[1]) / 2
     assert torch.equal(out[0]["slice"], expected[:4])  # bitwise what one round gives
     assert torch.equal(out[1]["slice"], expected[4:])
     for rank, result in enumerate(out):
-        assert result["input_splits"] == [(1, 1), (1, 2), (2, 2)]
-        assert result["received"] == [[1, 1, 2], [1, 2, 2]][rank]
-        assert not result["identity"]  # rounds are packed
+        assert result["input_splits"] == [(2, 2), (2, 2), (0, 1)]
+        assert result["received"] == [[2, 2, 0], [2, 2, 1]][rank]
+        assert result["identity"] == [False] * 3  # rounds are packed
         assert result["stats"] == (3, 9 * 2)  # the same bytes as one round
         assert torch.equal(result["bucket"], torch.zeros(9))
         assert result["in_flight"] == 0
@@ -123,12 +138,15 @@ def _reversed_and_accumulated(rank, world):
     state = ShardedGradReduce([shard], torch.float32)
     order = [params[1], params[0]]  # DDP's bucket order: parameter 1's 4 elements, then parameter 0's 5
     g = _grads(rank)
+    rounds = _recorded_rounds()
     for _ in range(2):  # two backward passes accumulate in the FP32 slice
         buffer = torch.cat([g[5:], g[:5]])
         reduce_scatter_hook(state, Bucket(buffer, order)).wait()
-    plan = state.plan(order)
-    (rnd,) = plan.rounds
-    return shard.grads.buffer.clone(), rnd.send, plan.identity, rnd.input_splits, len(state._plans)
+    (first, _) = rounds
+    # Rank 0's elements (parameter 0 [0, 4)), then rank 1's (parameter 1, then parameter 0 [4, 5)).
+    packed = torch.cat([g[:4], g[5:], g[4:5]])
+    return (shard.grads.buffer.clone(), torch.equal(first["send"], packed), first["send_ptr"] == buffer.data_ptr(),
+            first["input_splits"], len(state._plans))
 
 
 @pytest.mark.timeout(120)
@@ -137,11 +155,56 @@ def test_a_bucket_in_another_order_is_packed_per_rank_and_sums_accumulate():
     expected = (_grads(0) + _grads(1)) / 2 * 2  # FP32 wire: exact inputs; two passes
     assert torch.allclose(out[0][0], expected[:4], rtol=1e-6, atol=0)  # two FP32 additions: not bitwise
     assert torch.allclose(out[1][0], expected[4:], rtol=1e-6, atol=0)
-    for _, send, identity, splits, plans in out:
-        assert send == ((4, 4), (0, 4), (8, 1))  # rank 0: param 0 [0, 4); rank 1: param 1, then param 0 [4, 5)
+    for _, packed, identity, splits, plans in out:
+        assert packed
         assert not identity
         assert splits == (4, 5)
         assert plans == 1
+
+
+def _one_owner_per_bucket(rank, world, max_open):
+    """Four 4-element parameters, two per rank; DDP's order puts each in its own bucket, rank 1's first."""
+    from torch import nn
+
+    from distamp.distributed import wire_rounds
+    from distamp.distributed.reduce_scatter import ShardedGradReduce, reduce_scatter_hook
+    from distamp.optim.sharded_masters import ShardedMasters
+
+    wire_rounds.GLOO_ROUND_BYTES = 8  # 2 FP32 elements per peer and round
+    params = [nn.Parameter(torch.zeros(4)) for _ in range(4)]
+    shard = ShardedMasters(params, None, None, rank, world)
+    state = ShardedGradReduce([shard], torch.float32, max_open=max_open)
+    rounds = _recorded_rounds()
+    g = torch.arange(16, dtype=torch.float32) * (rank + 1)
+    futures = [reduce_scatter_hook(state, Bucket(g[4 * i : 4 * i + 4].clone(), [params[i]], last=i == 0))
+               for i in reversed(range(4))]
+    assert all(f.done() for f in futures)
+    return shard.grads.buffer.clone(), [r["input_splits"] for r in rounds], len(state.open)
+
+
+@pytest.mark.timeout(120)
+def test_buckets_owned_by_one_rank_wait_until_every_destination_fills_a_round():
+    # Rank 1's two buckets come first; nothing goes until rank 0's arrive, then every round is even both ways.
+    out = run_workers(_one_owner_per_bucket, 2, None, timeout=100)
+    mean = torch.arange(16, dtype=torch.float32) * 1.5
+    assert torch.equal(out[0][0], mean[:8])
+    assert torch.equal(out[1][0], mean[8:])
+    for _, splits, still_open in out:
+        assert splits == [(2, 2)] * 4
+        assert still_open == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_bound_on_open_buckets_sends_the_oldest_as_it_is_when_too_many_wait():
+    # max_open=2: one bucket may wait. Rank 1's second bucket pushes its first out alone, one way; the
+    # rest pairs up; rank 0's last bucket goes alone at the end.
+    out = run_workers(_one_owner_per_bucket, 2, 2, timeout=100)
+    mean = torch.arange(16, dtype=torch.float32) * 1.5
+    assert torch.equal(out[0][0], mean[:8])
+    assert torch.equal(out[1][0], mean[8:])
+    for _, splits, still_open in out:
+        assert splits == [(0, 2), (0, 2), (2, 2), (2, 2), (2, 0), (2, 0)]
+        assert still_open == 0
 
 
 def _unsupported(rank, world):
