@@ -100,9 +100,12 @@ class DDPPreparation:
             if stage == 2:
                 reducer = self._build_reducer(optimizers)
                 return PreparedDDP(None, None, True, reducer)
-            # Stage 1's buckets are reduce-scattered: sized as stage 2's, so the exchanges stay small.
+            # Stage 1's buckets are reduce-scattered: sized as stage 2's, so the exchanges stay small, but
+            # never below DDP's first bucket: torch.compile's DDPOptimizer refuses later buckets smaller than it.
             cap = self.strategy.fuse_grad_size_in_MB
-            ddp = self._build_ddp(self._bucket_bytes() / 2**20 if stage == 1 else cap)
+            if stage == 1:
+                cap = max(self._bucket_bytes(), dist._DEFAULT_FIRST_BUCKET_BYTES) / 2**20
+            ddp = self._build_ddp(cap)
         comm_hook = self._comm_hook(optimizers, stage == 1)
         if comm_hook is not None:
             comm_hook.register(ddp)
