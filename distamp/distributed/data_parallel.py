@@ -285,6 +285,7 @@ class DataParallel(nn.Module):
         try:
             if runtime.reducer is not None:
                 runtime.reducer.before_forward(runtime.sync_enabled)
+                args, kwargs = runtime.reducer.inputs_to_device(args, kwargs)
                 return runtime.reducer.watch(self.module(*args, **kwargs))
             if ddp is None:
                 return self.module(*args, **kwargs)

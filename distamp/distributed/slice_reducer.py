@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.distributed.utils import _sync_params_and_buffers
+from torch.distributed.utils import _sync_params_and_buffers, _to_kwargs
 from torch.utils._pytree import tree_flatten
 
 from distamp.distributed.attached import SliceOwner
@@ -86,7 +86,8 @@ class SliceReducer:
         reducer = SliceReducer(model, [optimizer.master_weights], torch.bfloat16, group)
         reducer.broadcast_from_rank0()
         reducer.before_forward(sync=True)
-        loss = loss_fn(reducer.watch(model(x)), y)
+        args, kwargs = reducer.inputs_to_device((x,), {})
+        loss = loss_fn(reducer.watch(model(*args, **kwargs)), y)
         loss.backward()        # .grad is None everywhere; the owners' FP32 slices hold the reduced sums
 
     The parameters' hooks hold the reducer weakly: once it is garbage, they
@@ -125,6 +126,8 @@ class SliceReducer:
             raise ValueError(f"bucket_bytes={bucket_bytes!r} must be > 0")
         self.exchange = ShardedGradReduce(shards, wire_dtype, process_group, pending, bucket_bytes, OPEN_BUCKETS)
         self.module = module
+        self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        """The model's device, where :meth:`inputs_to_device` moves a CUDA model's inputs."""
         self.shards = list(shards)
         self.process_group = process_group
         self.find_unused_parameters = find_unused_parameters
@@ -187,6 +190,18 @@ class SliceReducer:
             buffers = [b.detach() for b in self.module.buffers()]
             if buffers:
                 _sync_params_and_buffers(_group(self.process_group), buffers, _BROADCAST_BYTES, 0)
+
+    def inputs_to_device(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """What DDP does with ``device_ids`` (and FSDP2 at its root): a CUDA model's inputs go to its device first.
+
+        Tensors anywhere in ``args`` and ``kwargs`` (lists, dicts, dataclasses)
+        are moved with ``torch.distributed.utils._to_kwargs``, DDP's own
+        function; on a CPU model nothing changes.
+        """
+        if self.device.type != "cuda":
+            return args, kwargs
+        moved_args, moved_kwargs = _to_kwargs(args, kwargs, self.device, False)
+        return moved_args[0], moved_kwargs[0]
 
     @torch.compiler.disable
     def watch(self, output: Any) -> Any:
