@@ -186,7 +186,8 @@ def test_a_stage3_save_writes_each_ranks_own_rows_and_gathers_nothing(tmp_path):
     common = payloads["common"]
     assert not set(common["model"]) & set(SHAPES)  # no parameter is in the common part
     assert {k: v["shape"] for k, v in common["model_shards"].items()} == SHAPES
-    assert common["optimizer"]["inner"]["state"] == {} and common["optimizer"]["master_weights"] == []
+    assert common["optimizer"]["inner"]["state"] == {}
+    assert common["optimizer"]["master_weights"] == []
     offsets = [0]
     for shape in SHAPES.values():
         offsets.append(offsets[-1] + torch.Size(shape).numel())
