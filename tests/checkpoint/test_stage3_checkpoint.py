@@ -132,7 +132,20 @@ def _save_at(rank, world, root, stages, pure, sgd):
             fp32 = _fp32(wrapped, opt)
         assert stage != 3 or exporting["full_tensor"]  # the spy sees a gather where there is one
         out[stage] = (fp32, _whole_state(opt, stage), dict(during_save))
+        if stage == 3:
+            _local_state_round_trip(opt)
     return out
+
+
+def _local_state_round_trip(opt):
+    """``local_state_dict()`` loads back on its own rank and is refused, with the fix, on another."""
+    whole = opt.state_dict()
+    local = opt.local_state_dict()
+    opt.load_state_dict(local)
+    _assert_same_optimizer_state(opt.state_dict(), whole)
+    other = {**local, "sharding": {**local["sharding"], "rank": 1 - local["sharding"]["rank"]}}
+    with pytest.raises(ValueError, match=r"not this rank's stage-3 shards .* load_latest_checkpoint, which re-slice"):
+        opt.load_state_dict(other)
 
 
 def _load_from(rank, world, root, plan, pure, sgd):
