@@ -61,8 +61,8 @@ class ShardedParameters:
         params: the parameters the inner optimizer was built on (plain until
             ``fleet.distributed_model`` shards them, DTensors after).
         pure: O2: the parameters are the FP32 masters of a 16-bit model
-            (they are saved and loaded as the masters of an unsharded O2
-            optimizer are).
+            (``state_dict`` gathers them whole, as an unsharded O2 optimizer
+            saves its masters; ``local_state_dict`` keeps this rank's shards).
     """
 
     low_dtype: torch.dtype | None = None
