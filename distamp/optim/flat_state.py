@@ -47,7 +47,7 @@ from distamp.distributed.flat_layout import FlatLayout, Piece
 from distamp.distributed.shard_rows import row_numel, rows_of
 from distamp.optim.fully_sharded_precision import FullyShardedPrecision
 
-__all__ = ["Target", "describe", "join", "parts_needed", "split"]
+__all__ = ["Target", "describe", "join", "parts_needed", "saved_ranges", "split"]
 
 
 @dataclass(frozen=True)
