@@ -151,7 +151,7 @@ def _write_part(path: str, step: int, rank: int, shard: dict | None, model_local
         payload = build_shard_payload(step, rank, shard, model_local)
         written = storage.write_payload(path, step, rank_part(rank), lambda f: torch.save(payload, f))
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the save everywhere
-        return "failed", f"rank {rank} could not write its optimizer shard: {type(exc).__name__}: {exc}"
+        return "failed", f"rank {rank} could not write its part: {type(exc).__name__}: {exc}"
     return "ok", (written.part, written.name, written.size, written.sha256)
 
 

@@ -300,7 +300,8 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         return optimizer_state(self, local=True)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore what :meth:`state_dict` saved; the model copies are refreshed too."""
+        """Restore what :meth:`state_dict` (or, on its own rank, :meth:`local_state_dict`) saved; the model copies
+        are refreshed too."""
         self.finish_param_gather()
         load_optimizer_state(self, state_dict)
 
