@@ -43,16 +43,21 @@ point, even while the same step is saved again, leaves the previous
 committed checkpoint intact; a save that fails removes what it wrote.
 
 Every checkpoint has the part ``common``, written by rank 0. With
-``strategy.sharding`` stages 1 and 2 each rank also writes its slice of the optimizer
-state as its own part ``rank-<R>`` (e.g.
+``strategy.sharding`` each rank also writes its share of the optimizer
+state (stages 1 and 2: its slice) as its own part ``rank-<R>`` (e.g.
 ``step-00000200.rank-00003.<hash>.pt``), with the slice's range in the flat
 parameter space; rank 0 commits one manifest listing every part once all
 are written, and nothing is gathered to rank 0. A reader verifies and
 loads only the parts it needs: the common one and the saved slices that
 overlap its own, so any world size, sharded or not, can resume any
 checkpoint (:mod:`distamp.optim.flat_state` re-slices). Sharding stage 3
-(FSDP2) saves whole tensors, gathered on every rank, in the unsharded
-format, and cuts them into each rank's shards on load.
+(FSDP2) writes per rank too, gathering nothing: each rank's part holds its
+local DTensor shards, the rows of each parameter's dim 0 it holds (the
+model's FP32 parameters, :mod:`~distamp.checkpoint.model_shards`) and the
+optimizer state over the matching flat ranges, one per parameter; the
+common part holds the buffers and every rank's rows and ranges. A stage-3
+checkpoint loads at any world size and stage, sharded or not, and any
+checkpoint loads at stage 3, each rank reading the parts it needs.
 Manifests of format ``distamp.checkpoint/1`` (``step-<N>.pt`` payloads) are
 still read.
 
@@ -62,7 +67,7 @@ cannot be read is skipped, on every rank, with a warning naming the file
 and the reason, in favour of the next older one; one that reads but does
 not fit the model or optimizer raises on every rank.
 
-Rank 0 writes (and each rank its optimizer slice); every rank reads, so on several nodes ``directory`` must be
+Rank 0 writes (and each rank its own part when sharded); every rank reads, so on several nodes ``directory`` must be
 on a file system every node sees (NFS, Lustre, ...). Both functions are
 collective when ``torch.distributed`` is initialised: call them on every
 rank, at the same point of the loop. The ranks wait for each other on the

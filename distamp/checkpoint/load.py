@@ -15,7 +15,7 @@ from distamp.distributed.process_group import validate_timeout
 from distamp.optim import flat_state
 from distamp.user_warning import warn_user
 
-from . import rng, storage
+from . import model_shards, rng, storage
 from .collective import Coordinator
 from .manifest import COMMON, CheckpointCorrupt, Manifest, manifest_name, rank_part
 from .state import (
@@ -24,6 +24,7 @@ from .state import (
     check_payload,
     check_shard_payload,
     restore,
+    unwrap,
 )
 
 __all__ = ["CheckpointInfo", "load_latest_checkpoint"]
@@ -88,11 +89,13 @@ def load_latest_checkpoint(
       instead (the ranks see different files: on several nodes, the
       directory must be shared).
 
-    Sharded optimizer state (``strategy.sharding``): each rank reads, besides
-    the common payload, only the ranks' parts that overlap its own slice of
-    the flat parameter space, and the state is re-sliced for its layout, so
-    a checkpoint saved sharded or not, at any world size, loads sharded or
-    not, at any world size.
+    Sharded state (``strategy.sharding``): each rank reads, besides the
+    common payload, only the ranks' parts that overlap what it holds (its
+    slice of the flat parameter space at stages 1 and 2; at stage 3 its rows
+    of each parameter, for the optimizer state and the model), and the state
+    is re-sliced for its layout, so a checkpoint saved at any stage and world
+    size loads at any stage and world size. An unsharded model needs every
+    row of a stage-3 checkpoint's parameters, so it reads every part.
 
     Different world size: model, optimizer, scheduler and ``extra`` are
     restored exactly (data parallelism keeps them identical on every rank),
@@ -132,7 +135,7 @@ def load_latest_checkpoint(
     if failure is not None:
         coordinator.finish()
         raise RuntimeError(f"rank 0 could not list checkpoints in {path!r}: {failure}")
-    manifest, payload, shards, skipped = _choose(coordinator, path, candidates, target)
+    manifest, payload, shards, skipped = _choose(coordinator, path, candidates, target, model)
     if manifest is None:
         coordinator.finish()
         if skipped:
@@ -174,9 +177,9 @@ verified intact)``."""
 
 
 def _choose(
-    coordinator: Coordinator, path: str, candidates: list[int], target: flat_state.Target | None
+    coordinator: Coordinator, path: str, candidates: list[int], target: flat_state.Target | None, model: nn.Module
 ) -> tuple[Manifest | None, Any, dict[int, dict], list[str]]:
-    """The newest checkpoint every rank read intact: ``(manifest, payload, shards, skipped reasons)``."""
+    """The newest checkpoint every rank read intact: ``(manifest, payload, rank parts, skipped reasons)``."""
     skipped: list[str] = []
     for step in candidates:
         manifest: Manifest | None = None
@@ -185,7 +188,7 @@ def _choose(
         intact: dict[str, str] = {}  # the files this rank verified: name in the directory -> SHA-256
         outcome: _Outcome = ("ok", None, None, intact)
         try:
-            manifest, payload, shards = _read(path, step, target, intact)
+            manifest, payload, shards = _read(path, step, target, model, intact)
         except CheckpointCorrupt as exc:
             outcome = ("bad", str(exc), os.path.basename(exc.path), intact)
         except Exception as exc:  # noqa: BLE001 - made collective below
@@ -247,9 +250,9 @@ def _verdict(outcomes: list[_Outcome]) -> tuple[str, str | None]:
 
 
 def _read(
-    path: str, step: int, target: flat_state.Target | None, intact: dict[str, str]
+    path: str, step: int, target: flat_state.Target | None, model: nn.Module, intact: dict[str, str]
 ) -> tuple[Manifest, dict, dict[int, dict]]:
-    """Manifest, common payload and the shard parts this rank needs; ``CheckpointCorrupt`` if unusable.
+    """Manifest, common payload and the rank parts this rank needs; ``CheckpointCorrupt`` if unusable.
 
     Each file verified goes into ``intact`` (name and SHA-256) as soon as its checksum matched.
     """
@@ -258,13 +261,11 @@ def _read(
     _verify(path, manifest, [COMMON], intact)
     payload = _load(path, manifest, COMMON, lambda p: check_payload(p, step))
     # ValueError when it does not fit the optimizer: raised on every rank, never skipped.
-    needed = flat_state.parts_needed(payload["optimizer"], target)
+    needed = sorted({*flat_state.parts_needed(payload["optimizer"], target),
+                     *model_shards.parts_needed(payload.get("model_shards"), unwrap(model))})
     _verify(path, manifest, [rank_part(r) for r in needed], intact)
-    shards = {
-        r: _load(path, manifest, rank_part(r), lambda p, r=r: check_shard_payload(p, step, r))["optimizer_shard"]
-        for r in needed
-    }
-    return manifest, payload, shards
+    parts = {r: _load(path, manifest, rank_part(r), lambda p, r=r: check_shard_payload(p, step, r)) for r in needed}
+    return manifest, payload, parts
 
 
 def _verify(path: str, manifest: Manifest, parts: list[str], intact: dict[str, str]) -> None:

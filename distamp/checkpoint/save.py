@@ -1,4 +1,4 @@
-"""``save_checkpoint``: every rank hands over its state, rank 0 writes and commits, all return together."""
+"""``save_checkpoint``: every rank writes its own part (if sharded), rank 0 writes and commits, all return together."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from torch import nn
 
 from distamp.distributed.process_group import validate_timeout
 from distamp.optim import flat_state
+from distamp.optim.optimizer import AmpOptimizer
 
-from . import rng, storage
+from . import model_shards, rng, storage
 from .collective import Coordinator
 from .manifest import COMMON, Manifest, PayloadFile, rank_part
 from .state import (
@@ -24,7 +25,7 @@ from .state import (
     check_extra,
     check_objects,
     check_plain,
-    model_state,
+    unwrap,
 )
 
 __all__ = ["save_checkpoint"]
@@ -72,9 +73,13 @@ def save_checkpoint(
     ``rank-<R>``; nothing is gathered to rank 0, and the one manifest that
     rank 0 commits lists every part. Any world size, sharded or not, can
     load it (see :func:`~distamp.checkpoint.load_latest_checkpoint`).
-    With sharding stage 3 (FSDP2) every rank gathers the model's and the
-    optimizer's state whole, one tensor at a time, and rank 0 writes them
-    as an unsharded run would: any world size and stage loads it.
+    With sharding stage 3 (FSDP2) each rank writes its own part too: its
+    local DTensor shards of the model's parameters (the FP32 masters) and
+    of the per-element optimizer state, with the non-element state
+    (``step``); the common part holds the buffers, the scaler and the layout
+    (which rows of each parameter every rank holds). Nothing is gathered:
+    no rank holds a whole parameter at any point of the save. Any world
+    size and stage loads it.
 
     Example::
 
@@ -106,15 +111,17 @@ def save_checkpoint(
     check_objects(model, optimizer, scheduler)
     extra = check_extra(extra)
     # Checked on every rank (the states are replicated), so all raise alike.
-    optimizer_state, shard = flat_state.split(optimizer.state_dict())
+    local = optimizer.local_state_dict() if isinstance(optimizer, AmpOptimizer) else optimizer.state_dict()
+    optimizer_state, shard = flat_state.split(local)
     scheduler_state = scheduler.state_dict() if scheduler is not None else None
-    model_state_dict = model_state(model)  # on every rank: gathering a sharded (stage 3) model is collective
+    model_whole, model_index, model_local = model_shards.split(unwrap(model))  # stage 3: this rank's rows
     check_plain(optimizer_state, "optimizer.state_dict()")
     check_plain(shard, "optimizer.state_dict()")
     check_plain(scheduler_state, "scheduler.state_dict()")
 
     coordinator = Coordinator(f"save step {step}", wait)
-    part = _write_part(path, step, coordinator.rank, shard) if shard is not None else None
+    own = shard is not None or model_local is not None
+    part = _write_part(path, step, coordinator.rank, shard, model_local) if own else None
     gathered = coordinator.gather((rng.get_rng_state(), part))
     outcome, failure = None, None
     if coordinator.rank == 0:
@@ -123,7 +130,7 @@ def save_checkpoint(
             parts = _part_files(gathered)
             payload = build_payload(step, coordinator.world_size, model, type(optimizer).__name__,
                                     optimizer_state, scheduler_state, [g[0] for g in gathered], extra,
-                                    model_state_dict=model_state_dict)
+                                    model_state_dict=model_whole, model_index=model_index)
             outcome = ("saved", _write(path, step, payload, keep, parts))
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             outcome, failure = ("failed", f"{type(exc).__name__}: {exc}"), exc
@@ -136,14 +143,15 @@ def save_checkpoint(
     return os.path.join(path, detail)
 
 
-def _write_part(path: str, step: int, rank: int, shard: dict) -> tuple[str, Any]:
-    """Write this rank's optimizer shard; ``("ok", (part, name, size, sha256))`` or ``("failed", why)``."""
+def _write_part(path: str, step: int, rank: int, shard: dict | None, model_local: dict | None) -> tuple[str, Any]:
+    """Write this rank's part (optimizer shard, stage-3 model rows); ``("ok", (part, name, size, sha256))`` or
+    ``("failed", why)``."""
     try:
         os.makedirs(path, exist_ok=True)
-        payload = build_shard_payload(step, rank, shard)
+        payload = build_shard_payload(step, rank, shard, model_local)
         written = storage.write_payload(path, step, rank_part(rank), lambda f: torch.save(payload, f))
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the save everywhere
-        return "failed", f"rank {rank} could not write its optimizer shard: {type(exc).__name__}: {exc}"
+        return "failed", f"rank {rank} could not write its part: {type(exc).__name__}: {exc}"
     return "ok", (written.part, written.name, written.size, written.sha256)
 
 
@@ -155,7 +163,7 @@ def _part_files(gathered: list[tuple[dict, Any]]) -> list[PayloadFile]:
         raise RuntimeError("; ".join(failed))
     if any(p is None for p in parts) and any(p is not None for p in parts):
         sharded = [r for r, p in enumerate(parts) if p is not None]
-        raise RuntimeError(f"only ranks {sharded} have sharded optimizer state; every rank must use the same strategy")
+        raise RuntimeError(f"only ranks {sharded} have sharded state; every rank must use the same strategy")
     return [PayloadFile(*p[1]) for p in parts if p is not None]
 
 

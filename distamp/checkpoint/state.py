@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from distamp.optim import flat_state
 
+from . import model_shards
 from .manifest import FORMAT, LEGACY_FORMAT
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "check_payload",
     "check_plain",
     "check_shard_payload",
-    "model_state",
     "restore",
     "unwrap",
 ]
@@ -118,15 +117,6 @@ def check_extra(extra: Any) -> dict:
     return extra
 
 
-def model_state(model: nn.Module) -> dict:
-    """``state_dict()`` of the module inside the wrappers, sharded (DTensor) entries gathered whole.
-
-    Collective when the model is sharded (stage 3): every rank calls it.
-    """
-    return {key: value.full_tensor() if isinstance(value, DTensor) else value
-            for key, value in unwrap(model).state_dict().items()}
-
-
 def build_payload(
     step: int,
     world_size: int,
@@ -138,17 +128,22 @@ def build_payload(
     extra: dict,
     *,
     model_state_dict: dict | None = None,
+    model_index: dict | None = None,
 ) -> dict[str, Any]:
     """The common payload: everything but per-rank shards, identical on every rank but the RNG.
 
-    ``model_state_dict``: the model's state as :func:`model_state` gathered it
-    (on every rank, beforehand); None: ``model``'s own ``state_dict()``.
+    ``model_state_dict``: the model's whole entries (``model_shards.split``'s,
+    the buffers at stage 3); None: ``model``'s own ``state_dict()``.
+    ``model_index``: where the ranks' parts hold the sharded entries (stage
+    3; :mod:`distamp.checkpoint.model_shards`), recorded as ``"model_shards"``.
     """
+    index = {} if model_index is None else {"model_shards": model_index}
     return {
         "format": FORMAT,
         "step": step,
         "world_size": world_size,
         "model": unwrap(model).state_dict() if model_state_dict is None else model_state_dict,
+        **index,
         "optimizer_type": optimizer_type,
         "optimizer": optimizer_state,
         "scheduler": scheduler_state,
@@ -157,9 +152,11 @@ def build_payload(
     }
 
 
-def build_shard_payload(step: int, rank: int, shard: dict) -> dict[str, Any]:
-    """A rank's part: its slice of the sharded optimizer state (see :mod:`distamp.optim.flat_state`)."""
-    return {"format": FORMAT, "step": step, "rank": rank, "optimizer_shard": shard}
+def build_shard_payload(step: int, rank: int, shard: dict | None, model_shard: dict | None = None) -> dict[str, Any]:
+    """A rank's part: its share of the sharded optimizer state (see :mod:`distamp.optim.flat_state`) and, at
+    stage 3, its rows of the model's sharded entries (``"model_shard"``, see :mod:`distamp.checkpoint.model_shards`)."""
+    model = {} if model_shard is None else {"model_shard": model_shard}
+    return {"format": FORMAT, "step": step, "rank": rank, "optimizer_shard": shard, **model}
 
 
 def check_shard_payload(payload: Any, step: int, rank: int) -> None:
@@ -167,8 +164,10 @@ def check_shard_payload(payload: Any, step: int, rank: int) -> None:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         found = payload.get("format") if isinstance(payload, dict) else type(payload).__name__
         raise UnusablePayload(f"not a {FORMAT} shard payload (found {found!r})")
-    shard = payload.get("optimizer_shard")
-    if payload.get("step") != step or payload.get("rank") != rank or not isinstance(shard, dict):
+    shard, model = payload.get("optimizer_shard"), payload.get("model_shard")
+    # An optimizer shard, a stage-3 model shard or both; each a dict.
+    holds = (shard is not None or model is not None) and all(isinstance(x, (dict, type(None))) for x in (shard, model))
+    if payload.get("step") != step or payload.get("rank") != rank or not holds:
         raise UnusablePayload(
             f"payload is for step {payload.get('step')!r} rank {payload.get('rank')!r}; "
             f"expected step {step} rank {rank}"
@@ -190,13 +189,14 @@ def check_payload(payload: Any, step: int) -> None:
 
 
 def restore(
-    payload: Mapping, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, shards: Mapping | None = None
+    payload: Mapping, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, parts: Mapping | None = None
 ) -> None:
     """Load model, optimizer and scheduler state; ``ValueError`` (or torch's error) on a mismatch.
 
-    ``shards`` maps saving ranks to the optimizer shard parts this rank
-    needs (sharded checkpoints); the optimizer state is re-sliced for this
-    optimizer's own layout.
+    ``parts`` maps saving ranks to the rank parts this rank needs (sharded
+    checkpoints, :func:`build_shard_payload`'s); the optimizer state is
+    re-sliced for this optimizer's own layout, and a stage-3 model's rows
+    for this model (whole, or this rank's shards).
     """
     saved_opt = payload["optimizer_type"]
     if saved_opt != type(optimizer).__name__:
@@ -214,8 +214,15 @@ def restore(
             + " was passed; pass the same kind of scheduler the saving run used"
         )
     # Model first: in O2 the optimizer then overwrites the 16-bit weights from its exact masters.
-    unwrap(model).load_state_dict(payload["model"])
+    parts = dict(parts or {})
+    module = unwrap(model)
+    model_state = dict(payload["model"])
+    if payload.get("model_shards"):
+        rows = {r: p["model_shard"] for r, p in parts.items() if p.get("model_shard") is not None}
+        model_state.update(model_shards.assemble(payload["model_shards"], rows, module))
+    module.load_state_dict(model_state)
     target = flat_state.describe(optimizer)
-    optimizer.load_state_dict(flat_state.join(payload["optimizer"], dict(shards or {}), target))
+    shards = {r: p["optimizer_shard"] for r, p in parts.items() if p.get("optimizer_shard") is not None}
+    optimizer.load_state_dict(flat_state.join(payload["optimizer"], shards, target))
     if scheduler is not None:
         scheduler.load_state_dict(payload["scheduler"])

@@ -1,23 +1,37 @@
-"""Optimizer state in flat-space terms, so a checkpoint saved at one world size loads at another.
+"""Optimizer state in flat-space terms, so a checkpoint saved at one world size and stage loads at another.
 
 A sharded :class:`~distamp.optim.optimizer.AmpOptimizer` holds, on each
-rank, the state of one slice ``[lo, hi)`` of the flat parameter space
-(:mod:`distamp.distributed.flat_layout`). For a checkpoint that state is split in
-two (:func:`split`):
+rank, the state of part of the flat parameter space
+(:mod:`distamp.distributed.flat_layout`: the parameters laid end to end):
+
+* stages 1 and 2: one slice ``[lo, hi)``, cut anywhere (inside parameters too);
+* stage 3 (FSDP2): one range per parameter, the rows of its dim 0 that
+  this rank's DTensor shard holds (:mod:`distamp.distributed.shard_rows`),
+  so several ranges ``[[lo, hi], ...]``, recorded for every rank under
+  ``"ranges"`` in the layout (:mod:`distamp.optim.dtensor_state`).
+
+For a checkpoint that state is split in two (:func:`split`):
 
 * the *common* part, the same on every rank and written once by rank 0:
   loss scaler, counters, param-group options, and the layout (parameter
-  sizes and shapes, group membership, the slice bounds of the saving run);
-* one *shard* part per rank, written by that rank: its slice's FP32 masters
-  (O2), every per-element state tensor (``exp_avg``, ``momentum_buffer``,
-  ...) as one flat tensor over ``[lo, hi)``, and per piece the non-element
-  state (``step``) and which keys it has.
+  sizes and shapes, group membership, the slice bounds or the ranges of
+  every rank of the saving run);
+* one *shard* part per rank, written by that rank: the flat ranges it
+  holds (``"lo"``/``"hi"`` for a stage-1/2 slice, as always; ``"ranges"``
+  at stage 3), its FP32 masters (O2) and every per-element state tensor
+  (``exp_avg``, ``momentum_buffer``, ...) as one flat tensor over those
+  ranges laid end to end, and per piece (a range within one parameter) the
+  non-element state (``step``) and which keys it has. Nothing is gathered:
+  a stage-3 rank writes its local shards.
 
-:func:`join` builds, from the common part and the shard parts covering the
-loading rank's slice, the ``state_dict`` the loading optimizer takes as
-its own: sharded or not, at any world size. An unsharded checkpoint is read
-as one part covering everything. Which parts a rank needs is
-:func:`parts_needed`: only those overlapping its slice.
+:func:`join` builds, from the common part and the shard parts covering
+what the loading rank holds, the ``state_dict`` the loading optimizer
+takes as its own: unsharded, stage 1/2 (one slice) or stage 3 (local
+shards, with the layout), at any world size. An unsharded checkpoint is
+read as one part covering everything. Which parts a rank needs is
+:func:`parts_needed`: only those whose ranges overlap its own (plus, at
+stage 3, one element of each parameter it holds no rows of, for the
+parameter's ``step`` and state keys).
 """
 
 from __future__ import annotations
@@ -30,8 +44,10 @@ import torch
 import torch.distributed as dist
 
 from distamp.distributed.flat_layout import FlatLayout, Piece
+from distamp.distributed.shard_rows import row_numel, rows_of
+from distamp.optim.fully_sharded_precision import FullyShardedPrecision
 
-__all__ = ["Target", "describe", "join", "parts_needed", "split"]
+__all__ = ["Target", "describe", "join", "parts_needed", "saved_ranges", "split"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +60,8 @@ class Target:
         groups: the flat indices of each param group's parameters.
         pure: O2 (FP32 masters saved with the optimizer).
         sharding: the sharded optimizer's layout state (world size, rank,
-            bounds, ...), or None for an unsharded one.
+            bounds for stages 1 and 2, every rank's ranges for stage 3, ...),
+            or None for an unsharded one.
         rank: this process's rank (which per-rank PowerSGD part it takes).
         world_size: the number of ranks loading.
     """
@@ -57,12 +74,39 @@ class Target:
     rank: int = 0
     world_size: int = 1
 
+    @property
+    def fully_sharded(self) -> bool:
+        """Stage 3: state held as local shards of each parameter's dim 0."""
+        return self.sharding is not None and "ranges" in self.sharding
+
     def range(self) -> tuple[int, int]:
-        """The flat range this optimizer holds state for."""
+        """The flat range an unsharded or stage-1/2 optimizer holds state for (see :meth:`needs` for stage 3)."""
         if self.sharding is None:
             return 0, sum(self.numels)
+        if self.fully_sharded:
+            raise ValueError("a stage-3 optimizer holds one range per parameter, not one slice: use needs()")
         rank = self.sharding["rank"]
         return self.sharding["bounds"][rank], self.sharding["bounds"][rank + 1]
+
+    def needs(self) -> list[tuple[int, int]]:
+        """The flat ranges whose saved state this optimizer loads, sorted.
+
+        Stage 3: this rank's range of each parameter, and the first element
+        of each parameter it holds no rows of (its state still has ``step``
+        and empty per-element tensors, which must agree with the others').
+        """
+        if not self.fully_sharded:
+            return [self.range()]
+        assert self.sharding is not None
+        layout = FlatLayout(self.numels, 1)
+        needed = []
+        for i, shape in enumerate(self.shapes):
+            lo, hi = _rows_range(layout, i, shape, self.sharding["world_size"], self.sharding["rank"])
+            if hi > lo:
+                needed.append((lo, hi))
+            elif self.numels[i]:
+                needed.append((layout.offsets[i], layout.offsets[i] + 1))
+        return needed
 
 
 def describe(optimizer: Any) -> Target | None:
@@ -77,6 +121,8 @@ def describe(optimizer: Any) -> Target | None:
     else:
         index = {id(m): i for i, m in enumerate(masters.masters)}
         groups = [[index[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        if isinstance(optimizer.precision, FullyShardedPrecision) and masters.sharded:
+            sharding = optimizer.precision.layout_state(groups)
     distributed = dist.is_available() and dist.is_initialized()
     return Target(
         numels=tuple(p.numel() for p in params),
@@ -93,11 +139,13 @@ def describe(optimizer: Any) -> Target | None:
 
 
 def split(state: dict) -> tuple[dict, dict | None]:
-    """``(common, shard)`` of an ``AmpOptimizer.state_dict()``; ``shard`` is None when it has no per-rank state.
+    """``(common, shard)`` of an ``AmpOptimizer`` state; ``shard`` is None when it has no per-rank state.
 
-    PowerSGD state (error feedback differs on every rank) goes to the shard
-    part under ``"powersgd"``; the common part keeps only a marker with the
-    saving world size. PowerSGD and sharding never come together.
+    ``state`` is ``local_state_dict()``'s (at stage 3 this rank's shards;
+    ``state_dict()`` at the other stages). PowerSGD state (error feedback
+    differs on every rank) goes to the shard part under ``"powersgd"``; the
+    common part keeps only a marker with the saving world size. PowerSGD
+    and sharding never come together.
     """
     compressor = state.get("powersgd")
     if compressor is not None and state.get("sharding") is None:
@@ -106,28 +154,56 @@ def split(state: dict) -> tuple[dict, dict | None]:
     layout = state.get("sharding")
     if layout is None:
         return state, None
-    flat = FlatLayout(layout["numels"], layout["world_size"])
-    lo, hi = flat.range_of(layout["rank"])
-    pieces = flat.pieces(lo, hi)
     saved = state["inner"]["state"]
-    shard: dict[str, Any] = {
-        "lo": lo,
-        "hi": hi,
-        "masters": state["master_weights"][0] if state["master_weights"] else None,
-        "elementwise": {},
-        "pieces": [[p.param, p.start, p.stop] for p in pieces],
-        "piece_state": [],
-    }
-    for j, piece in enumerate(pieces):
-        keys, scalars = _sort_state(saved.get(j, {}), (piece.length,))
-        start = piece.offset - lo
-        for key in keys:
-            flat_state = _flat_for(shard["elementwise"], key, saved[j][key], hi - lo)
-            flat_state[start : start + piece.length] = saved[j][key]
-        shard["piece_state"].append({"keys": keys, "scalars": scalars})
+    if "ranges" in layout:  # stage 3: state by parameter index, local shards of dim 0
+        flat = FlatLayout(layout["numels"], 1)
+        ranges = [(int(lo), int(hi)) for lo, hi in layout["ranges"][layout["rank"]]]
+        pieces = [p for lo, hi in ranges for p in flat.pieces(lo, hi)]
+        states = [saved.get(p.param, {}) for p in pieces]
+        shapes = [_local_shape(layout["shapes"][p.param], p.length) for p in pieces]
+        masters = state["master_weights"]
+        flat_masters = torch.cat([masters[p.param].reshape(-1) for p in pieces]) if masters and pieces else None
+        shard: dict[str, Any] = {"ranges": [list(r) for r in ranges]}
+    else:  # stages 1 and 2: state by piece index, one slice
+        lo, hi = FlatLayout(layout["numels"], layout["world_size"]).range_of(layout["rank"])
+        pieces = FlatLayout(layout["numels"], 1).pieces(lo, hi)
+        states = [saved.get(j, {}) for j in range(len(pieces))]
+        shapes = [(p.length,) for p in pieces]
+        flat_masters = state["master_weights"][0] if state["master_weights"] else None
+        shard = {"lo": lo, "hi": hi}
+    shard.update(_shard_part(pieces, states, shapes, flat_masters))
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in state["inner"]["param_groups"]]
     common = {**state, "inner": {"state": {}, "param_groups": groups}, "master_weights": []}
     return common, shard
+
+
+def _shard_part(pieces: list[Piece], states: list[dict], shapes: list[tuple[int, ...]],
+                masters: torch.Tensor | None) -> dict:
+    """Masters, per-element state laid end to end over ``pieces`` and each piece's other state."""
+    length = sum(p.length for p in pieces)
+    part: dict[str, Any] = {"masters": masters, "elementwise": {}, "pieces": [], "piece_state": []}
+    start = 0
+    for piece, entry, shape in zip(pieces, states, shapes, strict=True):
+        keys, scalars = _sort_state(entry, shape)
+        for key in keys:
+            flat = _flat_for(part["elementwise"], key, entry[key], length)
+            flat[start : start + piece.length] = entry[key].reshape(-1)
+        part["pieces"].append([piece.param, piece.start, piece.stop])
+        part["piece_state"].append({"keys": keys, "scalars": scalars})
+        start += piece.length
+    return part
+
+
+def _local_shape(shape: list[int], length: int) -> tuple[int, ...]:
+    """The shape of ``length`` elements of whole dim-0 rows of a tensor of ``shape``."""
+    return (length // row_numel(shape), *shape[1:])
+
+
+def _rows_range(layout: FlatLayout, param: int, shape: tuple[int, ...], world: int, rank: int) -> tuple[int, int]:
+    """The flat range of the dim-0 rows of ``param`` that ``rank`` holds at stage 3."""
+    start, stop = rows_of(shape[0] if shape else 1, world, rank)
+    per_row = row_numel(shape)
+    return layout.offsets[param] + start * per_row, layout.offsets[param] + stop * per_row
 
 
 def _sort_state(state: dict, shape: tuple[int, ...]) -> tuple[list[str], dict]:
@@ -151,7 +227,7 @@ def _flat_for(store: dict, key: str, like: torch.Tensor, length: int) -> torch.T
 
 
 def parts_needed(common: dict, target: Target | None) -> list[int]:
-    """Ranks whose shard parts the loading optimizer needs: those overlapping its slice.
+    """Ranks whose shard parts the loading optimizer needs: those overlapping what it holds (:meth:`Target.needs`).
 
     Raises:
         ValueError: the checkpoint's parameters differ from the target's, or
@@ -165,11 +241,29 @@ def parts_needed(common: dict, target: Target | None) -> list[int]:
         raise ValueError("this checkpoint holds sharded optimizer state; load it into fleet.distributed_optimizer's "
                          "optimizer (a distamp AmpOptimizer)")
     _check_same_parameters(layout["numels"], layout["shapes"], target)
-    lo, hi = target.range()
+    needed = target.needs()
+    return [r for r, held in enumerate(saved_ranges(layout)) if _overlap(held, needed)]
+
+
+def saved_ranges(layout: dict) -> list[list[tuple[int, int]]]:
+    """Per saving rank, the sorted flat ranges its part holds, from a checkpoint's layout (any stage)."""
+    if "ranges" in layout:
+        return [sorted((int(lo), int(hi)) for lo, hi in held) for held in layout["ranges"]]
     bounds = layout["bounds"]
-    return [
-        r for r in range(layout["world_size"]) if bounds[r] < hi and bounds[r + 1] > lo and bounds[r + 1] > bounds[r]
-    ]
+    return [[(bounds[r], bounds[r + 1])] if bounds[r + 1] > bounds[r] else [] for r in range(layout["world_size"])]
+
+
+def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
+    """Whether two sorted lists of disjoint ranges share an element."""
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i][0] < b[j][1] and b[j][0] < a[i][1]:
+            return True
+        if a[i][1] <= b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return False
 
 
 def join(common: dict, parts: dict[int, dict], target: Target | None) -> dict:
@@ -177,7 +271,8 @@ def join(common: dict, parts: dict[int, dict], target: Target | None) -> dict:
 
     ``parts`` maps saving ranks to their shard parts (at least
     :func:`parts_needed`'s). An unsharded checkpoint loaded by an unsharded
-    optimizer is returned as it is.
+    optimizer is returned as it is. For a stage-3 target the result holds
+    this rank's local shards and the target's layout under ``"sharding"``.
 
     Raises:
         ValueError: the checkpoint does not fit the target (parameters,
@@ -206,7 +301,7 @@ def join(common: dict, parts: dict[int, dict], target: Target | None) -> dict:
         )
     source = _Source(FlatLayout(target.numels, 1), parts)
     options = [{k: v for k, v in g.items() if k != "params"} for g in common["inner"]["param_groups"]]
-    builder = _unsharded if target.sharding is None else _sharded
+    builder = _unsharded if target.sharding is None else _fully_sharded if target.fully_sharded else _sharded
     inner, masters = builder(source, target, options)
     state = {k: v for k, v in common.items() if k != "sharding"}
     if target.sharding is not None:
@@ -226,19 +321,41 @@ def _compressor_part(common: Any, target: Target | None) -> int | None:
     return target.rank if int(marker["world_size"]) == target.world_size else 0
 
 
+def _part_ranges(part: dict) -> list[tuple[int, int]]:
+    """The flat ranges a shard part holds, in the order its tensors lay them end to end."""
+    if "ranges" in part:
+        return [(int(lo), int(hi)) for lo, hi in part["ranges"]]
+    return [(int(part["lo"]), int(part["hi"]))]
+
+
 class _Source:
-    """Reads flat ranges of the saved state across the shard parts."""
+    """Reads flat ranges of the saved state across the shard parts (each holding one or more ranges)."""
 
     def __init__(self, layout: FlatLayout, parts: dict[int, dict]) -> None:
         self.layout = layout
-        self.parts = sorted(parts.values(), key=lambda p: p["lo"])
-        self.starts = [p["lo"] for p in self.parts]
+        # (flat start, flat stop, part, where the range starts in the part's tensors), by flat start
+        segments = []
+        for part in parts.values():
+            base = 0
+            for lo, hi in _part_ranges(part):
+                if hi > lo:
+                    segments.append((lo, hi, base, part))
+                base += hi - lo
+        self.segments = sorted(segments, key=lambda s: s[:3])
+        self.starts = [s[0] for s in self.segments]
         # (flat start, flat stop, part, piece index) for every saved piece, by flat start
         self.pieces = sorted(
-            (layout.offsets[param] + start, layout.offsets[param] + stop, part, j)
-            for part in self.parts for j, (param, start, stop) in enumerate(part["pieces"])
+            ((layout.offsets[param] + start, layout.offsets[param] + stop, part, j)
+             for part in parts.values() for j, (param, start, stop) in enumerate(part["pieces"])),
+            key=lambda entry: entry[:2],
         )
         self.piece_starts = [entry[0] for entry in self.pieces]
+
+    def _piece_at(self, flat: int) -> tuple[int, int, dict, int]:
+        i = bisect.bisect_right(self.piece_starts, flat) - 1
+        if i < 0 or not self.pieces[i][0] <= flat < self.pieces[i][1]:
+            raise ValueError(f"the checkpoint's shard parts do not cover flat element {flat}")
+        return self.pieces[i]
 
     def state_at(self, flat_lo: int, flat_hi: int) -> dict:
         """``{"keys": [...], "scalars": {...}}`` of the saved piece holding flat element ``flat_lo``.
@@ -248,10 +365,7 @@ class _Source:
                 scalar (e.g. factored moments), asked for another range than
                 the one it was saved for: it cannot be re-sliced.
         """
-        i = bisect.bisect_right(self.piece_starts, flat_lo) - 1
-        if i < 0 or not self.pieces[i][0] <= flat_lo < self.pieces[i][1]:
-            raise ValueError(f"the checkpoint's shard parts do not cover flat element {flat_lo}")
-        start, stop, part, j = self.pieces[i]
+        start, stop, part, j = self._piece_at(flat_lo)
         saved = part["piece_state"][j]
         shaped = [k for k, v in saved["scalars"].items() if torch.is_tensor(v) and v.dim() > 0]
         if shaped and (start, stop) != (flat_lo, flat_hi):
@@ -264,19 +378,19 @@ class _Source:
 
     def read(self, name: str | None, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of ``masters`` (name None) or per-element state ``name``, concatenated."""
-        chunks = []
+        chunks, cursor = [], lo
         i = max(0, bisect.bisect_right(self.starts, lo) - 1)
-        for part in self.parts[i:]:
-            if part["lo"] >= hi:
+        for seg_lo, seg_hi, base, part in self.segments[i:]:
+            if seg_lo >= hi or seg_lo > cursor:
                 break
-            first, last = max(lo, part["lo"]), min(hi, part["hi"])
-            if last > first:
+            last = min(hi, seg_hi)
+            if last > cursor:
                 tensor = part["masters"] if name is None else part["elementwise"][name]
-                chunks.append(tensor.reshape(-1)[first - part["lo"] : last - part["lo"]])
-        out = torch.cat(chunks) if chunks else torch.zeros(0)
-        if out.numel() != hi - lo:
+                chunks.append(tensor.reshape(-1)[base + cursor - seg_lo : base + last - seg_lo])
+                cursor = last
+        if cursor < hi:
             raise ValueError(f"the checkpoint's shard parts do not cover flat elements [{lo}, {hi})")
-        return out.clone()
+        return torch.cat(chunks).clone() if chunks else torch.zeros(0)
 
     def piece_state(self, flat_lo: int, flat_hi: int, shape: tuple[int, ...]) -> dict | None:
         """A piece's optimizer state over ``[flat_lo, flat_hi)``, shaped ``shape`` (None: it had none)."""
@@ -284,6 +398,20 @@ class _Source:
         if not saved["keys"] and not saved["scalars"]:
             return None
         state = {key: self.read(key, flat_lo, flat_hi).view(shape) for key in saved["keys"]}
+        return {**state, **saved["scalars"]}
+
+    def empty_state(self, flat: int, shape: tuple[int, ...]) -> dict | None:
+        """State of no elements (``shape`` has none) of the parameter holding flat element ``flat``.
+
+        Its per-element tensors are empty, of the saved dtypes; the rest is
+        that saved piece's (``step``), so the state agrees with the ranks
+        that hold elements of the parameter.
+        """
+        start, stop, part, _ = self._piece_at(flat)
+        saved = self.state_at(start, stop)
+        if not saved["keys"] and not saved["scalars"]:
+            return None
+        state = {key: part["elementwise"][key].new_zeros(shape) for key in saved["keys"]}
         return {**state, **saved["scalars"]}
 
 
@@ -314,6 +442,24 @@ def _sharded(source: _Source, target: Target, options: list[dict]) -> tuple[dict
             state[j] = piece_state
     groups = [{**options[g], "params": m} for g, m in enumerate(members)]
     masters = [source.read(None, lo, hi).float()] if target.pure else []
+    return {"state": state, "param_groups": groups}, masters
+
+
+def _fully_sharded(source: _Source, target: Target, options: list[dict]) -> tuple[dict, list[torch.Tensor]]:
+    """Stage 3: per parameter index, this rank's local shard of the state and (O2) of the master."""
+    assert target.sharding is not None
+    world, rank = target.sharding["world_size"], target.sharding["rank"]
+    state, masters = {}, []
+    for i, shape in enumerate(target.shapes):
+        lo, hi = _rows_range(source.layout, i, shape, world, rank)
+        local = _local_shape(list(shape), hi - lo)
+        if target.numels[i]:
+            own = source.piece_state(lo, hi, local) if hi > lo else source.empty_state(source.layout.offsets[i], local)
+            if own is not None:
+                state[i] = own
+        if target.pure:
+            masters.append(source.read(None, lo, hi).float().view(local))
+    groups = [{**options[g], "params": list(members)} for g, members in enumerate(target.groups)]
     return {"state": state, "param_groups": groups}, masters
 
 

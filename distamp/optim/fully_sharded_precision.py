@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distamp.optim.dtensor_state import shard_like
+from distamp.distributed.shard_rows import local_rows
+from distamp.optim.dtensor_state import shard_like, stage3_ranges
 from distamp.optim.grad_clipping import global_clip
 from distamp.optim.loss_scaler import build_loss_scaler
 from distamp.optim.master_weights import check_saved_masters, clear_grads
@@ -60,8 +61,8 @@ class ShardedParameters:
         params: the parameters the inner optimizer was built on (plain until
             ``fleet.distributed_model`` shards them, DTensors after).
         pure: O2: the parameters are the FP32 masters of a 16-bit model
-            (they are saved and loaded as the masters of an unsharded O2
-            optimizer are).
+            (``state_dict`` gathers them whole, as an unsharded O2 optimizer
+            saves its masters; ``local_state_dict`` keeps this rank's shards).
     """
 
     low_dtype: torch.dtype | None = None
@@ -136,16 +137,48 @@ class ShardedParameters:
         """
         return [_full(p).float() for p in self.model_params] if self.pure else []
 
-    def load_state_dict(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Load whole FP32 masters (:meth:`state_dict`'s, or an unsharded optimizer's): each rank keeps its shard.
+    def local_state_dict(self) -> list[torch.Tensor]:
+        """O2: this rank's local FP32 shard of each parameter (no collective); empty in O1 and with AMP off."""
+        return [local_shard(p).detach() for p in self.model_params] if self.pure else []
+
+    def load_state_dict(self, tensors: Sequence[torch.Tensor], local: bool = False) -> None:
+        """Load FP32 masters: whole (:meth:`state_dict`'s, or an unsharded optimizer's; each rank keeps its shard),
+        or with ``local`` this rank's shards (:meth:`local_state_dict`'s).
 
         Raises:
-            ValueError: the count or a shape differs from this optimizer's parameters.
+            ValueError: the count or a shape differs from this optimizer's parameters (or their local shards).
         """
-        check_saved_masters(tensors, self.model_params)
+        check_saved_masters(tensors, [local_shard(p) for p in self.model_params] if local else self.model_params)
         with torch.no_grad():
             for p, t in zip(self.model_params, tensors, strict=True):
-                local_shard(p).copy_(local_shard(shard_like(t.float(), p)))
+                local_shard(p).copy_(t.float() if local else local_shard(shard_like(t.float(), p)))
+
+    def layout_state(self, groups: Sequence[Sequence[int]], mode: str) -> dict:
+        """The stage-3 layout of this rank's state, as plain numbers (see :mod:`distamp.optim.dtensor_state`).
+
+        ``world_size``, ``rank``, parameter ``numels`` and ``shapes``, param
+        ``groups`` (parameter indices), ``mode`` and ``ranges``: per rank,
+        the flat ranges it holds. Checks that this rank's shards are the rows
+        the ranges say.
+
+        Raises:
+            ValueError: a parameter is not sharded as FSDP2's ``Shard(0)``.
+        """
+        meshes = [p.device_mesh for p in self.model_params if isinstance(p, DTensor)]
+        world, rank = (meshes[0].size(), meshes[0].get_local_rank()) if meshes else (1, 0)
+        for p in self.model_params:
+            local_rows(p)  # type: ignore[arg-type]  # sharded: every parameter is a DTensor
+        shapes = [list(p.shape) for p in self.model_params]
+        return {
+            "stage": 3,
+            "mode": mode,
+            "world_size": world,
+            "rank": rank,
+            "numels": [p.numel() for p in self.model_params],
+            "shapes": shapes,
+            "groups": [list(g) for g in groups],
+            "ranges": stage3_ranges(shapes, world),
+        }
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -247,6 +280,38 @@ class FullyShardedPrecision(MixedPrecision):
         scaler = {"loss_scaler_type": "", "loss_scaler": {}} if self.scaler is None else super().state_dict()
         return {**scaler, "master_weights": self.master_weights.state_dict()}
 
+    def layout_state(self, groups: Sequence[Sequence[int]]) -> dict:
+        """The stage-3 layout this rank's local state belongs to (:meth:`ShardedParameters.layout_state`)."""
+        return self.master_weights.layout_state(groups, self.mode)
+
+    def local_state_dict(self, groups: Sequence[Sequence[int]]) -> dict:
+        """Scaler type and state, in O2 this rank's FP32 shards, and their layout (no collective).
+
+        Raises:
+            RuntimeError: the parameters are not sharded yet (no ``fleet.distributed_model``).
+        """
+        if not self.master_weights.sharded:
+            raise RuntimeError("the stage-3 parameters are not sharded yet: call fleet.distributed_model(model) first")
+        scaler = {"loss_scaler_type": "", "loss_scaler": {}} if self.scaler is None else super().state_dict()
+        return {**scaler, "master_weights": self.master_weights.local_state_dict(),
+                "sharding": self.layout_state(groups)}
+
     def load_state_dict(self, state: dict) -> None:
-        """Restore the scaler (checked against this plugin's)."""
+        """Restore the scaler (checked against this plugin's); a local state must be of this rank's layout.
+
+        Raises:
+            ValueError: ``state`` holds another rank's, world size's or stage's shards.
+        """
+        saved = state.get("sharding")
+        if saved is not None:
+            own = self.layout_state(saved.get("groups", [])) if self.master_weights.sharded else {}
+            keys = ("stage", "world_size", "rank", "numels", "shapes")
+            if any(saved.get(k) != own.get(k) for k in keys):
+                found = {k: saved.get(k) for k in ("stage", "world_size", "rank")}
+                raise ValueError(
+                    f"this optimizer state holds the shards of {found}, not this rank's stage-3 shards "
+                    f"({ {k: own.get(k) for k in ('stage', 'world_size', 'rank')} }). To resume at another world "
+                    "size or stage, save and load with distamp.checkpoint.save_checkpoint / load_latest_checkpoint, "
+                    "which re-slice"
+                )
         FullPrecision.load_state_dict(self, state)

@@ -311,7 +311,7 @@ def clear_grads(params: Iterable[nn.Parameter], set_to_none: bool = True) -> Non
         torch._foreach_zero_(grads)
 
 
-def check_saved_masters(tensors: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
+def check_saved_masters(tensors: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
     """Refuse saved masters whose count or shapes differ from the parameters they are loaded for.
 
     Raises:

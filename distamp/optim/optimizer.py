@@ -288,8 +288,20 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         self.finish_param_gather()
         return optimizer_state(self)
 
+    def local_state_dict(self) -> dict:
+        """:meth:`state_dict` as this rank holds it: at sharding stage 3, its own shards and their layout.
+
+        Not collective at stage 3 (nothing is gathered, unlike
+        :meth:`state_dict`); at the other stages the same as
+        :meth:`state_dict`. :meth:`load_state_dict` takes it back on the same
+        rank of the same world size; checkpoints re-slice it for any other.
+        """
+        self.finish_param_gather()
+        return optimizer_state(self, local=True)
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore what :meth:`state_dict` saved; the model copies are refreshed too."""
+        """Restore what :meth:`state_dict` (or, on its own rank, :meth:`local_state_dict`) saved; the model copies
+        are refreshed too."""
         self.finish_param_gather()
         load_optimizer_state(self, state_dict)
 

@@ -5,13 +5,18 @@ masters (O2), the loss scaler's type and state, the step counters and
 (``strategy.powersgd``) this rank's compressor state, so
 ``torch.load(..., weights_only=True)`` reads it back and a resumed run
 continues bitwise like an uninterrupted one.
+
+At sharding stage 3 ``state_dict()`` gathers the DTensor state whole
+(collective); ``local_state_dict()`` (``optimizer_state(opt, local=True)``)
+holds this rank's shards instead, with their layout under ``"sharding"``,
+and is what checkpoints save (see :mod:`distamp.optim.dtensor_state`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from distamp.optim.dtensor_state import gather_full, reshard_loaded
+from distamp.optim.dtensor_state import gather_full, local_inner, reshard_loaded, wrap_loaded
 from distamp.optim.fully_sharded_precision import FullyShardedPrecision
 
 if TYPE_CHECKING:
@@ -22,16 +27,25 @@ __all__ = ["STATE_FORMAT", "load_optimizer_state", "optimizer_state"]
 STATE_FORMAT = "distamp.AmpOptimizer/1"
 
 
-def optimizer_state(opt: AmpOptimizer) -> dict:
-    """``opt.state_dict()``: see the module docstring."""
-    precision, policy = opt.precision.state_dict(), opt.policy
+def optimizer_state(opt: AmpOptimizer, *, local: bool = False) -> dict:
+    """``opt.state_dict()`` (``local``: ``opt.local_state_dict()``): see the module docstring."""
+    policy = opt.policy
+    inner = opt.inner_opt.state_dict()
+    plugin = opt.precision
+    stage3 = isinstance(plugin, FullyShardedPrecision)
+    if isinstance(plugin, FullyShardedPrecision) and local and plugin.master_weights.sharded:
+        index = {id(p): i for i, p in enumerate(plugin.master_weights.model_params)}
+        groups = [[index[id(p)] for p in group["params"]] for group in opt.inner_opt.param_groups]
+        precision = plugin.local_state_dict(groups)
+        inner = local_inner(inner)
+    else:
+        precision = plugin.state_dict()
+        if stage3:
+            inner = gather_full(inner)  # whole tensors, as unsharded (collective)
     sharding = {"sharding": precision["sharding"]} if "sharding" in precision else {}
     compressor = opt.policy.compressor
     compressor_state = compressor.state_dict() if compressor is not None else opt._pending_compressor_state
     powersgd = {"powersgd": compressor_state} if compressor_state is not None else {}
-    inner = opt.inner_opt.state_dict()
-    if isinstance(opt.precision, FullyShardedPrecision):
-        inner = gather_full(inner)  # stage 3: whole tensors, as unsharded (collective)
     return {
         **powersgd,
         **sharding,
@@ -77,9 +91,13 @@ def load_optimizer_state(opt: AmpOptimizer, state_dict: dict) -> None:
         )
     opt.precision.load_state_dict(state_dict)
     opt.inner_opt.load_state_dict(state_dict["inner"])
-    if isinstance(opt.precision, FullyShardedPrecision):
-        reshard_loaded(opt.inner_opt)
-    if masters:
+    plugin = opt.precision
+    local = state_dict.get("sharding") is not None  # stage 3: this rank's shards (local_state_dict's)
+    if isinstance(plugin, FullyShardedPrecision):
+        (wrap_loaded if local else reshard_loaded)(opt.inner_opt)
+    if masters and isinstance(plugin, FullyShardedPrecision) and local:
+        plugin.master_weights.load_state_dict(masters, local=True)
+    elif masters:
         opt.master_weights.load_state_dict(masters)
     counters, policy = state_dict["counters"], opt.policy
     policy.steps_applied = int(counters["steps_applied"])

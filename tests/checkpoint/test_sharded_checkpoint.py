@@ -10,6 +10,7 @@ but its gradient is summed over another number of ranks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -27,14 +28,15 @@ from tests.multiprocess import run_workers
 GLOBAL, SAVE_AT, END = 8, 3, 6
 
 
-def _build(stage: int):
+def _build(stage: int, pure: bool = True, sgd: bool = False):
+    """Model, wrapped model, BF16 optimizer (O2 or O1; AdamW or SGD with momentum, two param groups), StepLR."""
     from distamp import fleet
 
     fleet.init()
     model = _model()
-    strategy = _strategy(stage, use_pure_fp16=True, dtype="bfloat16")
-    inner = torch.optim.AdamW([{"params": list(model.parameters())[:2]},
-                               {"params": list(model.parameters())[2:], "lr": 5e-3}], lr=1e-2)
+    strategy = _strategy(stage, use_pure_fp16=pure, dtype="bfloat16")
+    groups = [{"params": list(model.parameters())[:2]}, {"params": list(model.parameters())[2:], "lr": 5e-3}]
+    inner = torch.optim.SGD(groups, lr=1e-2, momentum=0.9) if sgd else torch.optim.AdamW(groups, lr=1e-2)
     opt = fleet.distributed_optimizer(inner, strategy)
     wrapped = fleet.distributed_model(model, strategy)
     return model, wrapped, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -78,28 +80,40 @@ def _save_and_resume_at_the_same_size(rank, world, root, stages=(0, 1, 2), reado
     return out
 
 
-def _resume(rank, world, root, plan):
-    from distamp.checkpoint import load, load_latest_checkpoint
+@contextlib.contextmanager
+def recording_reads():
+    """Yields the list of the parts this rank reads (``load._load`` calls) while inside."""
+    from distamp.checkpoint import load
 
-    read = []
+    read: list[str] = []
     original = load._load
 
     def recording(path, manifest, part, check):
         read.append(part)
         return original(path, manifest, part, check)
 
-    load._load = recording  # which parts this rank reads
+    load._load = recording
+    try:
+        yield read
+    finally:
+        load._load = original
+
+
+def _resume(rank, world, root, plan):
+    from distamp.checkpoint import load_latest_checkpoint
+
     out = {}
-    for saved, stage in plan:
-        read.clear()
-        model, wrapped, opt, scheduler = _build(stage)
-        info = load_latest_checkpoint(os.path.join(root, f"stage{saved}"), model=wrapped, optimizer=opt,
-                                      scheduler=scheduler)
-        assert info.step == SAVE_AT
-        assert info.world_size == 2
-        assert [g["lr"] for g in opt.param_groups] == [5e-3, 2.5e-3]  # the scheduler's state came back
-        _train(rank, world, wrapped, opt, scheduler, SAVE_AT, END)
-        out[saved, stage] = (_flat(model), sorted(read))
+    with recording_reads() as read:  # which parts this rank reads
+        for saved, stage in plan:
+            read.clear()
+            model, wrapped, opt, scheduler = _build(stage)
+            info = load_latest_checkpoint(os.path.join(root, f"stage{saved}"), model=wrapped, optimizer=opt,
+                                          scheduler=scheduler)
+            assert info.step == SAVE_AT
+            assert info.world_size == 2
+            assert [g["lr"] for g in opt.param_groups] == [5e-3, 2.5e-3]  # the scheduler's state came back
+            _train(rank, world, wrapped, opt, scheduler, SAVE_AT, END)
+            out[saved, stage] = (_flat(model), sorted(read))
     return out
 
 

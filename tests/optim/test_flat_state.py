@@ -11,6 +11,7 @@ from torch import nn
 
 from distamp.distributed.flat_layout import FlatLayout
 from distamp.optim import flat_state
+from distamp.optim.dtensor_state import stage3_ranges
 from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
 
@@ -32,11 +33,13 @@ def _trained(pure: bool = True) -> AmpOptimizer:
     return opt
 
 
-def _target(unsharded: flat_state.Target, world: int, rank: int) -> flat_state.Target:
-    layout = FlatLayout(unsharded.numels, world)
-    sharding = {"world_size": world, "rank": rank, "numels": list(unsharded.numels),
-                "shapes": [list(s) for s in unsharded.shapes], "bounds": list(layout.bounds),
-                "groups": [list(g) for g in unsharded.groups], "stage": 1, "mode": "O2" if unsharded.pure else "O1"}
+def _target(unsharded: flat_state.Target, world: int, rank: int, stage: int = 1) -> flat_state.Target:
+    """A stage-1 (one slice) or stage-3 (each parameter's dim-0 rows) target of ``world`` ranks."""
+    shapes = [list(s) for s in unsharded.shapes]
+    layout = {"bounds": list(FlatLayout(unsharded.numels, world).bounds)} if stage < 3 else {
+        "ranges": stage3_ranges(shapes, world)}
+    sharding = {"world_size": world, "rank": rank, "numels": list(unsharded.numels), "shapes": shapes, **layout,
+                "groups": [list(g) for g in unsharded.groups], "stage": stage, "mode": "O2" if unsharded.pure else "O1"}
     return flat_state.Target(unsharded.numels, unsharded.shapes, unsharded.groups, unsharded.pure, sharding)
 
 
@@ -73,6 +76,42 @@ def test_unsharded_state_survives_any_chain_of_re_slicing(pure, worlds):
             assert all(parts[r]["lo"] < hi and parts[r]["hi"] > lo for r in needed)
     back = flat_state.join(common, parts, unsharded)
     assert "sharding" not in back
+    _assert_same_state(back, original)
+
+
+def _rows(dim0: int, world: int, rank: int) -> int:
+    """How many rows of dim 0 torch.chunk (FSDP2's cut) gives ``rank`` of ``world``."""
+    chunks = torch.arange(dim0).chunk(world)
+    return len(chunks[rank]) if rank < len(chunks) else 0
+
+
+@pytest.mark.parametrize("pure", [True, False])
+@pytest.mark.parametrize("chain", [((3, 3),), ((2, 3), (3, 1), (4, 3)), ((5, 1), (2, 3), (1, 3))])
+def test_stage3_parts_of_several_ranges_per_rank_re_slice_into_any_layout(pure, chain):
+    opt = _trained(pure)
+    original = opt.state_dict()
+    unsharded = flat_state.describe(opt)
+    shapes = unsharded.shapes  # [7, 5], [7], [2, 7], [2], [3]
+    common, parts = original, {}
+    for world, stage in chain:
+        targets = [_target(unsharded, world, r, stage) for r in range(world)]
+        joined = [flat_state.join(common, parts, t) for t in targets]
+        if stage == 3:  # each rank's local shards: its dim-0 rows of every parameter
+            for rank, state in enumerate(joined):
+                rows = [_rows(s[0], world, rank) for s in shapes]
+                assert [tuple(m.shape) for m in state["master_weights"]] == (
+                    [(n, *s[1:]) for n, s in zip(rows, shapes, strict=True)] if pure else [])
+                assert tuple(state["inner"]["state"][0]["exp_avg"].shape) == (rows[0], 5)
+                assert state["inner"]["state"][3]["step"] == original["inner"]["state"][3]["step"]  # empty too
+        saved = [flat_state.split(state) for state in joined]
+        common, parts = saved[0][0], {r: shard for r, (_, shard) in enumerate(saved)}
+        if stage == 3:
+            assert [p["ranges"] for p in parts.values()] == common["sharding"]["ranges"]
+            for target in targets:  # exactly the parts holding elements this rank needs
+                wanted = {i for lo, hi in target.needs() for i in range(lo, hi)}
+                holding = [r for r, p in parts.items() if wanted & {i for lo, hi in p["ranges"] for i in range(lo, hi)}]
+                assert flat_state.parts_needed(common, target) == holding
+    back = flat_state.join(common, parts, unsharded)
     _assert_same_state(back, original)
 
 

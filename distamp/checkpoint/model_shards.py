@@ -1,0 +1,122 @@
+"""The model's state at sharding stage 3: each rank writes the rows of every sharded entry it holds.
+
+Under stage 3 ``model.state_dict()`` holds DTensors for the parameters
+(each rank's FP32 shard: dim-0 rows, :mod:`distamp.distributed.shard_rows`)
+and plain tensors for the buffers, which are replicated. :func:`split`
+keeps the plain entries for the common part, and for the DTensor entries an
+*index* (global shape and every rank's rows) for the common part and this
+rank's local shards for its own part ``rank-<R>``: nothing is gathered.
+
+On load, :func:`rows_needed` says which rows of each indexed entry the
+loading model holds (its own rows for a stage-3 model, all of them for an
+unsharded one), :func:`parts_needed` which saved parts hold them, and
+:func:`assemble` cuts them out of those parts: a whole tensor for a plain
+entry, a DTensor of this rank's rows for a stage-3 one, at any world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from distamp.distributed.shard_rows import local_rows, rows_of_every_rank
+
+__all__ = ["assemble", "parts_needed", "rows_needed", "split"]
+
+
+def split(module: nn.Module) -> tuple[dict, dict | None, dict | None]:
+    """``(whole, index, local)`` of ``module.state_dict()`` (the user's module, unwrapped).
+
+    ``index`` and ``local`` are None when nothing is sharded.
+
+    ``whole``: the plain entries; ``index``: ``{name: {"shape": [...],
+    "rows": [[start, stop] per rank]}}`` of the DTensor entries; ``local``:
+    ``{name: this rank's rows}``, copied to the CPU (no collective).
+
+    Raises:
+        ValueError: a DTensor entry is not sharded as FSDP2's ``Shard(0)``.
+    """
+    state = module.state_dict()
+    whole = {k: v for k, v in state.items() if not isinstance(v, DTensor)}
+    sharded = {k: v for k, v in state.items() if isinstance(v, DTensor)}
+    if not sharded:
+        return whole, None, None
+    index, local = {}, {}
+    for name, value in sharded.items():
+        local_rows(value)  # raises for a layout the index could not describe
+        index[name] = {"shape": list(value.shape),
+                       "rows": [list(r) for r in rows_of_every_rank(value.shape[0], value.device_mesh.size())]}
+        local[name] = value.to_local().detach().to("cpu", copy=True)
+    return whole, index, local
+
+
+def rows_needed(index: Mapping[str, dict], module: nn.Module) -> dict[str, tuple[int, int]]:
+    """Per indexed entry, the rows the loading model holds: its local rows for a DTensor, all for a plain tensor.
+
+    Raises:
+        ValueError: the model lacks an entry of the checkpoint, or its shape differs.
+    """
+    state = module.state_dict()
+    missing = [name for name in index if name not in state]
+    if missing:
+        raise ValueError(f"the checkpoint's model has entries {missing[:5]} that this model lacks; build the model "
+                         "as the saving run did")
+    rows = {}
+    for name, meta in index.items():
+        value = state[name]
+        if list(value.shape) != list(meta["shape"]):
+            raise ValueError(f"the checkpoint's model entry {name!r} has shape {list(meta['shape'])}, this model's "
+                             f"{list(value.shape)}; build the model as the saving run did")
+        rows[name] = local_rows(value) if isinstance(value, DTensor) else (0, int(meta["shape"][0]))
+    return rows
+
+
+def parts_needed(index: Mapping[str, dict] | None, module: nn.Module) -> list[int]:
+    """The saving ranks whose parts hold rows the loading model needs (none for an unsharded checkpoint)."""
+    if not index:
+        return []
+    needed: set[int] = set()
+    for name, (start, stop) in rows_needed(index, module).items():
+        needed.update(r for r, (lo, hi) in enumerate(index[name]["rows"]) if lo < stop and start < hi)
+    return sorted(needed)
+
+
+def assemble(index: Mapping[str, dict], parts: Mapping[int, Mapping[str, torch.Tensor]],
+             module: nn.Module) -> dict[str, torch.Tensor]:
+    """The indexed entries as the loading model's ``load_state_dict`` takes them, from the saved ``parts``.
+
+    ``parts`` maps saving ranks to their model shards (at least
+    :func:`parts_needed`'s).
+
+    Raises:
+        ValueError: the parts do not cover the rows needed (or see :func:`rows_needed`).
+    """
+    state = module.state_dict()
+    out = {}
+    for name, (start, stop) in rows_needed(index, module).items():
+        meta, target = index[name], state[name]
+        chunks, cursor = [], start
+        for rank, (lo, hi) in enumerate(meta["rows"]):
+            if cursor >= stop:
+                break
+            if lo <= cursor < hi and name in parts.get(rank, {}):
+                last = min(stop, hi)
+                chunks.append(parts[rank][name][cursor - lo : last - lo])
+                cursor = last
+        if cursor < stop:
+            raise ValueError(f"the checkpoint's parts do not hold rows [{cursor}, {stop}) of model entry {name!r}")
+        local = torch.cat(chunks) if chunks else torch.zeros((0, *meta["shape"][1:]), dtype=target.dtype)
+        out[name] = _like(local, target)
+    return out
+
+
+def _like(local: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``local`` (rows of ``target``'s global shape) on ``target``'s device, a DTensor laid out as it if it is one."""
+    local = local.to(target.device)
+    if not isinstance(target, DTensor):
+        return local
+    return DTensor.from_local(local, target.device_mesh, target.placements, shape=target.shape,
+                              stride=target.stride(), run_check=False)
