@@ -7,6 +7,7 @@ The README's main job::
     distrun --nproc_per_node 2 examples/train_digits.py --dtype bfloat16
     distrun --nproc_per_node 2 examples/train_digits.py --no_amp   # FP32 baseline
     distrun --nproc_per_node 2 examples/train_digits.py --pure_fp16 --sharding_stage 2   # ZeRO-2
+    distrun --nproc_per_node 2 examples/train_digits.py --pure_fp16 --sharding_stage 3   # ZeRO-3 (FSDP2)
     distrun --nproc_per_node 2 examples/train_digits.py --powersgd_rank 2   # PowerSGD compression
 
 The data (1,797 8x8 images) ships inside scikit-learn, so nothing is
@@ -111,8 +112,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     amp.add_argument("--no_amp", action="store_true", help="FP32 baseline, AMP off")
     amp.add_argument("--init_loss_scaling", type=float, default=32768.0,
                      help="first loss scale for float16 (default: %(default)s)")
-    amp.add_argument("--sharding_stage", type=int, choices=(0, 1, 2), default=0,
-                     help="shard the optimizer state over the ranks (ZeRO stage 1 or 2; 0: off, the default)")
+    amp.add_argument("--sharding_stage", type=int, choices=(0, 1, 2, 3), default=0,
+                     help="ZeRO stage: 1 optimizer state sharded, 2 gradients too, 3 parameters too (FSDP2); "
+                          "0: off, the default")
     amp.add_argument("--powersgd_rank", type=int, default=0, metavar="R",
                      help="compress gradients with PowerSGD at rank R (0: off, the default)")
     amp.add_argument("--powersgd_start", type=int, default=50, metavar="N",
@@ -250,6 +252,14 @@ def evaluate(model, dataset: TensorDataset) -> float:
     return (predictions == y).float().mean().item()
 
 
+def whole_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's ``state_dict()`` with whole tensors: at sharding stage 3 each is gathered (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    state = getattr(model, "module", model).state_dict()
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+
+
 def write_history(out_dir: str, history: History, summary: dict) -> tuple[str, str]:
     """Write ``history.json`` and ``history.png`` (loss and loss scale per step)."""
     import matplotlib
@@ -318,6 +328,7 @@ def main(argv: Sequence[str] | None = None) -> float:
         resume = info.extra if info is not None else None
     history = train(model, optimizer, loader, sampler, args, resume)
     accuracy = evaluate(model, test_set)
+    params = whole_state_dict(model) if args.save_params else None  # collective at stage 3
     if fleet.is_first_worker():
         stats = optimizer.stats()
         summary = {"precision": precision_name(args), "sharding_stage": args.sharding_stage,
@@ -328,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> float:
                    "skipped_steps": sum(history.skipped), "test_accuracy": accuracy}
         json_path, png_path = write_history(args.out_dir, history, summary)
         if args.save_params:
-            torch.save(getattr(model, "module", model).state_dict(), args.save_params)
+            torch.save(params, args.save_params)
         print(f"precision={summary['precision']} steps={len(history.loss)} "
               f"skipped={summary['skipped_steps']} history={json_path} plot={png_path}", flush=True)
         if args.powersgd_rank:

@@ -3,8 +3,9 @@
 The digits example runs twice on 2 CPU ranks in O2 FP16 with checkpoints:
 once uninterrupted, once with rank 1 killed after the step-60 checkpoint
 under ``--max_restarts 1``. The final parameters must be identical. The
-sharded variant (ZeRO stage 2: each rank saves and reloads its own slice of
-the optimizer state) runs a shorter job, as does the PowerSGD one (each
+sharded variants (ZeRO stage 2: each rank saves and reloads its own slice of
+the optimizer state; stage 3: its own rows of the parameters and of the
+optimizer state, on FSDP2) run a shorter job, as does the PowerSGD one (each
 rank saves and reloads its own error feedback).
 """
 
@@ -27,11 +28,13 @@ EXAMPLE = ROOT / "examples" / "train_digits.py"
 JOBS = {  # variant: (steps, checkpoint every, kill after the checkpoint of)
     "plain": (120, 20, 60),
     "stage2": (60, 20, 40),
+    "stage3": (60, 20, 40),
     "powersgd": (60, 20, 40),
 }
 OPTIONS = {
     "plain": ("--sharding_stage", "0"),
     "stage2": ("--sharding_stage", "2"),
+    "stage3": ("--sharding_stage", "3"),
     "powersgd": ("--powersgd_rank", "2", "--powersgd_start", "10"),  # compressing well before the kill
 }
 
