@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import signal
 import socket
@@ -123,6 +124,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name} must be >= {low}, got {getattr(args, name)!r}")
     if args.link_gbit is not None and not args.link_gbit > 0:
         p.error(f"--link_gbit must be > 0, got {args.link_gbit!r}")
+    if "torch_bf16_powersgd" in args.mode_list and not torch.cuda.is_available():
+        # torch's powerSGD_hook waits on its P and Q all-reduces inside future callbacks; on gloo two
+        # buckets' callbacks can hold both of its worker threads, each waiting for a collective the
+        # other holds up: the run hangs for good (seen with the default 25 MB on the 6.56M MLP).
+        grad_mb = sum(param.numel() for param in args.family.build(0).parameters()) * 4 / 2**20
+        if args.bucket_mb < grad_mb:
+            p.error(f"--modes torch_bf16_powersgd on gloo needs one DDP bucket for the whole model: torch's "
+                    f"powerSGD_hook can hang with two; this model's FP32 gradient is {grad_mb:.1f} MB, so pass "
+                    f"--bucket_mb {math.ceil(grad_mb)} or more (got {args.bucket_mb})")
     return args
 
 
