@@ -33,6 +33,7 @@ from tests.checkpoint.test_sharded_checkpoint import (
 )
 from tests.distributed.test_sharding import assert_within_bf16_rounding
 from tests.multiprocess import run_workers
+from tests.optim.test_flat_state import assert_same_state
 
 SHAPES = {"0.weight": [16, 6], "0.bias": [16], "1.weight": [16], "1.bias": [16], "3.weight": [3, 16], "3.bias": [3]}
 """The parameters of ``tests.distributed.test_sharding._model``, in order."""
@@ -174,14 +175,7 @@ def _rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
 
 
 def _assert_same_optimizer_state(a: dict, b: dict) -> None:
-    assert a["inner"]["param_groups"] == b["inner"]["param_groups"]
-    assert a["inner"]["state"].keys() == b["inner"]["state"].keys()
-    for index, state in a["inner"]["state"].items():
-        assert state.keys() == b["inner"]["state"][index].keys()
-        for key, value in state.items():
-            assert torch.equal(value, b["inner"]["state"][index][key]), (index, key)
-    assert len(a["master_weights"]) == len(b["master_weights"])
-    assert all(torch.equal(x, y) for x, y in zip(a["master_weights"], b["master_weights"], strict=True))
+    assert_same_state(a, b)
     assert (a["counters"], a["loss_scaler"]) == (b["counters"], b["loss_scaler"])
 
 

@@ -11,19 +11,13 @@ unsharded or at stage 1.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
-import torch
+
+from tests.cuda.jobs import run_two_gpu_job, two_gpus
 
 pytestmark = pytest.mark.cuda
 
-two_gpus = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
-)
 
 NCCL_STAGE2_JOB = """
     import json, os, sys, torch, torch.distributed as dist, torch.nn.functional as F
@@ -67,12 +61,7 @@ NCCL_STAGE2_JOB = """
 @two_gpus
 @pytest.mark.timeout(300)
 def test_two_rank_nccl_stage2_moves_cpu_inputs_to_the_model_device_as_ddp_does(tmp_path):
-    (tmp_path / "job.py").write_text(textwrap.dedent(NCCL_STAGE2_JOB))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    done = subprocess.run([sys.executable, "-m", "distamp.launcher", "--gpus", "0,1", "job.py", str(tmp_path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=270, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_two_gpu_job(tmp_path, NCCL_STAGE2_JOB)
     for r in range(2):
         # Stage 1 sums in the same FP32 slices: bitwise the same model.
         assert json.loads((tmp_path / f"rank{r}.json").read_text()) == {

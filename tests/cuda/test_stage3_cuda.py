@@ -16,21 +16,15 @@ comms installed and the skip verdict on one GPU, and with two GPUs a
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-pytestmark = pytest.mark.cuda
+from tests.cuda.jobs import run_two_gpu_job, two_gpus
 
-two_gpus = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"
-)
+pytestmark = pytest.mark.cuda
 
 
 def _stage3(**configs):
@@ -145,12 +139,7 @@ NCCL_STAGE3_JOB = """
 @two_gpus
 @pytest.mark.timeout(300)
 def test_two_rank_nccl_stage3_skips_an_overflow_on_one_rank_in_lockstep(tmp_path):
-    (tmp_path / "job.py").write_text(textwrap.dedent(NCCL_STAGE3_JOB))
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    done = subprocess.run([sys.executable, "-m", "distamp.launcher", "--gpus", "0,1", "job.py", str(tmp_path)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=270, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
+    run_two_gpu_job(tmp_path, NCCL_STAGE3_JOB)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for report in reports:
         assert report == {"applied": [True, True, False, True], "scale": 512.0,

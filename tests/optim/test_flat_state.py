@@ -43,7 +43,8 @@ def _target(unsharded: flat_state.Target, world: int, rank: int, stage: int = 1)
     return flat_state.Target(unsharded.numels, unsharded.shapes, unsharded.groups, unsharded.pure, sharding)
 
 
-def _assert_same_state(a: dict, b: dict) -> None:
+def assert_same_state(a: dict, b: dict) -> None:
+    """Two AmpOptimizer state dicts hold the same inner state and FP32 masters, bit for bit."""
     assert a["inner"]["param_groups"] == b["inner"]["param_groups"]
     assert a["inner"]["state"].keys() == b["inner"]["state"].keys()
     for index, state in a["inner"]["state"].items():
@@ -76,7 +77,7 @@ def test_unsharded_state_survives_any_chain_of_re_slicing(pure, worlds):
             assert all(parts[r]["lo"] < hi and parts[r]["hi"] > lo for r in needed)
     back = flat_state.join(common, parts, unsharded)
     assert "sharding" not in back
-    _assert_same_state(back, original)
+    assert_same_state(back, original)
 
 
 def _rows(dim0: int, world: int, rank: int) -> int:
@@ -112,7 +113,7 @@ def test_stage3_parts_of_several_ranges_per_rank_re_slice_into_any_layout(pure, 
                 holding = [r for r, p in parts.items() if wanted & {i for lo, hi in p["ranges"] for i in range(lo, hi)}]
                 assert flat_state.parts_needed(common, target) == holding
     back = flat_state.join(common, parts, unsharded)
-    _assert_same_state(back, original)
+    assert_same_state(back, original)
 
 
 def test_join_refuses_other_parameters_other_groups_and_another_mode():
