@@ -16,6 +16,7 @@ also takes the parent's environment of the moment, as a spawned one would.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import multiprocessing as mp
@@ -63,6 +64,7 @@ def _worker(fn, rank, world_size, port, args, env, results, pg_timeout=None):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    succeeded = False
     try:
         if not dist.is_initialized():
             kwargs = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
@@ -73,10 +75,16 @@ def _worker(fn, rank, world_size, port, args, env, results, pg_timeout=None):
         buffer = io.BytesIO()
         torch.save(value, buffer)
         results.put((rank, True, buffer.getvalue()))
+        succeeded = True
     except BaseException:  # noqa: BLE001 - reported to the parent verbatim
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            if succeeded and dist.get_backend() == "gloo":
+                # A rank whose fn ran no collective could close its sockets while a peer is still
+                # connecting gloo's full mesh ("Connection closed by peer" on the peer): wait for all.
+                with contextlib.suppress(Exception):
+                    dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
             dist.destroy_process_group()
 
 
