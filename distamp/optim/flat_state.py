@@ -110,7 +110,11 @@ class Target:
 
 
 def describe(optimizer: Any) -> Target | None:
-    """The :class:`Target` of a distamp ``AmpOptimizer`` (None for any other optimizer)."""
+    """The :class:`Target` of a distamp ``AmpOptimizer`` (None for any other optimizer).
+
+    Raises:
+        RuntimeError: a stage-3 optimizer whose parameters are not sharded yet.
+    """
     masters = getattr(getattr(optimizer, "precision", None), "master_weights", None)
     if masters is None:
         return None
@@ -121,7 +125,8 @@ def describe(optimizer: Any) -> Target | None:
     else:
         index = {id(m): i for i, m in enumerate(masters.masters)}
         groups = [[index[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-        if isinstance(optimizer.precision, FullyShardedPrecision) and masters.sharded:
+        if isinstance(optimizer.precision, FullyShardedPrecision):
+            optimizer.precision.require_sharded("loading or saving a checkpoint", "then load or save it")
             sharding = optimizer.precision.layout_state(groups)
     distributed = dist.is_available() and dist.is_initialized()
     return Target(

@@ -234,12 +234,7 @@ class FullyShardedPrecision(MixedPrecision):
             RuntimeError: the parameters were never sharded (no
                 ``fleet.distributed_model`` for this optimizer's model).
         """
-        if not self.master_weights.sharded:
-            raise RuntimeError(
-                "sharding stage 3 shards the parameters in fleet.distributed_model(model), but this optimizer's "
-                "parameters are not sharded: call model = fleet.distributed_model(model) (on every rank) and run "
-                "the forward through the model it returns"
-            )
+        self.require_sharded("a step", "run the forward through the model it returns")
         if self.scaler is None:
             return False, None  # AMP off: applied as they are
         return MixedPrecision.unscale_and_check(self, self.group)
@@ -280,6 +275,19 @@ class FullyShardedPrecision(MixedPrecision):
         scaler = {"loss_scaler_type": "", "loss_scaler": {}} if self.scaler is None else super().state_dict()
         return {**scaler, "master_weights": self.master_weights.state_dict()}
 
+    def require_sharded(self, what: str, then: str) -> None:
+        """Raise unless ``fleet.distributed_model`` has sharded the parameters (``what`` needs the shards).
+
+        Raises:
+            RuntimeError: naming ``what`` and the fix (``then``: what to do after sharding).
+        """
+        if not self.master_weights.sharded:
+            raise RuntimeError(
+                f"sharding stage 3 shards the parameters in fleet.distributed_model(model), and {what} needs "
+                f"the shards, but this optimizer's parameters are not sharded yet: call "
+                f"model = fleet.distributed_model(model) first (on every rank), {then}"
+            )
+
     def layout_state(self, groups: Sequence[Sequence[int]]) -> dict:
         """The stage-3 layout this rank's local state belongs to (:meth:`ShardedParameters.layout_state`)."""
         return self.master_weights.layout_state(groups, self.mode)
@@ -290,8 +298,7 @@ class FullyShardedPrecision(MixedPrecision):
         Raises:
             RuntimeError: the parameters are not sharded yet (no ``fleet.distributed_model``).
         """
-        if not self.master_weights.sharded:
-            raise RuntimeError("the stage-3 parameters are not sharded yet: call fleet.distributed_model(model) first")
+        self.require_sharded("saving its state", "then save")
         scaler = {"loss_scaler_type": "", "loss_scaler": {}} if self.scaler is None else super().state_dict()
         return {**scaler, "master_weights": self.master_weights.local_state_dict(),
                 "sharding": self.layout_state(groups)}
@@ -300,8 +307,11 @@ class FullyShardedPrecision(MixedPrecision):
         """Restore the scaler (checked against this plugin's); a local state must be of this rank's layout.
 
         Raises:
+            RuntimeError: the parameters are not sharded yet (no ``fleet.distributed_model``):
+                state loaded now would not fit the shards FSDP2 makes.
             ValueError: ``state`` holds another rank's, world size's or stage's shards.
         """
+        self.require_sharded("loading its state", "then load the checkpoint or state")
         saved = state.get("sharding")
         if saved is not None:
             own = self.layout_state(saved.get("groups", [])) if self.master_weights.sharded else {}

@@ -240,3 +240,43 @@ def test_c_d_stage3_checkpoints_load_bitwise_at_any_size_and_stage(tmp_path, pur
     # At stage 3 each rank reads only the parts holding its rows: 16-row parameters cut 6/6/4 against 8/8.
     assert [r[3, 3][2] for r in three] == [["common", "rank-00000"], ["common", "rank-00000", "rank-00001"],
                                            ["common", "rank-00001"]]
+
+
+def _load_before_sharding(rank, world, root):
+    import torch.nn.functional as F
+    from torch import nn
+
+    from distamp import fleet
+    from distamp.checkpoint import load_latest_checkpoint
+
+    strategy = fleet.DistributedStrategy(amp=True, sharding=True)
+    strategy.amp_configs = {"dtype": "bfloat16", "use_pure_fp16": True}
+    strategy.sharding_configs = {"stage": 3}
+    fleet.init(strategy=strategy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), strategy)
+    errors = []
+    for load in (lambda: load_latest_checkpoint(root, model=model, optimizer=opt),
+                 lambda: opt.load_state_dict(opt.state_dict())):
+        try:
+            load()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    wrapped = fleet.distributed_model(model, strategy)  # the fix: shard first, then load
+    assert load_latest_checkpoint(root, model=wrapped, optimizer=opt) is None  # nothing saved yet
+    with fleet.auto_cast():
+        loss = F.mse_loss(wrapped(torch.randn(4, 6)).float(), torch.zeros(4, 3))
+    opt.backward(loss)
+    return errors, opt.step()
+
+
+@pytest.mark.timeout(120)
+def test_loading_before_the_model_is_sharded_is_refused_with_the_fix(tmp_path):
+    # It used to be taken and then fail at the first step with torch's "mixed torch.Tensor and DTensor".
+    for errors, stepped in run_workers(_load_before_sharding, 2, str(tmp_path), timeout=100):
+        assert len(errors) == 2
+        for message in errors:
+            assert "not sharded yet: call model = fleet.distributed_model(model) first" in message
+        assert "then load or save it" in errors[0]
+        assert stepped
