@@ -55,7 +55,7 @@ __all__ = ["BUCKET_FRACTION", "MAX_IN_FLIGHT", "REDUCE_BUCKET_BYTES", "ShardedGr
            "reduce_bucket_bytes", "reduce_scatter_hook"]
 
 MAX_IN_FLIGHT = 2
-"""Rounds on the wire at once (each with its packed send and W received copies), and buckets open at once."""
+"""Rounds on the wire at once, each with its packed send and W received copies."""
 
 REDUCE_BUCKET_BYTES = 1 << 19
 """Smallest gradient bucket of sharding stages 1 and 2, in wire bytes (see :func:`reduce_bucket_bytes`)."""
@@ -198,10 +198,14 @@ class ShardedGradReduce:
             return True
         if self._running and (block or self._running[0].is_completed()):
             self._running.popleft().finish(self.world_size)
-            while self.open and self.open[0].is_done():
-                self.open.popleft().complete()
+            self._complete_done()
             return True
         return False
+
+    def _complete_done(self) -> None:
+        """Complete the buckets, oldest first, whose every element is summed."""
+        while self.open and self.open[0].is_done():
+            self.open.popleft().complete()
 
     def register(self, ddp: "torch.nn.parallel.DistributedDataParallel") -> None:
         """Install this hook on ``ddp`` (once, before its first backward)."""
@@ -250,8 +254,7 @@ class ShardedGradReduce:
                 self._pool[rank].extend((exchange, *entry) for entry in entries)
                 self._pool_sizes[rank] += sum(entry[1] for entry in entries)
         self._form_rounds(flush=last)
-        while self.open and self.open[0].is_done():
-            self.open.popleft().complete()
+        self._complete_done()  # a bucket with nothing to send
         self.finish_completed(wait=False)
 
     def _form_rounds(self, flush: bool) -> None:
