@@ -37,6 +37,7 @@ parameter's ``step`` and state keys).
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,7 +127,7 @@ def describe(optimizer: Any) -> Target | None:
         index = {id(m): i for i, m in enumerate(masters.masters)}
         groups = [[index[id(p)] for p in group["params"]] for group in optimizer.param_groups]
         if isinstance(optimizer.precision, FullyShardedPrecision):
-            optimizer.precision.require_sharded("loading or saving a checkpoint", "then load or save it")
+            optimizer.precision.require_sharded("loading a checkpoint", "then load it")
             sharding = optimizer.precision.layout_state(groups)
     distributed = dist.is_available() and dist.is_initialized()
     return Target(
@@ -420,20 +421,6 @@ class _Source:
         return {**state, **saved["scalars"]}
 
 
-def _unsharded(source: _Source, target: Target, options: list[dict]) -> tuple[dict, list[torch.Tensor]]:
-    state, masters = {}, []
-    for i, shape in enumerate(target.shapes):
-        lo, hi = source.layout.param_range(i)
-        if hi > lo:
-            piece_state = source.piece_state(lo, hi, shape)
-            if piece_state is not None:
-                state[i] = piece_state
-        if target.pure:
-            masters.append(source.read(None, lo, hi).float().view(shape))
-    groups = [{**options[g], "params": list(members)} for g, members in enumerate(target.groups)]
-    return {"state": state, "param_groups": groups}, masters
-
-
 def _sharded(source: _Source, target: Target, options: list[dict]) -> tuple[dict, list[torch.Tensor]]:
     lo, hi = target.range()
     pieces: list[Piece] = source.layout.pieces(lo, hi)
@@ -450,14 +437,31 @@ def _sharded(source: _Source, target: Target, options: list[dict]) -> tuple[dict
     return {"state": state, "param_groups": groups}, masters
 
 
+def _unsharded(source: _Source, target: Target, options: list[dict]) -> tuple[dict, list[torch.Tensor]]:
+    """Per parameter index, the whole state and (O2) the whole master."""
+    return _per_parameter(source, target, options, lambda i, shape: (*source.layout.param_range(i), shape))
+
+
 def _fully_sharded(source: _Source, target: Target, options: list[dict]) -> tuple[dict, list[torch.Tensor]]:
     """Stage 3: per parameter index, this rank's local shard of the state and (O2) of the master."""
     assert target.sharding is not None
     world, rank = target.sharding["world_size"], target.sharding["rank"]
+
+    def rows(i: int, shape: tuple[int, ...]) -> tuple[int, int, tuple[int, ...]]:
+        lo, hi = _rows_range(source.layout, i, shape, world, rank)
+        return lo, hi, _local_shape(list(shape), hi - lo)
+
+    return _per_parameter(source, target, options, rows)
+
+
+def _per_parameter(source: _Source, target: Target, options: list[dict],
+                   cut: Callable[[int, tuple[int, ...]], tuple[int, int, tuple[int, ...]]]
+                   ) -> tuple[dict, list[torch.Tensor]]:
+    """State keyed by parameter index: ``cut(i, shape)`` is the flat range of parameter ``i`` this rank holds and
+    its shape; a parameter with elements but none here still gets its (empty) state and ``step``."""
     state, masters = {}, []
     for i, shape in enumerate(target.shapes):
-        lo, hi = _rows_range(source.layout, i, shape, world, rank)
-        local = _local_shape(list(shape), hi - lo)
+        lo, hi, local = cut(i, shape)
         if target.numels[i]:
             own = source.piece_state(lo, hi, local) if hi > lo else source.empty_state(source.layout.offsets[i], local)
             if own is not None:
