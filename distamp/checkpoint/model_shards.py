@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distamp.distributed.shard_rows import local_rows, rows_of_every_rank
+from distamp.distributed.shard_rows import like_local_rows, local_rows, rows_of_every_rank
 
 __all__ = ["assemble", "parts_needed", "rows_needed", "split"]
 
@@ -53,13 +53,13 @@ def split(module: nn.Module) -> tuple[dict, dict | None, dict | None]:
     return whole, index, local
 
 
-def rows_needed(index: Mapping[str, dict], module: nn.Module) -> dict[str, tuple[int, int]]:
-    """Per indexed entry, the rows the loading model holds: its local rows for a DTensor, all for a plain tensor.
+def rows_needed(index: Mapping[str, dict], state: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+    """Per indexed entry, the rows the loading model (whose ``state_dict()`` is ``state``) holds: its local rows
+    for a DTensor, all for a plain tensor.
 
     Raises:
         ValueError: the model lacks an entry of the checkpoint, or its shape differs.
     """
-    state = module.state_dict()
     missing = [name for name in index if name not in state]
     if missing:
         raise ValueError(f"the checkpoint's model has entries {missing[:5]} that this model lacks; build the model "
@@ -79,7 +79,7 @@ def parts_needed(index: Mapping[str, dict] | None, module: nn.Module) -> list[in
     if not index:
         return []
     needed: set[int] = set()
-    for name, (start, stop) in rows_needed(index, module).items():
+    for name, (start, stop) in rows_needed(index, module.state_dict()).items():
         needed.update(r for r, (lo, hi) in enumerate(index[name]["rows"]) if lo < stop and start < hi)
     return sorted(needed)
 
@@ -96,7 +96,7 @@ def assemble(index: Mapping[str, dict], parts: Mapping[int, Mapping[str, torch.T
     """
     state = module.state_dict()
     out = {}
-    for name, (start, stop) in rows_needed(index, module).items():
+    for name, (start, stop) in rows_needed(index, state).items():
         meta, target = index[name], state[name]
         chunks, cursor = [], start
         for rank, (lo, hi) in enumerate(meta["rows"]):
@@ -109,14 +109,5 @@ def assemble(index: Mapping[str, dict], parts: Mapping[int, Mapping[str, torch.T
         if cursor < stop:
             raise ValueError(f"the checkpoint's parts do not hold rows [{cursor}, {stop}) of model entry {name!r}")
         local = torch.cat(chunks) if chunks else torch.zeros((0, *meta["shape"][1:]), dtype=target.dtype)
-        out[name] = _like(local, target)
+        out[name] = like_local_rows(local, target) if isinstance(target, DTensor) else local.to(target.device)
     return out
-
-
-def _like(local: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``local`` (rows of ``target``'s global shape) on ``target``'s device, a DTensor laid out as it if it is one."""
-    local = local.to(target.device)
-    if not isinstance(target, DTensor):
-        return local
-    return DTensor.from_local(local, target.device_mesh, target.placements, shape=target.shape,
-                              stride=target.stride(), run_check=False)

@@ -16,7 +16,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["local_rows", "row_numel", "rows_of", "rows_of_every_rank"]
+__all__ = ["like_local_rows", "local_rows", "row_numel", "rows_of", "rows_of_every_rank"]
 
 
 def rows_of(dim0: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -58,3 +58,12 @@ def local_rows(tensor: DTensor) -> tuple[int, int]:
             "distamp checkpoints cannot cut this layout"
         )
     return start, stop
+
+
+def like_local_rows(local: torch.Tensor, like: DTensor) -> DTensor:
+    """``local`` (this rank's rows of a tensor shaped as ``like``) as a DTensor laid out as ``like``, on its device.
+
+    No collective: every rank wraps its own rows (``run_check=False``).
+    """
+    return DTensor.from_local(local.to(like.device), like.device_mesh, like.placements, shape=like.shape,
+                              stride=like.stride(), run_check=False)

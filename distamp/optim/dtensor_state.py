@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from distamp.distributed.shard_rows import row_numel, rows_of_every_rank
+from distamp.distributed.shard_rows import like_local_rows, row_numel, rows_of_every_rank
 
 __all__ = ["gather_full", "local_inner", "reshard_loaded", "shard_like", "stage3_ranges", "wrap_loaded"]
 
@@ -82,8 +82,7 @@ def wrap_loaded(optimizer: torch.optim.Optimizer) -> None:
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() > 0 \
                         and value.shape == local_shape:
-                    entry[key] = DTensor.from_local(value.to(param.device), param.device_mesh, param.placements,
-                                                    shape=param.shape, stride=param.stride(), run_check=False)
+                    entry[key] = like_local_rows(value, param)
 
 
 def stage3_ranges(shapes: Sequence[Sequence[int]], world_size: int) -> list[list[list[int]]]:
