@@ -111,6 +111,10 @@ class DDPPreparation:
             comm_hook.register(ddp)
         return PreparedDDP(ddp, comm_hook, stage == 1)
 
+    def _training_device(self) -> torch.device:
+        """The device this process trains on: the given one, else the parameters'."""
+        return self.device or next((p.device for p in self.module.parameters()), torch.device("cpu"))
+
     def _wire_dtype(self) -> torch.dtype:
         return self.strategy.amp_config.comm_torch_dtype if self.strategy.amp else torch.float32
 
@@ -129,13 +133,14 @@ class DDPPreparation:
             bucket_bytes=self._bucket_bytes(),
             find_unused_parameters=self.find_unused_parameters,
             broadcast_buffers=self.ddp_kwargs.get("broadcast_buffers", True),
+            device=self._training_device(),
         )
         if self.ddp_kwargs.get("init_sync", True):
             reducer.broadcast_from_rank0()
         return reducer
 
     def _build_ddp(self, bucket_cap_mb: float) -> DistributedDataParallel:
-        device = self.device or next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        device = self._training_device()
         ddp = DistributedDataParallel(
             self.module,
             # A single-device CUDA module: DDP moves inputs to device_ids[0]
@@ -167,7 +172,7 @@ class DDPPreparation:
             wire = cfg.comm_torch_dtype if self.strategy.amp else torch.float32
             predivide = cfg.gradient_predivide_factor if self.strategy.amp else None
             names = {id(p): name for name, p in self.module.named_parameters()}
-            device = self.device or next((p.device for p in self.module.parameters()), torch.device("cpu"))
+            device = self._training_device()
             return PowerSGD(self.strategy.powersgd_config, names, wire, predivide, self.process_group, pending,
                             device)
         if self.strategy.amp:

@@ -106,6 +106,8 @@ class SliceReducer:
             gradient (one small all-reduce per backward).
         broadcast_buffers: broadcast rank 0's buffers before each forward
             that will be reduced.
+        device: the device this process trains on, where a CUDA model's
+            inputs go (DDP's ``device_ids[0]``); ``None``: the parameters'.
 
     Raises:
         ValueError: ``bucket_bytes`` is not positive.
@@ -121,12 +123,13 @@ class SliceReducer:
         bucket_bytes: int = REDUCE_BUCKET_BYTES,
         find_unused_parameters: bool = False,
         broadcast_buffers: bool = True,
+        device: torch.device | None = None,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes={bucket_bytes!r} must be > 0")
         self.exchange = ShardedGradReduce(shards, wire_dtype, process_group, pending, bucket_bytes, OPEN_BUCKETS)
         self.module = module
-        self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.device = device or next((p.device for p in module.parameters()), torch.device("cpu"))
         """The model's device, where :meth:`inputs_to_device` moves a CUDA model's inputs."""
         self.shards = list(shards)
         self.process_group = process_group
