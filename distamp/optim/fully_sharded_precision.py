@@ -46,8 +46,6 @@ from distamp.strategy import DistributedStrategy
 
 __all__ = ["FullyShardedPrecision", "ShardedParameters", "local_shard"]
 
-# all_gather_single is the non-deprecated name from torch 2.13 on.
-
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (a plain tensor is its own shard)."""
@@ -314,7 +312,7 @@ class FullyShardedPrecision(MixedPrecision):
         self.require_sharded("loading its state", "then load the checkpoint or state")
         saved = state.get("sharding")
         if saved is not None:
-            own = self.layout_state(saved.get("groups", [])) if self.master_weights.sharded else {}
+            own = self.layout_state(saved.get("groups", []))
             keys = ("stage", "world_size", "rank", "numels", "shapes")
             if any(saved.get(k) != own.get(k) for k in keys):
                 found = {k: saved.get(k) for k in ("stage", "world_size", "rank")}

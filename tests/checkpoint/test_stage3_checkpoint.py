@@ -278,5 +278,6 @@ def test_loading_before_the_model_is_sharded_is_refused_with_the_fix(tmp_path):
         assert len(errors) == 2
         for message in errors:
             assert "not sharded yet: call model = fleet.distributed_model(model) first" in message
-        assert "then load or save it" in errors[0]
+        assert "loading a checkpoint needs the shards" in errors[0]
+        assert "then load it" in errors[0]
         assert stepped
