@@ -253,7 +253,7 @@ def _tensor_bytes(arg) -> int:
 
 
 class WireCounter:
-    """Counts the bytes each rank sends in every collective issued through ``ProcessGroup`` while active.
+    """Counts the bytes each rank sends in every collective and send issued through ``ProcessGroup`` while active.
 
     ``dist.all_reduce``, DDP comm hooks and torch's compression hooks all
     call these methods; DDP's built-in C++ all-reduce (no hook registered)
@@ -264,8 +264,8 @@ class WireCounter:
     once reduced), reduce-scatter and all-to-all (W-1)/W x S (each element
     once, but the rank's own share), all-gather (W-1) x S (its slice to every
     other rank), broadcast (W-1)/W x S (the root's S reaches W-1 ranks; every
-    rank calls it, so this is the mean over ranks). At W=2 an all-reduce
-    sends exactly its payload.
+    rank calls it, so this is the mean over ranks), a point-to-point send its
+    payload. At W=2 an all-reduce sends exactly its payload.
     """
 
     # Per ProcessGroup method: the positional argument holding the input, and
@@ -273,6 +273,7 @@ class WireCounter:
     _SENT: ClassVar[dict[str, tuple[int, Callable[[int], float]]]] = {
         **dict.fromkeys(("allreduce", "allreduce_coalesced"), (0, lambda w: 2 * (w - 1) / w)),
         "broadcast": (0, lambda w: (w - 1) / w),
+        "send": (0, lambda w: 1.0),
         **dict.fromkeys(("allgather", "_allgather_base", "all_gather_single"), (1, lambda w: float(w - 1))),
         **dict.fromkeys(("reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single", "alltoall_base",
                          "all_to_all_single"), (1, lambda w: (w - 1) / w)),

@@ -7,13 +7,15 @@ parameter's own dtype on the wire: 16 bits for O2's low-precision
 parameters (half the bytes of FP32), FP32 for parameters kept in FP32 (so
 their values stay exact).
 
-The gather goes in rounds, and at most ``chunk_bytes`` (the strategy's
-bucket size) are received per rank at a time, so the receive buffers never
-hold a second copy of the whole model. On gloo a round sends at most
-:data:`~distamp.distributed.wire_rounds.GLOO_ROUND_BYTES` to each peer and as
-many rounds as fit in ``chunk_bytes`` are in flight at once (see
-:mod:`distamp.distributed.wire_rounds`); elsewhere a round receives
-``chunk_bytes``, one at a time. With one rank it is a copy.
+On gloo the slices go as pairwise messages straight from each rank's
+parameters into the others' (:mod:`distamp.distributed.direct_gather`): no
+receive buffers, no copies. Elsewhere (NCCL) the gather goes in collective
+rounds, and at most ``chunk_bytes`` (the strategy's bucket size) are
+received per rank at a time, so the receive buffers never hold a second
+copy of the whole model; a round receives ``chunk_bytes``, one at a time
+(collective rounds forced on gloo send at most
+:data:`~distamp.distributed.wire_rounds.GLOO_ROUND_BYTES` to each peer, as
+many in flight as fit in ``chunk_bytes``). With one rank it is a copy.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from distamp.distributed.comm_hooks import CommStats
+from distamp.distributed.direct_gather import DirectGather, sends_pairwise
 from distamp.distributed.flat_layout import FlatLayout, Piece
 from distamp.distributed.wire_rounds import round_bytes
 
@@ -43,7 +46,6 @@ parameters, most of what sharding saves.
 
 # all_gather_single is the non-deprecated name from torch 2.13 on.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 @dataclass(frozen=True)
 class _Entry:
@@ -77,11 +79,16 @@ class SliceAllGather:
         layout: the flat space and its slices.
         rank: this process's rank in ``group``.
         group: the data-parallel group (``None`` only with one rank).
-        chunk_bytes: at most this many bytes are received at a time.
+        chunk_bytes: at most this many bytes are received at a time (collective rounds).
+        pairwise: send the slices as pairwise messages straight into the
+            destinations (:class:`~distamp.distributed.direct_gather.DirectGather`)
+            instead of collective rounds; ``None``: on gloo.
     """
 
-    def __init__(self, layout: FlatLayout, rank: int, group: dist.ProcessGroup | None, chunk_bytes: int) -> None:
+    def __init__(self, layout: FlatLayout, rank: int, group: dist.ProcessGroup | None, chunk_bytes: int,
+                 pairwise: bool | None = None) -> None:
         self.layout = layout
+        self.pairwise = layout.world_size > 1 and (sends_pairwise(group) if pairwise is None else pairwise)
         self.rank = rank
         self.group = group
         self.chunk_bytes = max(1, int(chunk_bytes))
@@ -110,11 +117,12 @@ class SliceAllGather:
         sources: Sequence[torch.Tensor],
         dest: Callable[[int], torch.Tensor],
         params: Sequence[int] | None = None,
-    ) -> GatherInFlight:
+    ) -> GatherInFlight | DirectGather:
         """Launch :meth:`run`'s gather and return it unfinished: the caller finishes it, all at once or by parameter.
 
-        Until it is finished, ``sources`` must not change and the
-        destinations hold their old values wherever a later round writes.
+        Until it is finished, ``sources`` must not change and a destination
+        holds its old values wherever a later round writes (collective
+        rounds), or old and new values in any mix (pairwise).
         """
         wanted = range(len(self.layout.numels)) if params is None else params
         by_dtype: dict[torch.dtype, list[int]] = {}
@@ -129,6 +137,8 @@ class SliceAllGather:
                 with torch.no_grad():
                     torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs])
             return GatherInFlight(self, [], {}, mine, dest)
+        if self.pairwise:
+            return DirectGather(self.layout, self.rank, self.group, mine, dest, wanted, self.stats)
         key = tuple((dtype, tuple(sorted(by_dtype[dtype]))) for dtype in sorted(by_dtype, key=str))
         rounds, last_round = self._schedules.get(key) or self._schedule(key)
         return GatherInFlight(self, rounds, last_round, mine, dest)

@@ -9,9 +9,11 @@ together it took 130 ms with 3.2 MB to the peer per round, 111 ms with
 1 MB and 109.6 ms with 0.5 MB. On loopback the same rounds cost
 14-16 ms down to 1 MB per peer and 21 ms at 0.5 MB (more collectives).
 gloo's ring all-reduce cuts its messages itself. So on gloo the sharded
-path cuts its reduce-scatter and its all-gather into rounds of at most
-:data:`GLOO_ROUND_BYTES` to each peer, launched together (gloo runs them
-in order). NCCL pipelines large messages itself and gets whole buckets.
+path cuts its reduce-scatter into rounds of at most :data:`GLOO_ROUND_BYTES`
+to each peer, launched together (gloo runs them in order), and its
+parameter gather into pairwise messages of at most that size
+(:mod:`distamp.distributed.direct_gather`). NCCL pipelines large messages
+itself and gets whole buckets.
 """
 
 from __future__ import annotations

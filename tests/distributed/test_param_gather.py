@@ -1,4 +1,8 @@
-"""SliceAllGather: every rank's slice lands in every rank's parameters, in each parameter's dtype, in bounded rounds."""
+"""SliceAllGather: every rank's slice lands in every rank's parameters, in each parameter's dtype.
+
+Collective rounds (NCCL's path, forced here on gloo) in bounded rounds; pairwise messages (gloo's path)
+straight into the destinations.
+"""
 
 from __future__ import annotations
 
@@ -45,22 +49,22 @@ def _worker(rank, world_size):
     out = {}
     for chunk_bytes in (4, 1 << 20):
         dest = [torch.zeros(n, dtype=d) for n, d in zip(NUMELS, DTYPES, strict=True)]
-        gather = SliceAllGather(layout, rank, dist.group.WORLD, chunk_bytes=chunk_bytes)
+        gather = SliceAllGather(layout, rank, dist.group.WORLD, chunk_bytes=chunk_bytes, pairwise=False)
         gather.run(_sources(layout, rank, truth), dest.__getitem__)
         out[chunk_bytes] = (dest, gather.stats.calls, gather.stats.bytes)
     from distamp.distributed import wire_rounds
 
     wire_rounds.GLOO_ROUND_BYTES = 4  # gloo's rounds: 2 BF16 or 1 FP32 element sent per rank, many in flight
     dest = [torch.zeros(n, dtype=d) for n, d in zip(NUMELS, DTYPES, strict=True)]
-    gather = SliceAllGather(layout, rank, dist.group.WORLD, chunk_bytes=1 << 20)
+    gather = SliceAllGather(layout, rank, dist.group.WORLD, chunk_bytes=1 << 20, pairwise=False)
     gather.run(_sources(layout, rank, truth), dest.__getitem__)
     out["rounds"] = (dest, gather.stats.calls, gather.stats.bytes)
     wire_rounds.GLOO_ROUND_BYTES = 1 << 20
     subset = [torch.full((n,), -1.0, dtype=d) for n, d in zip(NUMELS, DTYPES, strict=True)]
-    SliceAllGather(layout, rank, dist.group.WORLD, 1 << 20).run(_sources(layout, rank, truth), subset.__getitem__,
-                                                                params=[0, 4])
+    SliceAllGather(layout, rank, dist.group.WORLD, 1 << 20, pairwise=False).run(
+        _sources(layout, rank, truth), subset.__getitem__, params=[0, 4])
     out["subset"] = subset
-    empty = SliceAllGather(layout, rank, dist.group.WORLD, 1 << 20)
+    empty = SliceAllGather(layout, rank, dist.group.WORLD, 1 << 20, pairwise=False)
     empty.run(_sources(layout, rank, truth), subset.__getitem__, params=[2])  # a class of empty parameters only
     out["empty_calls"] = empty.stats.calls
     return out
@@ -92,6 +96,57 @@ def test_two_ranks_get_every_value_bitwise_in_its_wire_dtype():
             else:
                 # bf16: 4 bytes // (2 ranks * 2 bytes) = 1 element per round; fp32: max(1, 4 // 8) = 1
                 assert calls == longest[torch.bfloat16] + longest[torch.float32]
+        assert got["empty_calls"] == 0
+        subset = got["subset"]
+        assert torch.equal(subset[0], truth[0].to(torch.bfloat16))
+        assert torch.equal(subset[4], truth[4])
+        assert all(torch.equal(subset[i], torch.full((NUMELS[i],), -1.0, dtype=DTYPES[i])) for i in (1, 2, 3))
+
+
+def _pairwise_worker(rank, world_size):
+    from distamp.distributed import wire_rounds
+
+    layout = FlatLayout(NUMELS, world_size)
+    truth = _truth()
+    gather = SliceAllGather(layout, rank, dist.group.WORLD, chunk_bytes=4)
+    assert gather.pairwise  # gloo's default
+    out = {}
+    wire_rounds.GLOO_ROUND_BYTES = 4  # messages of 2 BF16 or 1 FP32 element
+    dest = [torch.zeros(n, dtype=d) for n, d in zip(NUMELS, DTYPES, strict=True)]
+    running = gather.start(_sources(layout, rank, truth), dest.__getitem__)
+    running.finish_params([3])  # one parameter: its values are in, the others may still arrive
+    out["first"] = (dest[3].clone(), running.done)
+    running.finish()
+    out["all"] = (dest, running.done, gather.stats.calls, gather.stats.bytes)
+    wire_rounds.GLOO_ROUND_BYTES = 1 << 20
+    subset = [torch.full((n,), -1.0, dtype=d) for n, d in zip(NUMELS, DTYPES, strict=True)]
+    SliceAllGather(layout, rank, dist.group.WORLD, 1 << 20).run(_sources(layout, rank, truth), subset.__getitem__,
+                                                                params=[0, 4])
+    out["subset"] = subset
+    empty = SliceAllGather(layout, rank, dist.group.WORLD, 1 << 20)
+    empty.run(_sources(layout, rank, truth), subset.__getitem__, params=[2])
+    out["empty_calls"] = empty.stats.calls
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("world", [2, 3])
+def test_pairwise_messages_write_every_value_bitwise_into_the_destinations(world):
+    truth = _truth()
+    layout = FlatLayout(NUMELS, world)
+    for rank, got in enumerate(run_workers(_pairwise_worker, world, timeout=80)):
+        first, first_done = got["first"]
+        assert torch.equal(first, truth[3].to(torch.bfloat16))
+        assert not first_done  # other parameters' messages were still to be waited on
+        dest, done, calls, sent = got["all"]
+        assert done
+        for i, (t, d) in enumerate(zip(truth, dest, strict=True)):
+            assert d.dtype == DTYPES[i]
+            assert torch.equal(d, t.to(DTYPES[i])), (rank, i)
+        # This rank's pieces cut into messages of 4 bytes, each counted once (as contributed), in its dtype.
+        pieces = layout.pieces(*layout.range_of(rank))
+        assert calls == sum(-(-p.length // (2 if DTYPES[p.param] == torch.bfloat16 else 1)) for p in pieces)
+        assert sent == sum(p.length * (2 if DTYPES[p.param] == torch.bfloat16 else 4) for p in pieces)
         assert got["empty_calls"] == 0
         subset = got["subset"]
         assert torch.equal(subset[0], truth[0].to(torch.bfloat16))
