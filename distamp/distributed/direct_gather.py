@@ -87,9 +87,10 @@ class DirectGather:
                 if k < len(messages):
                     param, view = messages[k]
                     self._receives.setdefault(param, []).append(
-                        dist.irecv(view, group=group, group_src=peer, tag=TAG_GATHER))
+                        _posted(dist.irecv(view, group=group, group_src=peer, tag=TAG_GATHER)))
                 if k < len(outgoing):
-                    self._sends.append(dist.isend(outgoing[k][1], group=group, group_dst=peer, tag=TAG_GATHER))
+                    self._sends.append(
+                        _posted(dist.isend(outgoing[k][1], group=group, group_dst=peer, tag=TAG_GATHER)))
             if k < len(outgoing):  # counted as contributed (once), as the collective rounds count
                 stats.calls += 1
                 stats.bytes += outgoing[k][1].numel() * outgoing[k][1].element_size()
@@ -123,6 +124,13 @@ def _messages(pieces: Sequence[Piece], dest: Callable[[int], torch.Tensor]) -> l
         for lo in range(piece.start, piece.stop, step):
             out.append((piece.param, flat[lo : min(lo + step, piece.stop)]))
     return out
+
+
+def _posted(work: dist.Work | None) -> dist.Work:
+    """The work of a posted message (torch returns None only to a rank outside the group)."""
+    if work is None:
+        raise RuntimeError("the parameter gather was posted by a rank outside its process group")
+    return work
 
 
 def _peers(rank: int, world: int) -> list[int]:

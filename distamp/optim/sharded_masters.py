@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.distributed.direct_gather import DirectGather
 from distamp.distributed.flat_layout import FlatLayout, Piece
 from distamp.distributed.param_gather import GatherInFlight, SliceAllGather
 from distamp.optim.master_weights import clear_grads
@@ -92,7 +93,7 @@ class ShardedMasters:
         self.masters: list[nn.Parameter] = [self._make_piece(piece) for piece in self.pieces]
         self.grads = SliceGrads(self.model_params, self.pieces, self.masters, self.lo, self.hi)
         self.gather = SliceAllGather(self.layout, rank, group, chunk_bytes)
-        self._refreshing: GatherInFlight | None = None
+        self._refreshing: GatherInFlight | DirectGather | None = None
         if low_dtype is not None:
             self.convert_model()
 
