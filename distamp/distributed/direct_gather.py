@@ -9,15 +9,12 @@ no staging buffer, no packing or unpacking copy. The messages are cut at
 message as one write, which is slow on a shaped link) and are all posted at
 once, since they need no memory of their own.
 
-What it replaces on gloo, per step of the 6.56M-parameter benchmark MLP (2
-ranks on 2 cores, loopback): rounds of ``all_gather_into_tensor`` through
-2 MiB of receive buffers, 10-21 ms with their packing and unpacking; the
-all-gather alone, all rounds launched together, 10.5 ms, one ``broadcast``
-per rank 7.7 ms, against 3.6 ms for the same bytes sent pairwise (gloo
-stages a collective through copies on a worker thread; a pairwise message
-goes from the sender's tensor into the receiver's on the transport thread).
-NCCL gathers in place on its own streams and keeps the collective rounds
-of :class:`~distamp.distributed.param_gather.SliceAllGather`.
+Why pairwise on gloo: :mod:`distamp.distributed.pairwise`. Per step of the
+6.56M-parameter benchmark MLP (2 ranks on 2 cores, loopback) the collective
+rounds, held to 2 MiB of receive buffers, took 10-21 ms with their packing
+and unpacking; these messages take 4-10 ms. NCCL gathers in place on its
+own streams and keeps the collective rounds of
+:class:`~distamp.distributed.param_gather.SliceAllGather`.
 """
 
 from __future__ import annotations
@@ -30,16 +27,12 @@ import torch.distributed as dist
 from distamp.distributed import wire_rounds
 from distamp.distributed.comm_hooks import CommStats
 from distamp.distributed.flat_layout import FlatLayout, Piece
+from distamp.distributed.pairwise import peers, receive, send
 
-__all__ = ["TAG_GATHER", "DirectGather", "sends_pairwise"]
+__all__ = ["TAG_GATHER", "DirectGather"]
 
 TAG_GATHER = 0x5A2
 """Tag of the gather's messages (apart from any a user sends on the same group)."""
-
-
-def sends_pairwise(group: dist.ProcessGroup | None) -> bool:
-    """Whether the parameter gather on ``group`` goes as pairwise messages (gloo) instead of collective rounds."""
-    return dist.is_initialized() and dist.get_backend(group) == "gloo"
 
 
 class DirectGather:
@@ -81,16 +74,14 @@ class DirectGather:
         if own:
             torch._foreach_copy_([t for t, _ in own], [v for _, v in own])
         outgoing = _messages(slices[rank], dest)
-        incoming = {peer: _messages(slices[peer], dest) for peer in _peers(rank, layout.world_size)}
+        incoming = {peer: _messages(slices[peer], dest) for peer in peers(rank, layout.world_size)}
         for k in range(max([len(outgoing), *map(len, incoming.values())])):
             for peer, messages in incoming.items():
                 if k < len(messages):
                     param, view = messages[k]
-                    self._receives.setdefault(param, []).append(
-                        _posted(dist.irecv(view, group=group, group_src=peer, tag=TAG_GATHER)))
+                    self._receives.setdefault(param, []).append(receive(view, group, peer, TAG_GATHER))
                 if k < len(outgoing):
-                    self._sends.append(
-                        _posted(dist.isend(outgoing[k][1], group=group, group_dst=peer, tag=TAG_GATHER)))
+                    self._sends.append(send(outgoing[k][1], group, peer, TAG_GATHER))
             if k < len(outgoing):  # counted as contributed (once), as the collective rounds count
                 stats.calls += 1
                 stats.bytes += outgoing[k][1].numel() * outgoing[k][1].element_size()
@@ -124,15 +115,3 @@ def _messages(pieces: Sequence[Piece], dest: Callable[[int], torch.Tensor]) -> l
         for lo in range(piece.start, piece.stop, step):
             out.append((piece.param, flat[lo : min(lo + step, piece.stop)]))
     return out
-
-
-def _posted(work: dist.Work | None) -> dist.Work:
-    """The work of a posted message (torch returns None only to a rank outside the group)."""
-    if work is None:
-        raise RuntimeError("the parameter gather was posted by a rank outside its process group")
-    return work
-
-
-def _peers(rank: int, world: int) -> list[int]:
-    """The other ranks, starting after this one (at each position every rank talks to a different peer)."""
-    return [(rank + k) % world for k in range(1, world)]

@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 from distamp.distributed.comm_hooks import CommStats
-from distamp.distributed.direct_gather import DirectGather, sends_pairwise
+from distamp.distributed.direct_gather import DirectGather
 from distamp.distributed.flat_layout import FlatLayout, Piece
+from distamp.distributed.pairwise import on_gloo
 from distamp.distributed.wire_rounds import round_bytes
 
 __all__ = ["GATHER_BYTES", "GatherInFlight", "SliceAllGather"]
@@ -88,7 +89,7 @@ class SliceAllGather:
     def __init__(self, layout: FlatLayout, rank: int, group: dist.ProcessGroup | None, chunk_bytes: int,
                  pairwise: bool | None = None) -> None:
         self.layout = layout
-        self.pairwise = layout.world_size > 1 and (sends_pairwise(group) if pairwise is None else pairwise)
+        self.pairwise = layout.world_size > 1 and (on_gloo(group) if pairwise is None else pairwise)
         self.rank = rank
         self.group = group
         self.chunk_bytes = max(1, int(chunk_bytes))
