@@ -83,7 +83,8 @@ class SliceAllGather:
         chunk_bytes: at most this many bytes are received at a time (collective rounds).
         pairwise: send the slices as pairwise messages straight into the
             destinations (:class:`~distamp.distributed.direct_gather.DirectGather`)
-            instead of collective rounds; ``None``: on gloo.
+            instead of collective rounds; ``None``: on gloo. Only CPU
+            destinations go pairwise (gloo sends CPU tensors only).
     """
 
     def __init__(self, layout: FlatLayout, rank: int, group: dist.ProcessGroup | None, chunk_bytes: int,
@@ -138,7 +139,7 @@ class SliceAllGather:
                 with torch.no_grad():
                     torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs])
             return GatherInFlight(self, [], {}, mine, dest)
-        if self.pairwise:
+        if self.pairwise and all(dest(i).device.type == "cpu" for i in wanted):  # gloo sends CPU tensors only
             return DirectGather(self.layout, self.rank, self.group, mine, dest, wanted, self.stats)
         key = tuple((dtype, tuple(sorted(by_dtype[dtype]))) for dtype in sorted(by_dtype, key=str))
         rounds, last_round = self._schedules.get(key) or self._schedule(key)
