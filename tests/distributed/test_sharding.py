@@ -356,6 +356,29 @@ def test_overlap_param_gather_trains_bitwise_as_without_and_finishes_in_forward(
         assert seen[-1] == ("state_dict", True, True, True)
 
 
+def _three_ranks(rank, world):
+    out = {}
+    for stage in (1, 2):
+        for overlap in (False, True):
+            strategy = _strategy(stage, use_pure_fp16=True, dtype="bfloat16", overlap=overlap)
+            out[stage, overlap] = _run(rank, world, strategy, inject=True, clip=True)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_three_ranks_gather_every_slice_into_every_rank():
+    # 3 ranks: each rank sends its slice to two peers and receives two (gloo: pairwise messages, all posted at
+    # once); the 195 elements divide by nothing, so slices end inside parameters.
+    results = run_workers(_three_ranks, 3, timeout=280)
+    for rank, out in enumerate(results):
+        for stage in (1, 2):
+            for overlap in (False, True):
+                got = out[stage, overlap]
+                assert got["applied"] == [True, True, False, True, True]
+                assert torch.equal(got["params"], results[0][1, False]["params"]), (rank, stage, overlap)
+                assert torch.equal(got["fp32"], results[0][1, False]["fp32"]), (rank, stage, overlap)
+
+
 def _o2_sgd(stage, dtype, **amp):
     """``(model, wrapped model, optimizer)``: O2 SGD at ``stage``, the model and optimizer built by fleet."""
     from distamp import fleet
