@@ -48,6 +48,7 @@ parameters, most of what sharding saves.
 # all_gather_single is the non-deprecated name from torch 2.13 on.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
+
 @dataclass(frozen=True)
 class _Entry:
     """One piece in a rank's contribution to a gather: ``piece`` at ``position`` of the contribution."""
