@@ -29,7 +29,7 @@ from distamp.distributed.comm_hooks import CommStats
 from distamp.distributed.flat_layout import FlatLayout, Piece
 from distamp.distributed.pairwise import peers, receive, send
 
-__all__ = ["TAG_GATHER", "DirectGather"]
+__all__ = ["TAG_GATHER", "DirectGather", "write_own_slice"]
 
 TAG_GATHER = 0x5A2
 """Tag of the gather's messages (apart from any a user sends on the same group)."""
@@ -69,10 +69,7 @@ class DirectGather:
         """Write this rank's slice into its parameters, then post every receive and send."""
         slices = [[p for p in layout.pieces(*layout.range_of(r)) if p.param in members]
                   for r in range(layout.world_size)]
-        own = [(dest(p.param)[p.start : p.stop], mine[p.offset]) for p in slices[rank]]
-        own = [(target, value) for target, value in own if target.data_ptr() != value.data_ptr()]
-        if own:
-            torch._foreach_copy_([t for t, _ in own], [v for _, v in own])
+        write_own_slice(slices[rank], mine, dest, members)
         outgoing = _messages(slices[rank], dest)
         incoming = {peer: _messages(slices[peer], dest) for peer in peers(rank, layout.world_size)}
         for k in range(max([len(outgoing), *map(len, incoming.values())])):
@@ -82,9 +79,9 @@ class DirectGather:
                     self._receives.setdefault(param, []).append(receive(view, group, peer, TAG_GATHER))
                 if k < len(outgoing):
                     self._sends.append(send(outgoing[k][1], group, peer, TAG_GATHER))
-            if k < len(outgoing):  # counted as contributed (once), as the collective rounds count
-                stats.calls += 1
-                stats.bytes += outgoing[k][1].numel() * outgoing[k][1].element_size()
+        # Counted as contributed (each message once), as the collective rounds count.
+        stats.calls += len(outgoing)
+        stats.bytes += sum(view.numel() * view.element_size() for _, view in outgoing)
 
     @property
     def done(self) -> bool:
@@ -104,6 +101,20 @@ class DirectGather:
             sends, self._sends = self._sends, []
             for work in sends:
                 work.wait()
+
+
+def write_own_slice(pieces: Sequence[Piece], mine: dict[int, torch.Tensor], dest: Callable[[int], torch.Tensor],
+                    members: set[int]) -> None:
+    """Copy (and round) this rank's values of ``pieces`` of parameters ``members`` into their destinations.
+
+    ``mine`` holds the values by the flat offset of each piece; a value
+    that already is its destination (O1's slices are views of the model)
+    is not copied onto itself.
+    """
+    pairs = [(dest(p.param)[p.start : p.stop], mine[p.offset]) for p in pieces if p.param in members]
+    pairs = [(target, value) for target, value in pairs if target.data_ptr() != value.data_ptr()]
+    if pairs:
+        torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs])
 
 
 def _messages(pieces: Sequence[Piece], dest: Callable[[int], torch.Tensor]) -> list[tuple[int, torch.Tensor]]:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from distamp.distributed.comm_hooks import CommStats
-from distamp.distributed.direct_gather import DirectGather
+from distamp.distributed.direct_gather import DirectGather, write_own_slice
 from distamp.distributed.flat_layout import FlatLayout, Piece
 from distamp.distributed.pairwise import on_gloo
 from distamp.distributed.wire_rounds import round_bytes
@@ -129,18 +129,18 @@ class SliceAllGather:
         """
         wanted = range(len(self.layout.numels)) if params is None else params
         by_dtype: dict[torch.dtype, list[int]] = {}
+        on_cpu = True
         for i in wanted:
-            by_dtype.setdefault(dest(i).dtype, []).append(i)
+            target = dest(i)
+            by_dtype.setdefault(target.dtype, []).append(i)
+            on_cpu = on_cpu and target.device.type == "cpu"
         pieces = self.layout.pieces(*self.layout.range_of(self.rank))
         mine = {piece.offset: source.detach() for piece, source in zip(pieces, sources, strict=True)}
         if self.layout.world_size == 1:  # nothing to gather: copy (and round) in place, no buffers
-            members = set(wanted)
-            pairs = [(dest(p.param)[p.start : p.stop], mine[p.offset]) for p in pieces if p.param in members]
-            if pairs:
-                with torch.no_grad():
-                    torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs])
+            with torch.no_grad():
+                write_own_slice(pieces, mine, dest, set(wanted))
             return GatherInFlight(self, [], {}, mine, dest)
-        if self.pairwise and all(dest(i).device.type == "cpu" for i in wanted):  # gloo sends CPU tensors only
+        if self.pairwise and on_cpu:  # gloo sends CPU tensors only
             return DirectGather(self.layout, self.rank, self.group, mine, dest, wanted, self.stats)
         key = tuple((dtype, tuple(sorted(by_dtype[dtype]))) for dtype in sorted(by_dtype, key=str))
         rounds, last_round = self._schedules.get(key) or self._schedule(key)
