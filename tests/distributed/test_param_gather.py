@@ -60,14 +60,26 @@ def _worker(rank, world_size):
     gather.run(_sources(layout, rank, truth), dest.__getitem__)
     out["rounds"] = (dest, gather.stats.calls, gather.stats.bytes)
     wire_rounds.GLOO_ROUND_BYTES = 1 << 20
-    subset = [torch.full((n,), -1.0, dtype=d) for n, d in zip(NUMELS, DTYPES, strict=True)]
-    SliceAllGather(layout, rank, dist.group.WORLD, 1 << 20, pairwise=False).run(
-        _sources(layout, rank, truth), subset.__getitem__, params=[0, 4])
-    out["subset"] = subset
-    empty = SliceAllGather(layout, rank, dist.group.WORLD, 1 << 20, pairwise=False)
-    empty.run(_sources(layout, rank, truth), subset.__getitem__, params=[2])  # a class of empty parameters only
-    out["empty_calls"] = empty.stats.calls
+    out.update(_subsets(layout, rank, truth, pairwise=False))
     return out
+
+
+def _subsets(layout, rank, truth, pairwise):
+    """Gathers of some parameters only: two of them, and a class of empty parameters only."""
+    subset = [torch.full((n,), -1.0, dtype=d) for n, d in zip(NUMELS, DTYPES, strict=True)]
+    SliceAllGather(layout, rank, dist.group.WORLD, 1 << 20, pairwise=pairwise).run(
+        _sources(layout, rank, truth), subset.__getitem__, params=[0, 4])
+    empty = SliceAllGather(layout, rank, dist.group.WORLD, 1 << 20, pairwise=pairwise)
+    empty.run(_sources(layout, rank, truth), subset.__getitem__, params=[2])
+    return {"subset": subset, "empty_calls": empty.stats.calls}
+
+
+def _assert_subsets(got, truth):
+    assert got["empty_calls"] == 0
+    subset = got["subset"]
+    assert torch.equal(subset[0], truth[0].to(torch.bfloat16))
+    assert torch.equal(subset[4], truth[4])
+    assert all(torch.equal(subset[i], torch.full((NUMELS[i],), -1.0, dtype=DTYPES[i])) for i in (1, 2, 3))
 
 
 @pytest.mark.timeout(60)
@@ -96,11 +108,7 @@ def test_two_ranks_get_every_value_bitwise_in_its_wire_dtype():
             else:
                 # bf16: 4 bytes // (2 ranks * 2 bytes) = 1 element per round; fp32: max(1, 4 // 8) = 1
                 assert calls == longest[torch.bfloat16] + longest[torch.float32]
-        assert got["empty_calls"] == 0
-        subset = got["subset"]
-        assert torch.equal(subset[0], truth[0].to(torch.bfloat16))
-        assert torch.equal(subset[4], truth[4])
-        assert all(torch.equal(subset[i], torch.full((NUMELS[i],), -1.0, dtype=DTYPES[i])) for i in (1, 2, 3))
+        _assert_subsets(got, truth)
 
 
 def _pairwise_worker(rank, world_size):
@@ -119,13 +127,7 @@ def _pairwise_worker(rank, world_size):
     running.finish()
     out["all"] = (dest, running.done, gather.stats.calls, gather.stats.bytes)
     wire_rounds.GLOO_ROUND_BYTES = 1 << 20
-    subset = [torch.full((n,), -1.0, dtype=d) for n, d in zip(NUMELS, DTYPES, strict=True)]
-    SliceAllGather(layout, rank, dist.group.WORLD, 1 << 20).run(_sources(layout, rank, truth), subset.__getitem__,
-                                                                params=[0, 4])
-    out["subset"] = subset
-    empty = SliceAllGather(layout, rank, dist.group.WORLD, 1 << 20)
-    empty.run(_sources(layout, rank, truth), subset.__getitem__, params=[2])
-    out["empty_calls"] = empty.stats.calls
+    out.update(_subsets(layout, rank, truth, pairwise=None))  # None: gloo's default, pairwise
     return out
 
 
@@ -147,8 +149,4 @@ def test_pairwise_messages_write_every_value_bitwise_into_the_destinations(world
         pieces = layout.pieces(*layout.range_of(rank))
         assert calls == sum(-(-p.length // (2 if DTYPES[p.param] == torch.bfloat16 else 1)) for p in pieces)
         assert sent == sum(p.length * (2 if DTYPES[p.param] == torch.bfloat16 else 4) for p in pieces)
-        assert got["empty_calls"] == 0
-        subset = got["subset"]
-        assert torch.equal(subset[0], truth[0].to(torch.bfloat16))
-        assert torch.equal(subset[4], truth[4])
-        assert all(torch.equal(subset[i], torch.full((NUMELS[i],), -1.0, dtype=DTYPES[i])) for i in (1, 2, 3))
+        _assert_subsets(got, truth)
