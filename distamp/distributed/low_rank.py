@@ -8,11 +8,12 @@ Everything here works in FP32, whatever the gradients' dtype, but for
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
 
-__all__ = ["effective_rank", "matrix_shape", "orthogonalize_", "product_to_bf16_", "start_q"]
+__all__ = ["effective_rank", "is_power_of_two", "matrix_shape", "orthogonalize_", "product_to_bf16_", "start_q"]
 
 
 def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int] | None:
@@ -29,6 +30,12 @@ def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int] | None:
 def effective_rank(rows: int, cols: int, rank: int) -> int:
     """The rank actually used: a matrix has no more than ``min(rows, cols)`` independent directions."""
     return max(1, min(rows, cols, rank))
+
+
+def is_power_of_two(value: float) -> bool:
+    """True for 2**k: dividing by it is multiplying by its reciprocal, bit for bit."""
+    mantissa, _ = math.frexp(value)
+    return value > 0 and mantissa == 0.5
 
 
 def orthogonalize_(matrix: torch.Tensor) -> torch.Tensor:

@@ -30,12 +30,17 @@ orthogonalise, ``Q = M^T P``, all-reduce Q (mean), ``approx = P Q^T``,
 gradients (biases, norms) are all-reduced in the wire dtype as
 :class:`~distamp.distributed.comm_hooks.LowPrecisionAllReduce` does, as is
 everything during the first ``start_step`` applied steps.
+
+On CPU the matrix work runs in compiled kernels
+(:mod:`distamp.distributed.low_rank_kernels`: three passes over each
+gradient instead of about eight with torch ops), when every rank could
+build them; elsewhere, and on GPUs, in torch ops. The two round the
+products differently, so the ranks agree on one when the hook is built.
 """
 
 # No ``from __future__ import annotations``: DDP reads the hook's annotations
 # at registration and refuses a string where it expects dist.GradBucket.
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -43,8 +48,17 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from distamp.distributed import low_rank_kernels
 from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
-from distamp.distributed.low_rank import effective_rank, matrix_shape, orthogonalize_, product_to_bf16_, start_q
+from distamp.distributed.low_rank import (
+    effective_rank,
+    is_power_of_two,
+    matrix_shape,
+    orthogonalize_,
+    product_to_bf16_,
+    start_q,
+)
+from distamp.distributed.low_rank_kernels import LowRankKernels
 from distamp.strategy import PowerSGDConfig
 from distamp.user_warning import warn_user
 
@@ -109,9 +123,12 @@ class PowerSGD:
         device: where the gradients (and so the state) live.
 
     Cost: per compressed gradient an FP32 copy (the error) plus its tentative
-    successor (and an FP32 work matrix for FP32 and FP16 gradients; BF16 ones
-    are written straight from the factors), and two extra small all-reduces
-    per bucket, issued from the backward thread in the same order on every rank.
+    successor (and an FP32 work matrix for FP16 gradients, and for FP32 ones
+    on torch ops; BF16 ones are written straight from the factors), and two
+    extra small all-reduces per bucket, issued from the backward thread in the
+    same order on every rank. Building it on CPU is collective (the ranks agree
+    on the CPU kernels); the first build of the kernels on a host takes about
+    a second.
     """
 
     def __init__(
@@ -152,6 +169,7 @@ class PowerSGD:
         self._bound = False
         self._sent = self._dense_equivalent = 0
         self._report: tuple[int | None, float | None] = (None, None)
+        self.kernels = _agreed_kernels(self.device, process_group, self.rank)
 
     # -- wiring -------------------------------------------------------------------
 
@@ -293,12 +311,19 @@ class PowerSGD:
         # P is orthogonalised next, so its sum need not be divided by the world size.
         _all_reduce_each([x.p for x in matrices], self.process_group)
         for x in matrices:
-            orthogonalize_(x.p)
-            x.qt = torch.matmul(x.p.t(), x.m)
+            if self.kernels is None:
+                orthogonalize_(x.p)
+                x.qt = torch.matmul(x.p.t(), x.m)
+            else:
+                self.kernels.orthogonalize_columns_(x.p)
+                x.qt = torch.empty_like(x.qt)
+                self.kernels.project(x.m, x.p, x.qt)
         _all_reduce_each([x.qt for x in matrices], self.process_group)
         for x in matrices:
             x.qt.div_(self.world_size)
-            if x.grad.dtype == torch.bfloat16:
+            if self.kernels is not None:
+                new_error = self._write_fused(self.kernels, x, scale, cfg.error_feedback)
+            elif x.grad.dtype == torch.bfloat16:
                 new_error = self._write_bf16(x, scale, cfg.error_feedback)
             else:
                 new_error = self._write_exact(x, scale, cfg.error_feedback)
@@ -307,14 +332,21 @@ class PowerSGD:
     def _start(self, name: str, grad: torch.Tensor, rows: int, cols: int, scale: float) -> _Matrix:
         """``M = grad / scale + error`` (FP32) and this rank's ``P = M Q`` for one gradient."""
         cfg = self.config
-        r = effective_rank(rows, cols, cfg.rank)
         # M lives in a buffer kept between steps (a fresh 4 bytes per element each step costs more in page
         # faults on CPU than the whole low-rank product).
         m = self._buffer(self._spare, name, rows, cols, grad.device, avoid=self.error.get(name))
         error = self.error.get(name) if cfg.error_feedback else None
+        qt_old = self._start_qt(name, rows, cols, grad.device)
+        if self.kernels is not None:
+            p = torch.empty(rows, qt_old.shape[0], dtype=torch.float32, device=grad.device)
+            matrix = grad.view(rows, cols)
+            if matrix.dtype == torch.float16:
+                matrix = m.copy_(matrix)
+            self.kernels.start(matrix, error, m, qt_old, p, scale)
+            return _Matrix(name, grad, m, p, qt_old)
         # The widening copy and an FP32 add are faster on CPU than one add of mixed dtypes.
         m.copy_(grad.view(rows, cols))
-        if error is not None and _is_power_of_two(scale):
+        if error is not None and is_power_of_two(scale):
             # Multiplying by 1/scale is exact for a power of two: the same bits as m / scale + error.
             torch.add(error, m, alpha=1.0 / scale, out=m)
         else:
@@ -322,16 +354,34 @@ class PowerSGD:
                 m.div_(scale)
             if error is not None:
                 m.add_(error)
-        # Q is kept transposed (rank x cols): Q^T = P^T M is a fast product, M^T P a slow one.
-        qt_old = self.q.get(name) if cfg.warm_start else None
-        if qt_old is None or qt_old.shape != (r, cols):
-            qt_old = start_q(name, cols, r, self.applied_steps, grad.device).t()
-        else:
-            qt_old = orthogonalize_(qt_old.clone().t()).t()
         # The products read tensors of their own, never views at a packing offset: BLAS kernels may round
         # differently at other alignments, and the packing follows DDP's buckets, which are rebuilt after a
         # job's first iteration (a resumed run would then drift).
-        return _Matrix(name, grad, m, torch.matmul(m, qt_old.t()), qt_old)
+        return _Matrix(name, grad, m, torch.matmul(m, qt_old.t().contiguous()), qt_old)
+
+    def _start_qt(self, name: str, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+        """This step's Q^T (``rank x cols``, contiguous): the last applied step's, orthogonalised, or a fresh one."""
+        r = effective_rank(rows, cols, self.config.rank)
+        # Q is kept transposed (rank x cols): Q^T = P^T M is a fast product, M^T P a slow one.
+        qt = self.q.get(name) if self.config.warm_start else None
+        if qt is None or qt.shape != (r, cols):
+            return start_q(name, cols, r, self.applied_steps, device).t().contiguous()
+        if self.kernels is not None:
+            return self.kernels.orthogonalize_rows_(qt.clone())
+        return orthogonalize_(qt.t().contiguous()).t().contiguous()
+
+    def _write_fused(self, kernels: LowRankKernels, x: _Matrix, scale: float,
+                     error_feedback: bool) -> torch.Tensor | None:
+        """:meth:`_write_exact` in one pass with the CPU kernels (FP16 gradients through an FP32 buffer)."""
+        error = x.m if error_feedback else None
+        rows, cols = x.m.shape
+        if x.grad.dtype == torch.float16:
+            approx = self._buffer(self._scratch, x.name, rows, cols, x.m.device)
+            kernels.finish(approx, error, x.p, x.qt, scale)
+            x.grad.copy_(approx.view_as(x.grad))
+        else:
+            kernels.finish(x.grad.view(rows, cols), error, x.p, x.qt, scale)
+        return error
 
     def _write_exact(self, x: _Matrix, scale: float, error_feedback: bool) -> torch.Tensor | None:
         """Write ``scale * P Q^T`` into the (FP32 or FP16) gradient; return ``M - P Q^T`` (in ``x.m``) or None."""
@@ -368,6 +418,29 @@ class PowerSGD:
         return buffer
 
 
+def _agreed_kernels(device: torch.device, group: dist.ProcessGroup | None, rank: int) -> LowRankKernels | None:
+    """The CPU kernels if every rank of ``group`` has them, else None (collective on CPU).
+
+    The ranks must agree: the kernels and torch ops round the products
+    differently, and each rank writes its own copy of the mean gradient.
+    """
+    if device.type != "cpu":
+        return None
+    found = low_rank_kernels.load()
+    everywhere = torch.tensor([0 if isinstance(found, str) else 1], dtype=torch.int32)
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
+    if isinstance(found, LowRankKernels):
+        if everywhere.item():
+            logger.info("PowerSGD uses the CPU kernels in %s", found.path)
+            return found
+        logger.info("PowerSGD uses torch ops: another rank has no CPU kernels")
+    elif found != f"{low_rank_kernels.KERNELS_ENV}=torch":
+        warn_user(f"PowerSGD's CPU kernels are not available on rank {rank} ({found}); every rank uses torch "
+                  "ops instead: the same algorithm, about 1.5x the hook's time. Set "
+                  f"{low_rank_kernels.KERNELS_ENV}=torch to choose that without this warning")
+    return None
+
+
 def _all_reduce_each(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
     """Sum each tensor over the group with one all-reduce of their concatenation (synchronous)."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -376,11 +449,6 @@ def _all_reduce_each(tensors: list[torch.Tensor], group: dist.ProcessGroup | Non
     for t in tensors:
         t.copy_(flat[at : at + t.numel()].view_as(t))
         at += t.numel()
-
-
-def _is_power_of_two(value: float) -> bool:
-    mantissa, _ = math.frexp(value)
-    return value > 0 and mantissa == 0.5
 
 
 def _size(dtype: torch.dtype) -> int:

@@ -18,6 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from distamp.distributed.low_rank import effective_rank, matrix_shape, orthogonalize_, product_to_bf16_, start_q
+from distamp.distributed.low_rank_kernels import KERNELS_ENV
+from tests.distributed.test_low_rank_kernels import (
+    reference_orthogonalize,
+    reference_product,
+    reference_project,
+    reference_start,
+)
 from tests.multiprocess import run_workers
 
 pytestmark = pytest.mark.timeout(120)
@@ -170,8 +177,15 @@ def test_the_bf16_write_keeps_the_error_bitwise_m_minus_pq():
 # ----------------------------------------------------------------------------- the math against a reference
 
 
-def _math_worker(rank, world_size, low_rank, batch=8):
-    """FP32 (amp off): one Linear, compressed from step 1; compare with PowerSGD done by hand on gathered grads."""
+def _math_worker(rank, world_size, low_rank, kernels, batch=8):
+    """FP32 (amp off): one Linear, compressed from step 1; compare with PowerSGD done by hand on gathered grads.
+
+    ``kernels``: "auto" (the compiled CPU passes, compared with their stated
+    order of operations) or "torch" (torch ops, compared with torch's products).
+    """
+    import os
+
+    os.environ[KERNELS_ENV] = kernels
     torch.manual_seed(0)
     model = nn.Linear(16, 12)
     reference = nn.Linear(16, 12)
@@ -189,13 +203,20 @@ def _math_worker(rank, world_size, low_rank, batch=8):
     ms = _gather(local_w.contiguous())
     r = effective_rank(12, 16, low_rank)
     q0 = start_q("weight", 16, r, seed=0, device=torch.device("cpu"))
-    p = sum(m @ q0 for m in ms)
-    p_hat = orthogonalize_(p)
-    qt = sum(p_hat.t() @ m for m in ms) / world_size  # Q^T = P^T M, the layout the hook keeps
-    approx = p_hat @ qt
+    if kernels == "torch":
+        p = sum(m @ q0 for m in ms)
+        p_hat = orthogonalize_(p)
+        qt = sum(p_hat.t() @ m for m in ms) / world_size  # Q^T = P^T M, the layout the hook keeps
+        approx = p_hat @ qt
+    else:
+        p = sum(reference_start(m, None, q0.t(), 1.0)[1] for m in ms)
+        p_hat = reference_orthogonalize(list(p.t())).t()
+        qt = sum(reference_project(m, p_hat) for m in ms) / world_size
+        approx = reference_product(p_hat, qt)
     bias = sum(b / world_size for b in _gather(local_b.contiguous()))
     compressor = opt.policy.compressor
     return {
+        "kernels": compressor.kernels is not None,
         "weight_exact": torch.equal(reduced_w, approx),
         "bias_exact": torch.equal(reduced_b, bias),
         "error_exact": torch.equal(compressor.error["weight"], local_w - approx),
@@ -205,9 +226,11 @@ def _math_worker(rank, world_size, low_rank, batch=8):
     }
 
 
-def test_compressed_gradient_is_powersgd_of_the_rank_gradients():
-    out = run_workers(_math_worker, 2, 2, timeout=100)
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_compressed_gradient_is_powersgd_of_the_rank_gradients(kernels):
+    out = run_workers(_math_worker, 2, 2, kernels, timeout=100)
     for result in out:
+        assert result["kernels"] == (kernels == "auto")
         assert result["weight_exact"]
         assert result["bias_exact"]
         assert result["error_exact"]
@@ -218,10 +241,11 @@ def test_compressed_gradient_is_powersgd_of_the_rank_gradients():
         assert result["stats"]["compression_rate"] == pytest.approx((12 * 16 + 12) / (2 * 28 + 12))
 
 
-def test_a_gradient_of_rank_at_most_rank_is_reproduced():
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_a_gradient_of_rank_at_most_rank_is_reproduced(kernels):
     # One example per rank: each weight gradient is an outer product, their mean has rank <= 2, so a
     # rank-2 P spans its column space and P P^T M = M up to rounding.
-    out = run_workers(_math_worker, 2, 2, 1, timeout=100)
+    out = run_workers(_math_worker, 2, 2, kernels, 1, timeout=100)
     for result in out:
         assert result["weight_exact"]
         assert result["q_exact"]
@@ -244,7 +268,10 @@ def _poison(model, rank, step_box):
     model[0].weight.register_hook(hook)
 
 
-def _inf_worker(rank, world_size, dtype, o2, steps=8):
+def _inf_worker(rank, world_size, dtype, o2, kernels, steps=8):
+    import os
+
+    os.environ[KERNELS_ENV] = kernels
     strategy = _strategy(dtype=dtype, o2=o2)
     model, wrapped, opt = _build(strategy)
     step_box = [0]
@@ -262,9 +289,11 @@ def _inf_worker(rank, world_size, dtype, o2, steps=8):
             "compressed": bool(states[-1]["error"]), "last_overflow": opt.stats()["last_overflow"]}
 
 
-@pytest.mark.parametrize(("dtype", "o2"), [("float16", False), ("float16", True), ("bfloat16", True)])
-def test_an_inf_on_one_rank_skips_that_step_only(dtype, o2):
-    out = run_workers(_inf_worker, 2, dtype, o2, timeout=100)
+@pytest.mark.parametrize(("dtype", "o2", "kernels"), [("float16", False, "auto"), ("float16", True, "auto"),
+                                                     ("bfloat16", True, "auto"), ("float16", False, "torch"),
+                                                     ("bfloat16", True, "torch")])
+def test_an_inf_on_one_rank_skips_that_step_only(dtype, o2, kernels):
+    out = run_workers(_inf_worker, 2, dtype, o2, kernels, timeout=100)
     expected = [step != INF_STEP for step in range(1, 9)]
     for result in out:
         assert result["applied"] == expected
@@ -497,3 +526,28 @@ def test_check_nan_inf_sees_no_false_alarm_from_compression():
         assert applied == [True] * 3
         assert torch.isfinite(params).all()
     assert torch.equal(out[0][1], out[1][1])
+
+
+# ----------------------------------------------------------------------------- the CPU kernels, agreed by every rank
+
+
+def _agreement_worker(rank, world_size):
+    import os
+
+    os.environ[KERNELS_ENV] = "torch" if rank == 1 else "auto"
+    strategy = _strategy(dtype="bfloat16", o2=True, start_step=1)
+    model, wrapped, opt = _build(strategy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        applied = [_train_step(wrapped, opt, *_batch(rank, step)) for step in range(1, 4)]
+    return opt.policy.compressor.kernels is None, applied, _flat(model), [str(w.message) for w in caught]
+
+
+def test_a_rank_without_the_kernels_makes_every_rank_use_torch_ops():
+    # The two paths round the products differently: a mix would give the ranks different mean gradients.
+    out = run_workers(_agreement_worker, 2, timeout=100)
+    for torch_ops, applied, _, messages in out:
+        assert torch_ops
+        assert applied == [True] * 3
+        assert not [m for m in messages if "kernels" in m]  # asked for on rank 1: nothing to warn about
+    assert torch.equal(out[0][2], out[1][2])

@@ -1,0 +1,227 @@
+"""PowerSGD's compiled CPU passes, bit for bit against the order of operations their source states.
+
+The references below spell that order out with torch's elementwise FP32
+ops (each op one IEEE rounding, no fused multiply-add), so every kernel
+result must be bitwise equal to them, on any host and for any split over
+threads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from distamp.distributed import low_rank_kernels
+from distamp.distributed.low_rank_kernels import LowRankKernels
+
+
+@pytest.fixture(scope="module")
+def kernels() -> LowRankKernels:
+    found = low_rank_kernels.load()
+    if isinstance(found, str):
+        pytest.fail(f"the kernels must build where the tests run (cc is in the CI image): {found}")
+    return found
+
+
+def reference_start(g: torch.Tensor, e: torch.Tensor | None, qt: torch.Tensor, scale: float):
+    """``M = G / scale + E``; ``P[i, k]``: 16 lane sums in column order, summed lane by lane, then the tail."""
+    m = g.float() / scale
+    if e is not None:
+        m = m + e
+    rows, cols = m.shape
+    body = cols - cols % 16
+    p = torch.empty(rows, qt.shape[0])
+    for k in range(qt.shape[0]):
+        products = m * qt[k]
+        lanes = torch.zeros(rows, 16)
+        for j in range(0, body, 16):
+            lanes = lanes + products[:, j : j + 16]
+        total = torch.zeros(rows)
+        for lane in range(16):
+            total = total + lanes[:, lane]
+        for j in range(body, cols):
+            total = total + products[:, j]
+        p[:, k] = total
+    return m, p
+
+
+def reference_project(m: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``Q^T = P^T M`` summed row by row from zero."""
+    qt = torch.zeros(p.shape[1], m.shape[1])
+    for i in range(m.shape[0]):
+        qt = qt + p[i][:, None] * m[i][None, :]
+    return qt
+
+
+def reference_product(p: torch.Tensor, qt: torch.Tensor) -> torch.Tensor:
+    """``P Q^T`` summed over the rank in order, from the first term."""
+    a = p[:, :1] * qt[:1]
+    for k in range(1, p.shape[1]):
+        a = a + p[:, k : k + 1] * qt[k : k + 1]
+    return a
+
+
+def reference_orthogonalize(vectors: list[torch.Tensor]) -> torch.Tensor:
+    """Gram-Schmidt on FP32 vectors: norms and dots summed in double in order, rounded once, FP32 updates."""
+    vectors = [v.clone() for v in vectors]
+    for i, v in enumerate(vectors):
+        squares = 0.0
+        for value in v.double().tolist():
+            squares += value * value
+        norm = torch.tensor(math.sqrt(squares), dtype=torch.float32)
+        if norm > 0:
+            v = vectors[i] = v / norm
+        for c in range(i + 1, len(vectors)):
+            dot = 0.0
+            for a, b in zip(v.double().tolist(), vectors[c].double().tolist(), strict=True):
+                dot += a * b
+            vectors[c] = vectors[c] - torch.tensor(dot, dtype=torch.float32) * v
+    return torch.stack(vectors)
+
+
+SHAPES = [(37, 53, 3), (40, 96, 6), (5, 7, 1), (64, 48, 4), (3, 200, 9), (16, 16, 5)]
+
+
+@pytest.mark.parametrize(("rows", "cols", "rank"), SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("scale", [1.0, 1024.0, 3.0])
+def test_each_pass_is_bitwise_its_stated_order_of_operations(kernels, rows, cols, rank, dtype, scale):
+    gen = torch.Generator().manual_seed(rows * cols + rank)
+    g = torch.randn(rows, cols, generator=gen).to(dtype) * scale
+    e = torch.randn(rows, cols, generator=gen) * 1e-2
+    qt = torch.randn(rank, cols, generator=gen)
+    for error in (e, None):
+        m, p = torch.empty(rows, cols), torch.empty(rows, rank)
+        kernels.start(g, error, m, qt, p, scale)
+        m_ref, p_ref = reference_start(g, error, qt, scale)
+        assert torch.equal(m, m_ref)
+        assert torch.equal(p, p_ref)
+    q_new = torch.empty(rank, cols)
+    kernels.project(m, p, q_new)
+    assert torch.equal(q_new, reference_project(m, p))
+    out, m_after = torch.empty(rows, cols, dtype=dtype), m.clone()
+    kernels.finish(out, m_after, p, q_new, scale)
+    approx = reference_product(p, q_new)
+    assert torch.equal(out, (approx * scale).to(dtype))  # torch's own rounding to BF16
+    assert torch.equal(m_after, m - approx)
+    kept = m.clone()
+    kernels.finish(out, None, p, q_new, scale)
+    assert torch.equal(m, kept)
+
+
+@pytest.mark.parametrize(("length", "count"), [(50, 4), (7, 1), (33, 6)])
+def test_gram_schmidt_is_bitwise_its_stated_order_and_matches_torch_ops(kernels, length, count):
+    from distamp.distributed.low_rank import orthogonalize_
+
+    a = torch.randn(length, count, generator=torch.Generator().manual_seed(length))
+    columns = kernels.orthogonalize_columns_(a.clone())
+    assert torch.equal(columns, reference_orthogonalize(list(a.t())).t())
+    rows = kernels.orthogonalize_rows_(a.t().contiguous())
+    assert torch.equal(rows, columns.t())
+    torch.testing.assert_close(columns, orthogonalize_(a.clone()), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(columns.t() @ columns, torch.eye(count), rtol=0, atol=1e-5)
+
+
+def test_gram_schmidt_keeps_a_zero_column_zero_and_non_finite_non_finite(kernels):
+    a = torch.randn(10, 3, generator=torch.Generator().manual_seed(1))
+    a[:, 1] = 0
+    out = kernels.orthogonalize_columns_(a.clone())
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[:, 1], torch.zeros(10))
+    assert torch.equal(kernels.orthogonalize_columns_(torch.zeros(6, 2)), torch.zeros(6, 2))
+    a[3, 0] = float("inf")
+    assert not torch.isfinite(kernels.orthogonalize_columns_(a.clone())).all()
+
+
+def test_an_fp32_gradient_may_be_m_itself(kernels):
+    gen = torch.Generator().manual_seed(7)
+    m, e, qt = torch.randn(33, 70, generator=gen), torch.randn(33, 70, generator=gen), torch.randn(2, 70, generator=gen)
+    expected_m, expected_p = reference_start(m, e, qt, 8.0)
+    p = torch.empty(33, 2)
+    kernels.start(m, e, m, qt, p, 8.0)
+    assert torch.equal(m, expected_m)
+    assert torch.equal(p, expected_p)
+
+
+def test_the_bits_do_not_depend_on_the_threads(kernels, monkeypatch):
+    gen = torch.Generator().manual_seed(8)
+    rows, cols, rank = 301, 517, 4
+    g = torch.randn(rows, cols, generator=gen).bfloat16()
+    e, qt = torch.randn(rows, cols, generator=gen), torch.randn(rank, cols, generator=gen)
+
+    def run():
+        m, p, q, out = torch.empty(rows, cols), torch.empty(rows, rank), torch.empty(rank, cols), torch.empty_like(g)
+        kernels.start(g, e, m, qt, p, 512.0)
+        kernels.project(m, p, q)
+        kernels.finish(out, m, p, q, 512.0)
+        return m, p, q, out
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        monkeypatch.setattr(low_rank_kernels, "MIN_ELEMENTS_PER_THREAD", 1000)
+        torch.set_num_threads(3)
+        three = run()
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, three, strict=True))
+
+
+def test_inf_and_nan_propagate_and_round_as_torch_rounds(kernels):
+    g = torch.ones(4, 32, dtype=torch.bfloat16)
+    g[1, 3] = float("inf")
+    g[2, 20] = float("nan")
+    m, p = torch.empty(4, 32), torch.empty(4, 1)
+    kernels.start(g, None, m, torch.ones(1, 32), p, 2.0)
+    assert torch.isinf(m[1, 3])
+    assert torch.isnan(m[2, 20])
+    assert torch.isinf(p[1, 0])
+    assert torch.isnan(p[2, 0])
+    assert torch.equal(p[[0, 3]], torch.full((2, 1), 16.0))
+    out = torch.empty(4, 32, dtype=torch.bfloat16)
+    kernels.finish(out, None, p, torch.ones(1, 32), 1.0)
+    expected = p.expand(4, 32).to(torch.bfloat16)
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))  # NaN bits included
+
+
+def test_wrong_arguments_name_what_is_wrong(kernels):
+    m, p, qt = torch.empty(4, 8), torch.empty(4, 2), torch.empty(2, 8)
+    with pytest.raises(ValueError, match=r"argument grad.*float16"):
+        kernels.start(torch.empty(4, 8, dtype=torch.float16), None, m, qt, p, 1.0)
+    with pytest.raises(ValueError, match=r"argument qt.*not contiguous"):
+        kernels.start(m, None, m, torch.empty(8, 2).t(), p, 1.0)
+    with pytest.raises(ValueError, match=r"argument p: expected .*\(4, 2\)"):
+        kernels.project(m, torch.empty(3, 2), qt)
+
+
+def test_the_build_reports_why_it_has_no_kernels(monkeypatch, tmp_path):
+    monkeypatch.setattr(low_rank_kernels, "_loaded", {})
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    found = low_rank_kernels.load()
+    assert isinstance(found, str)
+    assert "no C compiler" in found
+    assert "no-such-cc" in found
+    monkeypatch.setattr(low_rank_kernels, "_loaded", {})
+    monkeypatch.setenv(low_rank_kernels.KERNELS_ENV, "torch")
+    assert low_rank_kernels.load() == "DISTAMP_POWERSGD_KERNELS=torch"
+    monkeypatch.setenv(low_rank_kernels.KERNELS_ENV, "fast")
+    with pytest.raises(ValueError, match="DISTAMP_POWERSGD_KERNELS='fast' is not a choice; use one of auto, torch"):
+        low_rank_kernels.load()
+
+
+def test_a_build_goes_to_the_cache_dir_and_is_reused(monkeypatch, tmp_path):
+    monkeypatch.setattr(low_rank_kernels, "_loaded", {})
+    monkeypatch.setenv("DISTAMP_CACHE_DIR", str(tmp_path))
+    found = low_rank_kernels.load()
+    assert isinstance(found, LowRankKernels)
+    assert found.path.parent == tmp_path
+    assert [p.name for p in tmp_path.iterdir()] == [found.path.name]  # no temporary left behind
+    monkeypatch.setattr(low_rank_kernels, "_loaded", {})
+    built = found.path.stat().st_mtime_ns
+    again = low_rank_kernels.load()
+    assert isinstance(again, LowRankKernels)
+    assert again.path == found.path
+    assert found.path.stat().st_mtime_ns == built
