@@ -1,11 +1,12 @@
 """PowerSGD's CPU passes as compiled C: build once per host, load with ctypes, split rows over threads.
 
 On CPU the hook's time goes to memory traffic: with torch ops, widening a
-BF16 gradient, dividing by the loss scale, adding the FP32 error and ``M Q``
-read and write the matrix four times, and the write-back and error update
-two more. ``low_rank_kernels.c`` does each of the three passes in one sweep
-(see its header for the exact order of operations; the bits do not depend on
-the host's vector width or on the number of threads).
+BF16 gradient, adding the FP32 error (divided by the loss scale) and ``M Q``
+are three sweeps over the matrix, ``P^T M``, the write-back and the error
+update three more, and the thin products run below memory speed.
+``low_rank_kernels.c`` does the work in three sweeps (see its header for the
+exact order of operations; the bits do not depend on the host's vector
+width or on the number of threads).
 
 The library is compiled at first use with the system C compiler (``$CC``,
 else ``cc``) into ``$DISTAMP_CACHE_DIR`` (default
@@ -116,7 +117,6 @@ class LowRankKernels:
         args = (int(out.dtype == torch.bfloat16), out.data_ptr(), 0 if m is None else m.data_ptr(),
                 p.data_ptr(), qt.data_ptr())
         _split(rows, cols, lambda r0, r1: self._finish(*args, r0, r1, cols, rank, scale))
-
 
     def orthogonalize_columns_(self, matrix: torch.Tensor) -> torch.Tensor:
         """Gram-Schmidt on the columns of an FP32 ``rows x rank`` matrix (P) in place; returns it.

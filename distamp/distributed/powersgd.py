@@ -33,7 +33,7 @@ everything during the first ``start_step`` applied steps.
 
 On CPU the matrix work runs in compiled kernels
 (:mod:`distamp.distributed.low_rank_kernels`: three passes over each
-gradient instead of about eight with torch ops), when every rank could
+gradient instead of six with torch ops), when every rank could
 build them; elsewhere, and on GPUs, in torch ops. The two round the
 products differently, so the ranks agree on one when the hook is built.
 """
