@@ -144,6 +144,30 @@ def test_gram_schmidt_keeps_a_zero_column_zero_and_non_finite_non_finite(kernels
     assert not torch.isfinite(kernels.orthogonalize_columns_(a.clone())).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_gradient_at_any_offset_in_a_bucket_gets_the_same_bits(kernels, dtype):
+    gen = torch.Generator().manual_seed(9)
+    rows, cols, rank = 24, 64, 3
+    g, e = torch.randn(rows, cols, generator=gen).to(dtype), torch.randn(rows, cols, generator=gen)
+    qt = torch.randn(rank, cols, generator=gen)
+    m, p = torch.empty(rows, cols), torch.empty(rows, rank)
+    kernels.start(g, e, m, qt, p, 4.0)
+    out = torch.empty(rows, cols, dtype=dtype)
+    kernels.finish(out, m.clone(), p, qt, 4.0)
+    for offset in (1, 3, 8):
+        bucket = torch.zeros(offset + rows * cols + 5, dtype=dtype)
+        view = bucket[offset : offset + rows * cols].view(rows, cols)
+        view.copy_(g)
+        m_view, p_view = torch.empty(rows, cols), torch.empty(rows, rank)
+        kernels.start(view, e, m_view, qt, p_view, 4.0)
+        assert torch.equal(m_view, m)
+        assert torch.equal(p_view, p)
+        kernels.finish(view, m_view, p, qt, 4.0)
+        assert torch.equal(view, out)
+        assert not bucket[:offset].any()
+        assert not bucket[offset + rows * cols :].any()  # nothing written outside the gradient
+
+
 def test_an_fp32_gradient_may_be_m_itself(kernels):
     gen = torch.Generator().manual_seed(7)
     m, e, qt = torch.randn(33, 70, generator=gen), torch.randn(33, 70, generator=gen), torch.randn(2, 70, generator=gen)
