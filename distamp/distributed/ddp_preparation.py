@@ -152,6 +152,11 @@ class DDPPreparation:
             gradient_as_bucket_view=True,
             **self.ddp_kwargs,
         )
+        # torch.compile's DDPOptimizer cuts the forward graph every ddp.bucket_bytes_cap bytes and asserts that
+        # torch's default first bucket (1 MiB) is no larger, although DDP given a cap uses that cap for its
+        # first bucket too: below 1 MiB compiling would fail (torch-native DDP fails alike). The reducer's
+        # buckets were fixed above; this value only sets where the compiled graph is cut.
+        ddp.bucket_bytes_cap = max(ddp.bucket_bytes_cap, dist._DEFAULT_FIRST_BUCKET_BYTES)
         # Before the reducer (perhaps the process group's last owner) is freed, let gloo's threads
         # release the comm hook's Python continuations: see wait_for_comm_threads.
         weakref.finalize(ddp, wait_for_comm_threads)
