@@ -9,7 +9,7 @@ exact order of operations; the bits do not depend on the host's vector
 width or on the number of threads).
 
 The library is compiled at first use with the system C compiler (``$CC``,
-else ``cc``) into ``$DISTAMP_CACHE_DIR`` (default
+else ``cc``, ``gcc`` or ``clang``) into ``$DISTAMP_CACHE_DIR`` (default
 ``$XDG_CACHE_HOME/distamp`` or ``~/.cache/distamp``; where that cannot be
 written, the temp directory), under a name hashed
 from the source, the compiler, its flags and this CPU's feature flags, so
@@ -38,11 +38,12 @@ import torch
 
 from distamp.distributed.low_rank import is_power_of_two
 
-__all__ = ["KERNELS_ENV", "LowRankKernels", "load"]
+__all__ = ["KERNELS_ENV", "LowRankKernels", "find_compiler", "load"]
 
 KERNELS_ENV = "DISTAMP_POWERSGD_KERNELS"
 KERNEL_CHOICES = ("auto", "torch")
 SOURCE = Path(__file__).with_name("low_rank_kernels.c")
+COMPILERS = ("cc", "gcc", "clang")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11")
 # Below this many elements a matrix is one task: a thread hand-off costs more than it saves.
 MIN_ELEMENTS_PER_THREAD = 1 << 17
@@ -156,10 +157,18 @@ def load() -> LowRankKernels | str:
         return _loaded["kernels"]
 
 
+def find_compiler() -> str | None:
+    """``$CC`` if set (None if it is not on PATH), else the first of ``cc``, ``gcc``, ``clang`` on PATH."""
+    if os.environ.get("CC"):
+        return os.environ["CC"] if shutil.which(os.environ["CC"]) else None
+    return next((name for name in COMPILERS if shutil.which(name)), None)
+
+
 def _build_and_load() -> LowRankKernels | str:
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        return f"no C compiler {compiler!r} on PATH (set CC to one)"
+    compiler = find_compiler()
+    if compiler is None:
+        wanted = os.environ.get("CC") or " or ".join(COMPILERS)
+        return f"no C compiler ({wanted}) on PATH (set CC to one)"
     source = SOURCE.read_bytes()
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, timeout=60).stdout

@@ -436,7 +436,7 @@ def _agreed_kernels(device: torch.device, group: dist.ProcessGroup | None, rank:
         logger.info("PowerSGD uses torch ops: another rank has no CPU kernels")
     elif found != f"{low_rank_kernels.KERNELS_ENV}=torch":
         warn_user(f"PowerSGD's CPU kernels are not available on rank {rank} ({found}); every rank uses torch "
-                  "ops instead: the same algorithm, about 1.5x the hook's time. Set "
+                  "ops instead: the same algorithm, about twice the hook's time on CPU. Set "
                   f"{low_rank_kernels.KERNELS_ENV}=torch to choose that without this warning")
     return None
 

@@ -9,8 +9,6 @@ threads.
 from __future__ import annotations
 
 import math
-import os
-import shutil
 
 import pytest
 import torch
@@ -20,8 +18,8 @@ from distamp.distributed.low_rank_kernels import LowRankKernels
 
 
 def compiler_present() -> bool:
-    """Whether this host has the C compiler the kernels are built with (``$CC``, else ``cc``)."""
-    return shutil.which(os.environ.get("CC") or "cc") is not None
+    """Whether this host has a C compiler the kernels can be built with."""
+    return low_rank_kernels.find_compiler() is not None
 
 
 @pytest.fixture(scope="module")
@@ -243,6 +241,32 @@ def test_the_build_reports_why_it_has_no_kernels(monkeypatch, tmp_path):
     monkeypatch.setenv(low_rank_kernels.KERNELS_ENV, "fast")
     with pytest.raises(ValueError, match="DISTAMP_POWERSGD_KERNELS='fast' is not a choice; use one of auto, torch"):
         low_rank_kernels.load()
+
+
+def test_a_compile_error_is_reported_with_the_compilers_words(monkeypatch, tmp_path):
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'broken-cc: cannot compile today' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(low_rank_kernels, "_loaded", {})
+    monkeypatch.setenv("CC", str(broken))
+    monkeypatch.setenv("DISTAMP_CACHE_DIR", str(tmp_path / "cache"))
+    found = low_rank_kernels.load()
+    assert isinstance(found, str)
+    assert "failed to compile low_rank_kernels.c: broken-cc: cannot compile today" in found
+
+
+def test_an_unwritable_cache_falls_back_to_the_temp_directory(kernels, monkeypatch, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    monkeypatch.setattr(low_rank_kernels, "_loaded", {})
+    monkeypatch.delenv("DISTAMP_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(not_a_dir))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(low_rank_kernels.tempfile, "tempdir", None)  # re-read TMPDIR
+    found = low_rank_kernels.load()
+    assert isinstance(found, LowRankKernels)
+    assert found.path.parent.parent == tmp_path / "tmp"
 
 
 def test_a_build_goes_to_the_cache_dir_and_is_reused(kernels, monkeypatch, tmp_path):
