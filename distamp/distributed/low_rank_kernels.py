@@ -14,9 +14,10 @@ else ``cc``, ``gcc`` or ``clang``) into ``$DISTAMP_CACHE_DIR`` (default
 written, the temp directory), under a name hashed
 from the source, the compiler, its flags and this CPU's feature flags, so
 hosts sharing a home directory each get their own build. ``-march=native``
-is safe for that reason; ``-ffp-contract=off`` keeps the arithmetic in the
-written order. Where nothing can be built, :func:`load` says why and the
-hook uses torch ops (same algorithm, other rounding of the products).
+is safe for that reason (a compiler that refuses it builds without it);
+``-ffp-contract=off`` keeps the arithmetic in the written order. Where
+nothing can be built, :func:`load` says why and the hook uses torch ops
+(same algorithm, other rounding of the products).
 ``DISTAMP_POWERSGD_KERNELS=torch`` skips the build.
 """
 
@@ -44,7 +45,9 @@ KERNELS_ENV = "DISTAMP_POWERSGD_KERNELS"
 KERNEL_CHOICES = ("auto", "torch")
 SOURCE = Path(__file__).with_name("low_rank_kernels.c")
 COMPILERS = ("cc", "gcc", "clang")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11")
+_COMMON_FLAGS = ("-O3", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11")
+# Tried in order: this CPU's vector instructions, then (a compiler that refuses -march=native) the baseline.
+FLAG_SETS = (("-march=native", *_COMMON_FLAGS), _COMMON_FLAGS)
 # Below this many elements a matrix is one task: a thread hand-off costs more than it saves.
 MIN_ELEMENTS_PER_THREAD = 1 << 17
 
@@ -174,33 +177,33 @@ def _build_and_load() -> LowRankKernels | str:
         version = subprocess.run([compiler, "--version"], capture_output=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as err:
         return f"{compiler} --version failed: {err}"
-    key = hashlib.sha256(b"\0".join([source, version, " ".join(FLAGS).encode(), _cpu_flags()])).hexdigest()[:16]
-    name = f"low_rank_kernels-{key}.so"
     failures = []
     for cache in _cache_dirs():
-        target = cache / name
-        if not target.exists():
-            failure = _build(compiler, cache, target)
-            if failure:
-                failures.append(failure)
-                continue
-        try:
-            return LowRankKernels(ctypes.CDLL(str(target)), target)
-        except OSError as err:
-            failures.append(f"loading {target} failed: {err}")
+        for flags in FLAG_SETS:
+            key = hashlib.sha256(b"\0".join([source, version, " ".join(flags).encode(), _cpu_flags()])).hexdigest()
+            target = cache / f"low_rank_kernels-{key[:16]}.so"
+            if not target.exists():
+                failure = _build(compiler, flags, cache, target)
+                if failure:
+                    failures.append(failure)
+                    continue
+            try:
+                return LowRankKernels(ctypes.CDLL(str(target)), target)
+            except OSError as err:
+                failures.append(f"loading {target} failed: {err}")
     return "; ".join(failures)
 
 
-def _build(compiler: str, cache: Path, target: Path) -> str | None:
+def _build(compiler: str, flags: tuple[str, ...], cache: Path, target: Path) -> str | None:
     """Compile the library into ``target``; None, or what went wrong."""
     try:
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             built = Path(tmp) / target.name
-            done = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
+            done = subprocess.run([compiler, *flags, "-o", str(built), str(SOURCE), "-lm"], capture_output=True,
                                   text=True, timeout=300)
             if done.returncode != 0:
-                return f"{compiler} failed to compile {SOURCE.name}: {done.stderr.strip()[-500:]}"
+                return f"{compiler} {' '.join(flags)} failed to compile {SOURCE.name}: {done.stderr.strip()[-500:]}"
             os.replace(built, target)  # atomic: processes building at once each install a whole file
     except (OSError, subprocess.SubprocessError) as err:
         return f"building {target} failed: {err}"

@@ -255,6 +255,24 @@ def test_a_compile_error_is_reported_with_the_compilers_words(monkeypatch, tmp_p
     assert "failed to compile low_rank_kernels.c: broken-cc: cannot compile today" in found
 
 
+def test_a_compiler_that_refuses_march_native_builds_without_it(kernels, monkeypatch, tmp_path):
+    picky = tmp_path / "picky-cc"
+    real = low_rank_kernels.find_compiler()
+    refuse = '[ "$a" = -march=native ] && { echo "no native" >&2; exit 1; }'
+    picky.write_text(f'#!/bin/sh\nfor a in "$@"; do {refuse}; done\nexec {real} "$@"\n')
+    picky.chmod(0o755)
+    monkeypatch.setattr(low_rank_kernels, "_loaded", {})
+    monkeypatch.setenv("CC", str(picky))
+    monkeypatch.setenv("DISTAMP_CACHE_DIR", str(tmp_path / "cache"))
+    found = low_rank_kernels.load()
+    assert isinstance(found, LowRankKernels)
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [found.path.name]
+    m, p = torch.empty(5, 40), torch.empty(5, 2)
+    g, qt = torch.randn(5, 40), torch.randn(2, 40)
+    found.start(g, None, m, qt, p, 2.0)
+    assert torch.equal(p, reference_start(g, None, qt, 2.0)[1])  # the same bits without the host's vector ISA
+
+
 def test_an_unwritable_cache_falls_back_to_the_temp_directory(kernels, monkeypatch, tmp_path):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
