@@ -243,28 +243,27 @@ def test_the_build_reports_why_it_has_no_kernels(monkeypatch, tmp_path):
         low_rank_kernels.load()
 
 
-def test_a_compile_error_is_reported_with_the_compilers_words(monkeypatch, tmp_path):
-    broken = tmp_path / "broken-cc"
-    broken.write_text("#!/bin/sh\necho 'broken-cc: cannot compile today' >&2\nexit 1\n")
-    broken.chmod(0o755)
+def _load_with_compiler(monkeypatch, tmp_path, script: str) -> LowRankKernels | str:
+    """``load()`` with ``$CC`` a shell script of ``script`` and a fresh cache under ``tmp_path``."""
+    compiler = tmp_path / "test-cc"
+    compiler.write_text(f"#!/bin/sh\n{script}\n")
+    compiler.chmod(0o755)
     monkeypatch.setattr(low_rank_kernels, "_loaded", {})
-    monkeypatch.setenv("CC", str(broken))
+    monkeypatch.setenv("CC", str(compiler))
     monkeypatch.setenv("DISTAMP_CACHE_DIR", str(tmp_path / "cache"))
-    found = low_rank_kernels.load()
+    return low_rank_kernels.load()
+
+
+def test_a_compile_error_is_reported_with_the_compilers_words(monkeypatch, tmp_path):
+    found = _load_with_compiler(monkeypatch, tmp_path, "echo 'test-cc: cannot compile today' >&2\nexit 1")
     assert isinstance(found, str)
-    assert "failed to compile low_rank_kernels.c: broken-cc: cannot compile today" in found
+    assert "failed to compile low_rank_kernels.c: test-cc: cannot compile today" in found
 
 
 def test_a_compiler_that_refuses_march_native_builds_without_it(kernels, monkeypatch, tmp_path):
-    picky = tmp_path / "picky-cc"
-    real = low_rank_kernels.find_compiler()
     refuse = '[ "$a" = -march=native ] && { echo "no native" >&2; exit 1; }'
-    picky.write_text(f'#!/bin/sh\nfor a in "$@"; do {refuse}; done\nexec {real} "$@"\n')
-    picky.chmod(0o755)
-    monkeypatch.setattr(low_rank_kernels, "_loaded", {})
-    monkeypatch.setenv("CC", str(picky))
-    monkeypatch.setenv("DISTAMP_CACHE_DIR", str(tmp_path / "cache"))
-    found = low_rank_kernels.load()
+    script = f'for a in "$@"; do {refuse}; done\nexec {low_rank_kernels.find_compiler()} "$@"'
+    found = _load_with_compiler(monkeypatch, tmp_path, script)
     assert isinstance(found, LowRankKernels)
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [found.path.name]
     m, p = torch.empty(5, 40), torch.empty(5, 2)
