@@ -128,20 +128,18 @@ class SliceAllGather:
         rounds), or old and new values in any mix (pairwise).
         """
         wanted = range(len(self.layout.numels)) if params is None else params
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        on_cpu = True
-        for i in wanted:
-            target = dest(i)
-            by_dtype.setdefault(target.dtype, []).append(i)
-            on_cpu = on_cpu and target.device.type == "cpu"
         pieces = self.layout.pieces(*self.layout.range_of(self.rank))
         mine = {piece.offset: source.detach() for piece, source in zip(pieces, sources, strict=True)}
         if self.layout.world_size == 1:  # nothing to gather: copy (and round) in place, no buffers
             with torch.no_grad():
                 write_own_slice(pieces, mine, dest, set(wanted))
             return GatherInFlight(self, [], {}, mine, dest)
-        if self.pairwise and on_cpu:  # gloo sends CPU tensors only
+        targets = [dest(i) for i in wanted]
+        if self.pairwise and all(t.device.type == "cpu" for t in targets):  # gloo sends CPU tensors only
             return DirectGather(self.layout, self.rank, self.group, mine, dest, wanted, self.stats)
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, target in zip(wanted, targets, strict=True):
+            by_dtype.setdefault(target.dtype, []).append(i)
         key = tuple((dtype, tuple(sorted(by_dtype[dtype]))) for dtype in sorted(by_dtype, key=str))
         rounds, last_round = self._schedules.get(key) or self._schedule(key)
         return GatherInFlight(self, rounds, last_round, mine, dest)
