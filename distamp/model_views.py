@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ExactFp32Source", "fp32_model_state_dict", "unwrap_model"]
+__all__ = ["ExactFp32Source", "fp32_model_state_dict", "parameters_device", "unwrap_model"]
 
 _WRAPPED_ATTRIBUTES = ("module", "_orig_mod")  # DataParallel/DDP, torch.compile's OptimizedModule
 
@@ -36,6 +36,11 @@ class ExactFp32Source(Protocol):
     def exact_fp32(self) -> dict[int, torch.Tensor]:
         """``{id(model parameter): FP32 value}`` (collective for sharded masters)."""
         ...
+
+
+def parameters_device(module: nn.Module) -> torch.device:
+    """The device of ``module``'s first parameter; CPU for a module without parameters."""
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def fp32_model_state_dict(module: nn.Module, master_weights: Sequence[ExactFp32Source]) -> dict:

@@ -26,6 +26,7 @@ from distamp.distributed.process_group import wait_for_comm_threads
 from distamp.distributed.reduce_scatter import ShardedGradReduce, reduce_bucket_bytes
 from distamp.distributed.slice_reducer import SliceReducer
 from distamp.distributed.timeouts import named_collective
+from distamp.model_views import parameters_device
 from distamp.strategy import DistributedStrategy
 
 __all__ = ["STAGE2_DDP_KWARGS", "DDPPreparation", "PreparedDDP", "check_device"]
@@ -113,7 +114,7 @@ class DDPPreparation:
 
     def _training_device(self) -> torch.device:
         """The device this process trains on: the given one, else the parameters'."""
-        return self.device or next((p.device for p in self.module.parameters()), torch.device("cpu"))
+        return self.device or parameters_device(self.module)
 
     def _wire_dtype(self) -> torch.dtype:
         return self.strategy.amp_config.comm_torch_dtype if self.strategy.amp else torch.float32

@@ -49,7 +49,7 @@ from distamp.distributed.fsdp_policy import unit_policies
 from distamp.distributed.groups import group_size
 from distamp.distributed.shard_units import choose_units
 from distamp.distributed.timeouts import named_collective
-from distamp.model_views import fp32_model_state_dict
+from distamp.model_views import fp32_model_state_dict, parameters_device
 from distamp.strategy import DistributedStrategy
 
 __all__ = ["FullyShardedModel"]
@@ -95,7 +95,7 @@ class FullyShardedModel(nn.Module):
             raise TypeError(f"model is already wrapped in {type(module).__name__}; pass the bare model")
         if not dist.is_initialized():
             raise RuntimeError("sharding stage 3 needs a process group: call fleet.init() first")
-        device = check_device(module, torch.device(device)) if device is not None else _device_of(module)
+        device = check_device(module, torch.device(device)) if device is not None else parameters_device(module)
         cfg = strategy.amp_config
         pure = strategy.amp and cfg.use_pure_fp16
         units = choose_units(module, strategy.sharding_config.units)
@@ -233,10 +233,6 @@ _STRATEGY_MISMATCH = (
     "stage 3; pass the same strategy (strategy.sharding = True, sharding_configs={'stage': 3}) to "
     "fleet.distributed_optimizer and fleet.distributed_model"
 )
-
-
-def _device_of(module: nn.Module) -> torch.device:
-    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 def _fp32_units(module: nn.Module, strategy: DistributedStrategy) -> list[tuple[str, nn.Module]]:

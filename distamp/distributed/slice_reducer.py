@@ -57,6 +57,7 @@ from torch.utils._pytree import tree_flatten
 from distamp.distributed.attached import SliceOwner
 from distamp.distributed.comm_hooks import CommStats, Pending
 from distamp.distributed.reduce_scatter import REDUCE_BUCKET_BYTES, ShardedGradReduce
+from distamp.model_views import parameters_device
 
 __all__ = ["SliceReducer"]
 
@@ -129,7 +130,7 @@ class SliceReducer:
             raise ValueError(f"bucket_bytes={bucket_bytes!r} must be > 0")
         self.exchange = ShardedGradReduce(shards, wire_dtype, process_group, pending, bucket_bytes, OPEN_BUCKETS)
         self.module = module
-        self.device = device or next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.device = device or parameters_device(module)
         """The model's device, where :meth:`inputs_to_device` moves a CUDA model's inputs."""
         self.shards = list(shards)
         self.process_group = process_group
