@@ -10,6 +10,7 @@ the same scenario keeps skipping.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -184,8 +185,6 @@ def _math_worker(rank, world_size, low_rank, kernels, batch=8):
     ``kernels``: "auto" (the compiled CPU passes, compared with their stated
     order of operations) or "torch" (torch ops, compared with torch's products).
     """
-    import os
-
     os.environ[KERNELS_ENV] = kernels
     torch.manual_seed(0)
     model = nn.Linear(16, 12)
@@ -270,8 +269,6 @@ def _poison(model, rank, step_box):
 
 
 def _inf_worker(rank, world_size, dtype, o2, kernels, steps=8):
-    import os
-
     os.environ[KERNELS_ENV] = kernels
     strategy = _strategy(dtype=dtype, o2=o2)
     model, wrapped, opt = _build(strategy)
@@ -533,8 +530,6 @@ def test_check_nan_inf_sees_no_false_alarm_from_compression():
 
 
 def _agreement_worker(rank, world_size):
-    import os
-
     os.environ[KERNELS_ENV] = "torch" if rank == 1 else "auto"
     strategy = _strategy(dtype="bfloat16", o2=True, start_step=1)
     model, wrapped, opt = _build(strategy)
