@@ -177,11 +177,13 @@ def _build_and_load() -> LowRankKernels | str:
         version = subprocess.run([compiler, "--version"], capture_output=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as err:
         return f"{compiler} --version failed: {err}"
+    host = _cpu_flags()
+    names = {flags: hashlib.sha256(b"\0".join([source, version, " ".join(flags).encode(), host])).hexdigest()[:16]
+             for flags in FLAG_SETS}
     failures = []
     for cache in _cache_dirs():
         for flags in FLAG_SETS:
-            key = hashlib.sha256(b"\0".join([source, version, " ".join(flags).encode(), _cpu_flags()])).hexdigest()
-            target = cache / f"low_rank_kernels-{key[:16]}.so"
+            target = cache / f"low_rank_kernels-{names[flags]}.so"
             if not target.exists():
                 failure = _build(compiler, flags, cache, target)
                 if failure:
