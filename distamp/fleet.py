@@ -34,7 +34,6 @@ from torch import nn
 
 from distamp.amp.auto_cast import auto_cast as _auto_cast
 from distamp.distributed.data_parallel import DataParallel
-from distamp.distributed.fully_sharded import FullyShardedModel
 from distamp.distributed.process_group import (
     SELECTED_GPUS_VAR,
     WorldInfo,
@@ -50,6 +49,8 @@ from distamp.strategy import DistributedStrategy
 if TYPE_CHECKING:
     # typing.Self is Python 3.11+; mypy checks for 3.10 (setup.cfg).
     import typing_extensions
+
+    from distamp.distributed.fully_sharded import FullyShardedModel
 
 __all__ = [
     "DistributedStrategy",
@@ -293,6 +294,9 @@ def distributed_model(
                 f"fleet.distributed_model(..., {', '.join(f'{k}=...' for k in kwargs)}): keyword arguments go to "
                 "DDP, which sharding stage 3 does not use (it shards with torch's FSDP2); remove them"
             )
+        # Imported here: FSDP2's private communication interfaces load only when stage 3 is used.
+        from distamp.distributed.fully_sharded import FullyShardedModel
+
         sharded = FullyShardedModel(model, strategy, device=device())
         for opt in list(_state.optimizers):
             if sharded.owns_any(opt.master_weights.model_params):

@@ -22,11 +22,11 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     of its own; a user model that merely has a submodule called ``module``
     is not unwrapped.
     """
-    while not model._parameters and len(model._modules) == 1:
-        (name, inner), = model._modules.items()
-        if name not in _WRAPPED_ATTRIBUTES or not isinstance(inner, nn.Module):
+    while next(model.parameters(recurse=False), None) is None:
+        children = list(model.named_children())
+        if len(children) != 1 or children[0][0] not in _WRAPPED_ATTRIBUTES:
             break
-        model = inner
+        model = children[0][1]
     return model
 
 

@@ -49,3 +49,11 @@ def with_environ(name: str, value: str) -> list[int]:
         if needle in environ.split(b"\0"):
             found.append(int(entry))
     return found
+
+
+def grace_period_args(seconds: int) -> list[str]:
+    """``--grace_period SECONDS`` where this torch can honour it; nothing on torch 2.11, whose
+    elastic agent always waits 30 s and where distrun refuses any other value."""
+    from distamp.torch_compat import grace_period_supported
+
+    return ["--grace_period", str(seconds)] if grace_period_supported() else []

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
 
 from distamp.strategy.checks import is_name, show
 from distamp.suggest import did_you_mean
+from distamp.torch_compat import tree_map_only
 
 if TYPE_CHECKING:
     # typing.Self is Python 3.11+; mypy checks for 3.10 (setup.cfg).

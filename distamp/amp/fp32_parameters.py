@@ -25,11 +25,12 @@ from collections.abc import Iterable
 from torch import nn
 
 from distamp.amp.black_modules import find_black_modules
+from distamp.torch_compat import NormBase
 
 __all__ = ["NORM_LAYER_TYPES", "fp32_parameters"]
 
 NORM_LAYER_TYPES: tuple[type[nn.Module], ...] = (
-    nn.modules.batchnorm._NormBase,  # BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm1d/2d/3d
+    NormBase,  # BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm1d/2d/3d
     nn.LayerNorm,
     nn.GroupNorm,
     nn.RMSNorm,

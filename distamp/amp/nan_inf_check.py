@@ -24,7 +24,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves
+
+from distamp.torch_compat import tree_leaves
 
 __all__ = ["NanInfChecker"]
 

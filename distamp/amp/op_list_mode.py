@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
-from torch.utils._pytree import tree_map_only
+from torch.overrides import TorchFunctionMode
 
 from distamp.strategy.op_names import expand_op_names, functions_named
+from distamp.torch_compat import current_function_mode_stack, tree_map_only
 
 __all__ = ["OpListMode", "checkpoint_context_fn"]
 
@@ -140,6 +140,6 @@ def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager, contextl
     torch.compile accepts only selective-checkpointing ``context_fn``\\ s, so
     use it in eager mode.
     """
-    modes = [m for m in _get_current_function_mode_stack() if isinstance(m, OpListMode)]
+    modes = [m for m in current_function_mode_stack() if isinstance(m, OpListMode)]
     recompute = modes[-1].copy() if modes else contextlib.nullcontext()
     return contextlib.nullcontext(), recompute

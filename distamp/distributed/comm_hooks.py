@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distamp.torch_compat import foreach_add_, foreach_copy_
+
 __all__ = ["CommStats", "LowPrecisionAllReduce", "PendingFp32Grads", "add_pending_fp32", "low_precision_allreduce_hook"]
 
 Pending = Callable[[Sequence[torch.Tensor]], "list[torch.Tensor | None] | None"]
@@ -141,8 +143,8 @@ def add_pending_fp32(buffer: torch.Tensor, params: Sequence[torch.Tensor], pendi
             grads.append(buffer[position : position + p.numel()])
         position += p.numel()
     if sums:
-        torch._foreach_add_(sums, grads)
-        torch._foreach_copy_(grads, sums)
+        foreach_add_(sums, grads)
+        foreach_copy_(grads, sums)
 
 
 class PendingFp32Grads:

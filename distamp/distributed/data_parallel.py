@@ -49,6 +49,7 @@ from distamp.distributed.reduce_scatter import ShardedGradReduce
 from distamp.distributed.slice_reducer import SliceReducer
 from distamp.model_views import fp32_model_state_dict
 from distamp.strategy import DistributedStrategy
+from distamp.torch_compat import ddp_has_rebuilt_buckets
 
 __all__ = ["DataParallel", "strategy_fp32_parameters"]
 
@@ -292,14 +293,14 @@ class DataParallel(nn.Module):
             # Stage 1 reduce-scatters every micro-batch: the owners sum them in FP32 slices.
             ddp.require_backward_grad_sync = runtime.sync_enabled and (runtime.reduce_scatter or runtime.merge_sync)
             ddp.training = self.training
-            rebuilt = ddp._has_rebuilt_buckets
+            rebuilt = ddp_has_rebuilt_buckets(ddp)
             output = ddp(*args, **kwargs)
         except RuntimeError as exc:
             hint = self._outside_auto_cast_hint(exc)
             if hint is None:
                 raise
             raise RuntimeError(f"{exc}\n{hint}") from exc
-        if not rebuilt and ddp._has_rebuilt_buckets:
+        if not rebuilt and ddp_has_rebuilt_buckets(ddp):
             # The first forward after the first backward rebuilds DDP's buckets; with
             # gradient_as_bucket_view each .grad becomes a view of a new bucket: same values, new tensor.
             for optimizer in runtime.optimizers:

@@ -28,6 +28,7 @@ from distamp.distributed.slice_reducer import SliceReducer
 from distamp.distributed.timeouts import named_collective
 from distamp.model_views import parameters_device
 from distamp.strategy import DistributedStrategy
+from distamp.torch_compat import DEFAULT_FIRST_BUCKET_BYTES
 
 __all__ = ["STAGE2_DDP_KWARGS", "DDPPreparation", "PreparedDDP", "check_device"]
 
@@ -105,7 +106,7 @@ class DDPPreparation:
             # never below DDP's first bucket: torch.compile's DDPOptimizer refuses later buckets smaller than it.
             cap = self.strategy.fuse_grad_size_in_MB
             if stage == 1:
-                cap = max(self._bucket_bytes(), dist._DEFAULT_FIRST_BUCKET_BYTES) / 2**20
+                cap = max(self._bucket_bytes(), DEFAULT_FIRST_BUCKET_BYTES) / 2**20
             ddp = self._build_ddp(cap)
         comm_hook = self._comm_hook(optimizers, stage == 1)
         if comm_hook is not None:
@@ -157,7 +158,7 @@ class DDPPreparation:
         # torch's default first bucket (1 MiB) is no larger, although DDP given a cap uses that cap for its
         # first bucket too: below 1 MiB compiling would fail (torch-native DDP fails alike). The reducer's
         # buckets were fixed above; this value only sets where the compiled graph is cut.
-        ddp.bucket_bytes_cap = max(ddp.bucket_bytes_cap, dist._DEFAULT_FIRST_BUCKET_BYTES)
+        ddp.bucket_bytes_cap = max(ddp.bucket_bytes_cap, DEFAULT_FIRST_BUCKET_BYTES)
         # Before the reducer (perhaps the process group's last owner) is freed, let gloo's threads
         # release the comm hook's Python continuations: see wait_for_comm_threads.
         weakref.finalize(ddp, wait_for_comm_threads)

@@ -28,6 +28,7 @@ from distamp.distributed import wire_rounds
 from distamp.distributed.comm_hooks import CommStats
 from distamp.distributed.flat_layout import FlatLayout, Piece
 from distamp.distributed.pairwise import peers, receive, send
+from distamp.torch_compat import DisableTorchFunction, foreach_copy_
 
 __all__ = ["TAG_GATHER", "DirectGather", "write_own_slice"]
 
@@ -60,7 +61,7 @@ class DirectGather:
         self._receives: dict[int, list[dist.Work]] = {}
         self._sends: list[dist.Work] = []
         # No torch function mode sees the copies and views (param_gather_hooks watches the parameters).
-        with torch.no_grad(), torch._C.DisableTorchFunction():
+        with torch.no_grad(), DisableTorchFunction():
             self._post(layout, rank, group, mine, dest, set(wanted), stats)
 
     def _post(self, layout: FlatLayout, rank: int, group: dist.ProcessGroup | None,
@@ -114,7 +115,7 @@ def write_own_slice(pieces: Sequence[Piece], mine: dict[int, torch.Tensor], dest
     pairs = [(dest(p.param)[p.start : p.stop], mine[p.offset]) for p in pieces if p.param in members]
     pairs = [(target, value) for target, value in pairs if target.data_ptr() != value.data_ptr()]
     if pairs:
-        torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs])
+        foreach_copy_([t for t, _ in pairs], [v for _, v in pairs])
 
 
 def _messages(pieces: Sequence[Piece], dest: Callable[[int], torch.Tensor]) -> list[tuple[int, torch.Tensor]]:

@@ -15,6 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from distamp.torch_compat import group_timeout
+
 __all__ = ["all_reduce_max", "host_wait_timeout"]
 
 _MAX_MARGIN = timedelta(minutes=1)
@@ -32,7 +34,7 @@ def host_wait_timeout(group: dist.ProcessGroup, device: torch.device) -> timedel
     names both (its roll call through the store takes at most 15 s of the
     margin: a minute, or half of a shorter timeout).
     """
-    timeout = group._get_backend(device).options._timeout
+    timeout = group_timeout(group, device)
     return timeout - min(_MAX_MARGIN, timeout / 2)
 
 

@@ -33,9 +33,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from distamp.distributed.comm_hooks import CommStats
+from distamp.torch_compat import FSDPAllGather, FSDPReduceScatter
 
 __all__ = ["InPlaceAllGather", "WireReduceScatter"]
 
@@ -44,7 +44,7 @@ def _allocate(size: Sequence[int | torch.SymInt], dtype: torch.dtype, device: to
     return torch.empty(*size, dtype=dtype, device=device)
 
 
-class InPlaceAllGather(AllGather):
+class InPlaceAllGather(FSDPAllGather):
     """An all-gather for FSDP2 on gloo: each rank's chunk is broadcast into its slot of the output.
 
     Example::
@@ -71,7 +71,7 @@ class InPlaceAllGather(AllGather):
         return None  # FSDP treats None as a finished (synchronous) all-gather
 
 
-class WireReduceScatter(ReduceScatter):
+class WireReduceScatter(FSDPReduceScatter):
     """A reduce-scatter for FSDP2 that sends its input's dtype and adds the received chunks in FP32.
 
     Example::

@@ -51,6 +51,7 @@ from distamp.distributed.shard_units import choose_units
 from distamp.distributed.timeouts import named_collective
 from distamp.model_views import fp32_model_state_dict, parameters_device
 from distamp.strategy import DistributedStrategy
+from distamp.torch_compat import fsdp_unsharded_parameters
 
 __all__ = ["FullyShardedModel"]
 
@@ -117,7 +118,7 @@ class FullyShardedModel(nn.Module):
         self._reduce_scatter = WireReduceScatter()
         _shard(module, units, fp32_units, strategy, DeviceMesh.from_group(group, device.type), self._reduce_scatter)
         after = dict(module.named_parameters())
-        module._register_load_state_dict_pre_hook(_shard_whole_tensors, with_module=True)
+        module.register_load_state_dict_pre_hook(_shard_whole_tensors)
         # Weak references: an id alone could be reused by a new tensor once the old parameter is freed.
         self._replaced = {id(old): (weakref.ref(old), after[name]) for name, old in before}
         self._optimizers: list[FullyShardedOptimizer] = []
@@ -208,17 +209,8 @@ class FullyShardedModel(nn.Module):
     def _unsharded_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, unsharded parameter)`` of each parameter gathered so far: where autograd puts local gradients."""
         names = {id(p): name for name, p in self.module.named_parameters()}
-        found = []
-        for module in self.module.modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            # FSDP2 keeps one unsharded Parameter per sharded one after its first all-gather (private API).
-            for param_group in module._get_fsdp_state()._fsdp_param_groups:
-                for fsdp_param in param_group.fsdp_params:
-                    unsharded = getattr(fsdp_param, "_unsharded_param", None)
-                    if unsharded is not None and id(fsdp_param.sharded_param) in names:
-                        found.append((names[id(fsdp_param.sharded_param)], unsharded))
-        return found
+        return [(names[id(sharded)], unsharded) for sharded, unsharded in fsdp_unsharded_parameters(self.module)
+                if id(sharded) in names]
 
     def fp32_state_dict(self) -> dict[str, Any]:
         """The model's ``state_dict()`` with every parameter as a full FP32 tensor (collective).

@@ -32,6 +32,7 @@ from distamp.distributed.direct_gather import DirectGather, write_own_slice
 from distamp.distributed.flat_layout import FlatLayout, Piece
 from distamp.distributed.pairwise import on_gloo
 from distamp.distributed.wire_rounds import round_bytes
+from distamp.torch_compat import DisableTorchFunction, foreach_copy_
 
 __all__ = ["GATHER_BYTES", "GatherInFlight", "SliceAllGather"]
 
@@ -217,7 +218,7 @@ class SliceAllGather:
                 targets.append(dest(piece.param)[piece.start + first : piece.start + last])
                 values.append(out[base + entry.position + first : base + entry.position + last])
         if targets:
-            torch._foreach_copy_(targets, values)
+            foreach_copy_(targets, values)
         # Free the round's buffers now, on this thread: the communication thread may hold them a
         # moment longer, and would then free them where torch.profiler's memory events do not look.
         for tensor in (out, send):
@@ -259,7 +260,7 @@ class GatherInFlight:
     def _finish_through(self, index: int) -> None:
         # No torch function mode sees the copies: a mode watching the parameters (param_gather_hooks) would
         # otherwise be asked about them while they are being written.
-        with torch.no_grad(), torch._C.DisableTorchFunction():
+        with torch.no_grad(), DisableTorchFunction():
             while self._finished <= index:
                 rnd, launched = self._launched.popleft()
                 self._gather._unpack(rnd.plan, self._dest, *launched, rnd.chunk)
@@ -272,7 +273,7 @@ class GatherInFlight:
                 not self._launched or self._rounds[self._next].received_bytes <= budget):
             rnd = self._rounds[self._next]
             device = self._dest(_first(rnd.plan)).device
-            with torch.no_grad(), torch._C.DisableTorchFunction():
+            with torch.no_grad(), DisableTorchFunction():
                 launched = self._gather._launch(rnd.plan[self._gather.rank], self._mine, rnd.start, rnd.chunk,
                                                 rnd.dtype, device)
             self._launched.append((rnd, launched))

@@ -51,6 +51,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from distamp.distributed.attached import AttachedOptimizer
+from distamp.torch_compat import DisableTorchFunction, current_function_mode_stack
 
 __all__ = ["ForwardParamGather"]
 
@@ -108,7 +109,7 @@ class ForwardParamGather:
             self._stale.clear()
             return
         done = {id(p) for p in params}
-        with torch._C.DisableTorchFunction():  # the guard must not see the look-up
+        with DisableTorchFunction():  # the guard must not see the look-up
             for p in params:
                 key = _address(p)
                 if all(id(q) in done for q in self._stale.get(key, ())):
@@ -122,7 +123,7 @@ class ForwardParamGather:
             running = self.running()
             if running:
                 self._stale = {}
-                with torch._C.DisableTorchFunction():
+                with DisableTorchFunction():
                     for optimizer in running:
                         for p in optimizer.master_weights.model_params:
                             key = _address(p)
@@ -145,7 +146,7 @@ class ForwardParamGather:
         """Pop the guard once the outermost forward is over or no parameter is stale any more (when it is on top:
         a mode pushed later inside the forward is popped first)."""
         if self._guarding and (not self._depth or not self._stale):
-            stack = torch.overrides._get_current_function_mode_stack()
+            stack = current_function_mode_stack()
             if stack and stack[-1] is self._guard:
                 self._stale.clear()
                 self._guard.__exit__(None, None, None)
@@ -163,7 +164,7 @@ class _ReadGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         stale = self.owner._stale
         if stale:
-            with torch._C.DisableTorchFunction():  # modes below this one need not see the look-up
+            with DisableTorchFunction():  # modes below this one need not see the look-up
                 read = [p for t in _tensors((args, kwargs)) for p in stale.get(_address(t), ())]
             if read:
                 self.owner.finish(read)

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from distamp.distributed.attached import SliceOwner
 from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
 from distamp.distributed.wire_rounds import round_bytes
+from distamp.torch_compat import foreach_add_
 
 __all__ = ["BUCKET_FRACTION", "MAX_IN_FLIGHT", "REDUCE_BUCKET_BYTES", "ShardedGradReduce", "bucket_future",
            "reduce_bucket_bytes", "reduce_scatter_hook"]
@@ -394,7 +395,7 @@ class _RoundExchange:
             targets = [shard.grads.buffer[start : start + length] for shard, start, length in self.dest]
             for r in range(world):
                 copies = list(self.received_copies[r * n : (r + 1) * n].split(lengths))
-                torch._foreach_add_(targets, copies, alpha=1 / world)
+                foreach_add_(targets, copies, alpha=1 / world)
         # Free the exchange buffers here and now: the communication thread may still hold them a moment
         # (and would then free them where the profiler does not look). On CUDA this is stream-safe:
         # work.wait() made the current stream (the buffers' allocation stream, whose blocks the caching

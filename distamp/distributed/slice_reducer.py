@@ -50,14 +50,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
-from torch.distributed.utils import _sync_params_and_buffers, _to_kwargs
-from torch.utils._pytree import tree_flatten
 
 from distamp.distributed.attached import SliceOwner
 from distamp.distributed.comm_hooks import CommStats, Pending
 from distamp.distributed.reduce_scatter import REDUCE_BUCKET_BYTES, ShardedGradReduce
 from distamp.model_views import parameters_device
+from distamp.torch_compat import is_view, queue_autograd_callback, sync_params_and_buffers, to_kwargs, tree_flatten
 
 __all__ = ["SliceReducer"]
 
@@ -177,7 +175,7 @@ class SliceReducer:
     def broadcast_from_rank0(self) -> None:
         """Every rank takes rank 0's parameters and buffers (collective; once, when built)."""
         states = [p.detach() for p in self.module.parameters()] + [b.detach() for b in self.module.buffers()]
-        _sync_params_and_buffers(_group(self.process_group), states, _BROADCAST_BYTES, 0)
+        sync_params_and_buffers(_group(self.process_group), states, _BROADCAST_BYTES, 0)
 
     @torch.compiler.disable
     def before_forward(self, sync: bool) -> None:
@@ -193,19 +191,17 @@ class SliceReducer:
         if self._sync_buffers_next and self.broadcast_buffers:
             buffers = [b.detach() for b in self.module.buffers()]
             if buffers:
-                _sync_params_and_buffers(_group(self.process_group), buffers, _BROADCAST_BYTES, 0)
+                sync_params_and_buffers(_group(self.process_group), buffers, _BROADCAST_BYTES, 0)
 
     def inputs_to_device(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """What DDP does with ``device_ids`` (and FSDP2 at its root): a CUDA model's inputs go to its device first.
 
         Tensors anywhere in ``args`` and ``kwargs`` (lists, dicts, dataclasses)
-        are moved with ``torch.distributed.utils._to_kwargs``, DDP's own
-        function; on a CPU model nothing changes.
+        are moved with DDP's own function; on a CPU model nothing changes.
         """
         if self.device.type != "cuda":
             return args, kwargs
-        moved_args, moved_kwargs = _to_kwargs(args, kwargs, self.device, False)
-        return moved_args[0], moved_kwargs[0]
+        return to_kwargs(args, kwargs, self.device)
 
     @torch.compiler.disable
     def watch(self, output: Any) -> Any:
@@ -224,7 +220,7 @@ class SliceReducer:
     def _queue_flush(self) -> None:
         if not self._flush_queued:
             self._flush_queued = True
-            Variable._execution_engine.queue_callback(self._flush)
+            queue_autograd_callback(self._flush)
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook: move ``param.grad`` into its bucket and free it."""
@@ -318,7 +314,7 @@ def _lendable(grad: torch.Tensor, wire_dtype: torch.dtype) -> bool:
     Its storage is freed when the exchange is done, so it must not be a view
     (autograd may accumulate a slice of a larger gradient, e.g. of a ``cat``).
     """
-    return (grad.dtype == wire_dtype and grad.is_contiguous() and grad._base is None and grad.storage_offset() == 0
+    return (grad.dtype == wire_dtype and grad.is_contiguous() and not is_view(grad) and grad.storage_offset() == 0
             and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size())
 
 

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distamp.torch_compat import default_store
+
 __all__ = ["StoreExchange", "StoreTimeoutError", "rank_and_world"]
 
 _calls: defaultdict[str, itertools.count] = defaultdict(lambda: itertools.count(1))
@@ -81,8 +83,7 @@ class StoreExchange:
         self.hint = hint
         self._store: dist.Store | None = None
         if self.world_size > 1:
-            # Private, but the only way to the store init_process_group built (or was given).
-            self._store = dist.distributed_c10d._get_default_store()
+            self._store = default_store()
         self._prefix = f"{namespace}/{next(_calls[namespace])}/{operation.replace(' ', '-')}"
         self._rounds = itertools.count()
 

@@ -16,6 +16,8 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import torch
+
 from distamp.launcher.command import resolve_command
 from distamp.launcher.nodes import DEFAULT_MASTER_PORT, resolve_nodes
 from distamp.launcher.usage import UsageError, at_least
@@ -25,6 +27,7 @@ from distamp.launcher.workers import (
     resolve_workers,
     visible_gpu_count,
 )
+from distamp.torch_compat import TORCH_DEFAULT_GRACE_PERIOD, grace_period_supported
 
 __all__ = [
     "DEFAULT_MASTER_PORT", "WORKERS_PER_CPU", "LaunchPlan", "UsageError", "available_cpus",
@@ -139,6 +142,12 @@ def build_plan(
     nproc, gpus = resolve_workers(args, environ, gpu_count, cpu_count)
     max_restarts = at_least("--max_restarts", args.max_restarts, 0)
     grace = at_least("--grace_period", args.grace_period, 1)
+    if grace != TORCH_DEFAULT_GRACE_PERIOD and not grace_period_supported():
+        raise UsageError(
+            f"--grace_period {grace}: torch {torch.__version__}'s elastic agent always gives the workers "
+            f"{TORCH_DEFAULT_GRACE_PERIOD} seconds (a grace period can be set from torch 2.12 on); "
+            f"leave --grace_period out or upgrade torch"
+        )
     tee = _parse_tee(args.tee, nnodes * nproc)
     log_dir = _check_log_dir(args.log_dir)
     command = resolve_command(args)

@@ -33,6 +33,7 @@ from distamp.launcher.env import build_worker_env, patched_environ
 from distamp.launcher.logs import RankLogs, log_path, tail_lines
 from distamp.launcher.plan import LaunchPlan
 from distamp.launcher.reaper import Reaper
+from distamp.torch_compat import launch_config_shutdown_timeout
 
 __all__ = ["describe_failure", "exit_code_of", "launch", "launch_config"]
 
@@ -55,7 +56,6 @@ class _CommonLaunchArgs(TypedDict):
     max_restarts: int
     monitor_interval: float
     start_method: str
-    shutdown_timeout: int
 
 
 def launch_config(plan: LaunchPlan, logs: RankLogs, store_dir: str) -> LaunchConfig:
@@ -80,7 +80,6 @@ def launch_config(plan: LaunchPlan, logs: RankLogs, store_dir: str) -> LaunchCon
         "max_restarts": plan.max_restarts,
         "monitor_interval": 0.1,
         "start_method": "spawn",
-        "shutdown_timeout": plan.grace_period,
     }
     master = plan.master_addr
     if master is None:  # plan.local_rendezvous
@@ -91,6 +90,7 @@ def launch_config(plan: LaunchPlan, logs: RankLogs, store_dir: str) -> LaunchCon
             rdzv_configs={"timeout": _RENDEZVOUS_TIMEOUT, "store_type": "file"},
             local_addr="127.0.0.1",
             **common,
+            **launch_config_shutdown_timeout(plan.grace_period),
         )
     endpoint = f"[{master}]:{plan.master_port}" if ":" in master else f"{master}:{plan.master_port}"
     if plan.max_restarts == 0:
@@ -100,6 +100,7 @@ def launch_config(plan: LaunchPlan, logs: RankLogs, store_dir: str) -> LaunchCon
             rdzv_endpoint=endpoint,
             rdzv_configs={"rank": plan.node_rank, "timeout": _RENDEZVOUS_TIMEOUT},
             **common,
+            **launch_config_shutdown_timeout(plan.grace_period),
         )
     return LaunchConfig(
         run_id="distrun",
@@ -108,6 +109,7 @@ def launch_config(plan: LaunchPlan, logs: RankLogs, store_dir: str) -> LaunchCon
         rdzv_configs={"is_host": plan.node_rank == 0, "timeout": _RENDEZVOUS_TIMEOUT},
         local_addr=_address_towards(master, plan.node_rank),
         **common,
+        **launch_config_shutdown_timeout(plan.grace_period),
     )
 
 

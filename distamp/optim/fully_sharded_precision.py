@@ -43,13 +43,14 @@ from distamp.optim.loss_scaler import build_loss_scaler
 from distamp.optim.master_weights import check_saved_masters, clear_grads
 from distamp.optim.precision import FullPrecision, MixedPrecision
 from distamp.strategy import DistributedStrategy
+from distamp.torch_compat import dtensor_local, foreach_mul_, foreach_norm
 
 __all__ = ["FullyShardedPrecision", "ShardedParameters", "local_shard"]
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (a plain tensor is its own shard)."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return dtensor_local(tensor) if isinstance(tensor, DTensor) else tensor
 
 
 class ShardedParameters:
@@ -261,11 +262,11 @@ class FullyShardedPrecision(MixedPrecision):
         device = shards[0].device if shards else self._any_device()
         local = torch.zeros(1, dtype=torch.float32, device=device)
         if shards:
-            norms = torch.stack(torch._foreach_norm(shards, norm_type)).float()
+            norms = torch.stack(foreach_norm(shards, norm_type)).float()
             local[0] = norms.max() if math.isinf(norm_type) else (norms**norm_type).sum()
         total, coefficient = global_clip(local, max_norm, norm_type, self.group, error_if_nonfinite)
         if shards:
-            torch._foreach_mul_(shards, coefficient)
+            foreach_mul_(shards, coefficient)
         return total
 
     def state_dict(self) -> dict:

@@ -23,6 +23,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from distamp.torch_compat import foreach_add_, foreach_copy_, foreach_zero_
+
 __all__ = ["Fp32GradAccumulator"]
 
 
@@ -81,14 +83,14 @@ class Fp32GradAccumulator:
         if not dst:
             return
         if self.pending:
-            torch._foreach_add_(dst, src)
+            foreach_add_(dst, src)
         else:
-            torch._foreach_copy_(dst, src)  # the window's first micro-batch: no memset needed
+            foreach_copy_(dst, src)  # the window's first micro-batch: no memset needed
             for p in self.params:  # parameters without a gradient in it start from zero
                 view = self._views.get(id(p))
                 if view is not None and p.grad is None:
                     view.zero_()
-        torch._foreach_zero_(src)
+        foreach_zero_(src)
         self.pending = True
 
     def view_of(self, param: nn.Parameter) -> torch.Tensor | None:

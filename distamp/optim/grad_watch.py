@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 
 from torch import nn
 
+from distamp.torch_compat import tensor_version
 from distamp.user_warning import warn_user
 
 __all__ = ["GradWatch"]
@@ -59,7 +60,7 @@ class GradWatch:
         self._after_step = self._snapshot()
 
     def _snapshot(self) -> _Snapshot:
-        grads = [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in self.params]
+        grads = [None if p.grad is None else (weakref.ref(p.grad), tensor_version(p.grad)) for p in self.params]
         return self._deliveries(), grads
 
     def _unchanged_since(self, snapshot: _Snapshot) -> bool:
@@ -73,7 +74,7 @@ class GradWatch:
             if grad is None:
                 if seen is not None:
                     return False
-            elif seen is None or seen[1] != grad._version or seen[0]() is not grad:
+            elif seen is None or seen[1] != tensor_version(grad) or seen[0]() is not grad:
                 return False
         return True
 

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.torch_compat import foreach_add_, foreach_copy_, foreach_zero_
+
 __all__ = ["MasterWeights", "MasterWeightsSurface", "check_saved_masters", "clear_grads"]
 
 
@@ -226,14 +228,14 @@ class MasterWeights:
                 dst.append(grad_view)
                 src.append(model_p.grad)
         if dst:
-            torch._foreach_copy_(dst, src)
+            foreach_copy_(dst, src)
 
     def add_to_master_grads(self, extra: dict[int, torch.Tensor]) -> None:
         """Add ``extra[id(param)]`` (FP32) to the master gradient of each param that has one."""
         pairs = [(master.grad, extra[id(model_p)]) for model_p, master, _ in self._pairs
                  if master.grad is not None and id(model_p) in extra]
         if pairs:
-            torch._foreach_add_([g for g, _ in pairs], [e.view_as(g) for g, e in pairs])
+            foreach_add_([g for g, _ in pairs], [e.view_as(g) for g, e in pairs])
 
     def exact_fp32(self) -> dict[int, torch.Tensor]:
         """``{id(param): its exact FP32 value}``: the master, or the parameter itself without one."""
@@ -252,7 +254,7 @@ class MasterWeights:
         if not self._pairs:
             return
         with torch.no_grad():
-            torch._foreach_copy_(
+            foreach_copy_(
                 [model_p.data for model_p, _, _ in self._pairs],
                 [master.detach() for _, master, _ in self._pairs],
             )
@@ -308,7 +310,7 @@ def clear_grads(params: Iterable[nn.Parameter], set_to_none: bool = True) -> Non
             p.grad.requires_grad_(False)
         grads.append(p.grad)
     if grads:
-        torch._foreach_zero_(grads)
+        foreach_zero_(grads)
 
 
 def check_saved_masters(tensors: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:

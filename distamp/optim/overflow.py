@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.distributed.flag_sync import all_reduce_max
+from distamp.torch_compat import foreach_norm
 
 __all__ = ["SUGGEST_AFTER", "OverflowLog", "nonfinite_parameters"]
 
@@ -61,7 +62,7 @@ def nonfinite_parameters(
     for i, grad in grads:
         groups.setdefault((grad.device, grad.dtype), []).append((i, grad))
     for members in groups.values():
-        maxima = torch.stack(torch._foreach_norm([grad for _, grad in members], math.inf)).float()
+        maxima = torch.stack(foreach_norm([grad for _, grad in members], math.inf)).float()
         indices = torch.tensor([i for i, _ in members], device=device)
         flags.scatter_reduce_(0, indices, (~torch.isfinite(maxima)).float().to(device), reduce="amax")
     all_reduce_max(flags, group)

@@ -33,6 +33,7 @@ from distamp.optim.grad_accumulator import Fp32GradAccumulator
 from distamp.optim.loss_scaler import LossScaler, build_loss_scaler
 from distamp.optim.master_weights import MasterWeights, MasterWeightsSurface
 from distamp.strategy import AmpConfig
+from distamp.torch_compat import amp_foreach_non_finite_check_and_unscale_, foreach_copy_, foreach_norm, tensor_version
 
 __all__ = ["FullPrecision", "MixedPrecision", "PureLowPrecision"]
 
@@ -159,7 +160,7 @@ class MixedPrecision(FullPrecision):
         for (dev, _), group_grads in _by_device_and_dtype(grads).items():
             found = torch.zeros(1, dtype=torch.float32, device=dev)
             factor = torch.full((1,), inv_scale, dtype=torch.float32, device=dev)
-            torch._amp_foreach_non_finite_check_and_unscale_(group_grads, found, factor)
+            amp_foreach_non_finite_check_and_unscale_(group_grads, found, factor)
             flags[0] += found.to(device)[0]
         if self._amp_scaler.needs_grad_max and grads:
             flags[1] = _max_abs(grads).to(device)
@@ -253,18 +254,18 @@ class PureLowPrecision(MixedPrecision):
         """
         pairs = self.master_weights.grad_pairs()
         if pairs:
-            torch._foreach_copy_([g for g, _ in pairs], [m for _, m in pairs])
-        self._exposed_versions = [(g, g._version) for g, _ in pairs]
+            foreach_copy_([g for g, _ in pairs], [m for _, m in pairs])
+        self._exposed_versions = [(g, tensor_version(g)) for g, _ in pairs]
 
     def take_user_grad_changes(self) -> None:
         """Copy model gradients changed since :meth:`expose_unscaled_grads` (e.g. clipped) into the masters."""
         if self._exposed_versions is None:
             return
-        changed = {id(g) for g, version in self._exposed_versions if g._version != version}
+        changed = {id(g) for g, version in self._exposed_versions if tensor_version(g) != version}
         self._exposed_versions = None
         if changed:
             pairs = [(g, m) for g, m in self.master_weights.grad_pairs() if id(g) in changed]
-            torch._foreach_copy_([m for _, m in pairs], [g for g, _ in pairs])
+            foreach_copy_([m for _, m in pairs], [g for g, _ in pairs])
 
     def after_applied_step(self) -> None:
         """Round the updated masters into the model."""
@@ -299,7 +300,7 @@ def _stuck_message(config: AmpConfig, scale: float, count: int) -> str:
 def _max_abs(grads: list[torch.Tensor]) -> torch.Tensor:
     """max |g| over all gradients: one fused norm kernel per device and dtype."""
     maxima = [
-        torch.stack(torch._foreach_norm(group, math.inf)).max().float()
+        torch.stack(foreach_norm(group, math.inf)).max().float()
         for group in _by_device_and_dtype(grads).values()
     ]
     return torch.stack([m.to(maxima[0].device) for m in maxima]).max()

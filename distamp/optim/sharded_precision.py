@@ -35,6 +35,7 @@ from distamp.optim.loss_scaler import build_loss_scaler
 from distamp.optim.precision import FullPrecision, MixedPrecision
 from distamp.optim.sharded_masters import ShardedMasters
 from distamp.strategy import DistributedStrategy
+from distamp.torch_compat import amp_foreach_non_finite_check_and_unscale_, tensor_version
 
 __all__ = ["ShardedPrecision"]
 
@@ -126,7 +127,7 @@ class ShardedPrecision(MixedPrecision):
         if grads.numel():
             found = torch.zeros(1, dtype=torch.float32, device=grads.device)
             factor = torch.full((1,), 1.0 / self.scaler.scale, dtype=torch.float32, device=grads.device)
-            torch._amp_foreach_non_finite_check_and_unscale_([grads], found, factor)
+            amp_foreach_non_finite_check_and_unscale_([grads], found, factor)
             flags[0] = found[0]
             if self.scaler.needs_grad_max:
                 flags[1] = grads.abs().max()
@@ -142,7 +143,7 @@ class ShardedPrecision(MixedPrecision):
         """Copy back this rank's slice of the model gradients changed since :meth:`expose_unscaled_grads`."""
         if self._exposed is None:
             return
-        changed = {id(g) for g, version in self._exposed if g._version != version}
+        changed = {id(g) for g, version in self._exposed if tensor_version(g) != version}
         self._exposed = None
         if changed:
             self.master_weights.grads.take_changes(changed)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from distamp.distributed.flat_layout import Piece
+from distamp.torch_compat import foreach_copy_, foreach_zero_, tensor_version
 
 __all__ = ["SliceGrads"]
 
@@ -82,7 +83,7 @@ class SliceGrads:
                 dst.append(master.grad)
                 src.append(model_grad.view(-1)[piece.start : piece.stop])
         if dst:
-            torch._foreach_copy_(dst, src)
+            foreach_copy_(dst, src)
         for piece, master in zip(self.pieces, self.masters, strict=True):
             more = extra.get(id(self.model_params[piece.param])) if extra else None
             if more is not None and master.grad is not None:
@@ -101,12 +102,12 @@ class SliceGrads:
         """
         grads = [p.grad for p in self.model_params if p.grad is not None]
         if grads:
-            torch._foreach_zero_(grads)
+            foreach_zero_(grads)
         for piece, master in zip(self.pieces, self.masters, strict=True):
             model_grad = self.model_params[piece.param].grad
             if model_grad is not None and master.grad is not None:
                 model_grad.view(-1)[piece.start : piece.stop].copy_(master.grad)
-        return [(g, g._version) for g in grads]
+        return [(g, tensor_version(g)) for g in grads]
 
     def take_changes(self, changed: set[int]) -> None:
         """Copy back this slice of each model ``.grad`` whose ``id`` is in ``changed``."""

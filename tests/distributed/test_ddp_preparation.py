@@ -123,8 +123,8 @@ def test_one_preparation_makes_ranks_identical_and_picks_the_comm_hook(amp, stag
         if stage == 0:
             assert out[rank]["bucket_bytes_cap"] == 1024 * 1024  # strategy.fuse_grad_size_in_MB = 1
         if stage == 1:  # sized as stage 2's (a small model: the least), but never below DDP's first bucket
-            assert REDUCE_BUCKET_BYTES < torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
-            assert out[rank]["bucket_bytes_cap"] == torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+            assert REDUCE_BUCKET_BYTES < 1024 * 1024  # DDP's first bucket: 1 MiB
+            assert out[rank]["bucket_bytes_cap"] == 1024 * 1024
         if stage < 2:
             assert out[rank]["bucket_view"]
     # Rank 1 started from other weights; after the preparation it holds rank 0's, bit for bit.

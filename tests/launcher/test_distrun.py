@@ -19,6 +19,7 @@ import time
 import pytest
 
 from tests.multiprocess import free_port
+from tests.processes import grace_period_args
 
 ALLREDUCE = """
     import os, sys, torch, torch.distributed as dist
@@ -163,7 +164,7 @@ def test_two_rank_allreduce_succeeds_and_tees_rank0(tmp_path):
 def test_failing_rank_is_named_with_its_traceback(tmp_path):
     script = write(tmp_path, "job.py", RANK1_RAISES)
     start = time.monotonic()
-    proc = distrun(tmp_path, "--nproc_per_node", "2", "--grace_period", "5", script)
+    proc = distrun(tmp_path, "--nproc_per_node", "2", *grace_period_args(5), script)
     elapsed = time.monotonic() - start
     assert proc.returncode == 1, proc.stderr
     err = proc.stderr.rstrip().splitlines()
@@ -184,7 +185,7 @@ def test_failing_rank_is_named_with_its_traceback(tmp_path):
 @pytest.mark.timeout(90)
 def test_early_exit_0_is_named_as_the_root_cause_and_tracebacks_have_one_prefix(tmp_path):
     script = write(tmp_path, "job.py", RANK1_EXITS_EARLY)
-    proc = distrun(tmp_path, "--nproc_per_node", "2", "--grace_period", "5", script)
+    proc = distrun(tmp_path, "--nproc_per_node", "2", *grace_period_args(5), script)
     assert proc.returncode == 1, proc.stderr
     last = proc.stderr.rstrip().splitlines()[-1]
     assert re.match(
@@ -219,7 +220,7 @@ def test_worker_killed_by_signal_is_reported_by_name(tmp_path):
 def start_waiting_job(tmp_path):
     script = write(tmp_path, "job.py", WAITS_WITH_CHILD)
     proc = subprocess.Popen(
-        distrun_cmd("--nproc_per_node", "2", "--grace_period", "5", script),
+        distrun_cmd("--nproc_per_node", "2", *grace_period_args(5), script),
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=worker_env(),
     )

@@ -33,7 +33,7 @@ import pytest
 
 from distamp.launcher import _bootstrap
 from tests.launcher.test_distrun import distrun_cmd, gone, wait_until, worker_env
-from tests.processes import with_environ
+from tests.processes import grace_period_args, with_environ
 
 MARK = "DISTAMP_TEST_JOB"
 
@@ -129,7 +129,7 @@ def finish(proc, timeout=60):
 @pytest.mark.timeout(120)
 def test_early_exit_hang_and_crash_leave_nothing(job):
     tmp_path, marker = job
-    proc = start(tmp_path, marker, "--nproc_per_node", "3", "--grace_period", "5",
+    proc = start(tmp_path, marker, "--nproc_per_node", "3", *grace_period_args(5),
                  "worker.py", "exit0", "hang", "crash")
     pids = pids_of(tmp_path, range(3))
     _, err = finish(proc)
@@ -145,7 +145,7 @@ def test_early_exit_hang_and_crash_leave_nothing(job):
 def test_sigterm_after_an_early_exit_leaves_nothing(job):
     """The reported failure: rank 0 exits 0, rank 1 hangs, distrun gets SIGTERM."""
     tmp_path, marker = job
-    proc = start(tmp_path, marker, "--nproc_per_node", "2", "--grace_period", "1",
+    proc = start(tmp_path, marker, "--nproc_per_node", "2", *grace_period_args(1),
                  "worker.py", "exit0", "hang_ignoring_sigterm")
     pids = pids_of(tmp_path, range(2))
     assert wait_until(lambda: gone(pids[0][0]), 30), "rank 0 did not exit"

@@ -19,6 +19,7 @@ from distamp.launcher.plan import (
     available_cpus,
     build_plan,
 )
+from distamp.torch_compat import grace_period_supported
 from tests.launcher.test_cli import parse, script  # noqa: F401 - script is a fixture
 
 
@@ -64,7 +65,16 @@ def test_build_plan_maps_gpus_through_cuda_visible_devices(script):  # noqa: F81
 
 
 def test_build_plan_result_for_a_plain_command(script):  # noqa: F811
-    plan = parse(["--nproc_per_node", "2", "--max_restarts", "1", "--grace_period", "5", "train.py", "--lr", "1"])
-    assert plan == LaunchPlan(command=("train.py", "--lr", "1"), nproc_per_node=2, max_restarts=1, grace_period=5,
-                              log_dir=plan.log_dir)
+    grace = 5 if grace_period_supported() else 30
+    plan = parse(["--nproc_per_node", "2", "--max_restarts", "1", "--grace_period", str(grace),
+                  "train.py", "--lr", "1"])
+    assert plan == LaunchPlan(command=("train.py", "--lr", "1"), nproc_per_node=2, max_restarts=1,
+                              grace_period=grace, log_dir=plan.log_dir)
     assert callable(build_plan)
+
+
+def test_a_grace_period_torch_cannot_honour_is_refused_naming_the_torch(script, monkeypatch):  # noqa: F811
+    monkeypatch.setattr("distamp.launcher.plan.grace_period_supported", lambda: False)  # torch 2.11's agent
+    assert parse(["--grace_period", "30", "train.py"]).grace_period == 30
+    with pytest.raises(UsageError, match=r"--grace_period 5: torch .* always gives the workers 30 seconds.*2\.12"):
+        parse(["--grace_period", "5", "train.py"])

@@ -1,0 +1,237 @@
+"""Every private or version-dependent torch name distamp uses, in one place.
+
+distamp supports the latest five torch minors, **2.11 to 2.15** (``setup.cfg``:
+``torch>=2.11,<2.16``). Everywhere else distamp uses torch's public API; what
+has none lives here, each entry with why, and each checked by reading the
+source of torch 2.11.0, 2.13.0 and 2.14.1 (2.15 shares 2.14's code for all of
+them) and by the suite, which CI runs on those three versions
+(``tests/test_torch_compat.py`` exercises every entry on the torch it runs
+on; ``tests/test_private_torch_names.py`` fails when another module of
+distamp names a private torch attribute or module).
+
+A private name that torch renames fails loudly here: at import for the
+module-level aliases, or with a :class:`RuntimeError` naming the name and the
+torch version for the looked-up ones. Nothing here turns a check off
+silently (no ``getattr(..., None)`` on a torch internal).
+
+What only sharding stage 3 or stage 2 needs (FSDP2's communication classes,
+DDP's input-moving helpers) is imported on first use, not at
+``from distamp import fleet``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "DEFAULT_FIRST_BUCKET_BYTES",
+    "TORCH_DEFAULT_GRACE_PERIOD",
+    "DisableTorchFunction",
+    "NormBase",
+    "amp_foreach_non_finite_check_and_unscale_",
+    "current_function_mode_stack",
+    "ddp_has_rebuilt_buckets",
+    "default_store",
+    "dtensor_local",
+    "foreach_add_",
+    "foreach_copy_",
+    "foreach_mul_",
+    "foreach_norm",
+    "foreach_zero_",
+    "fsdp_unsharded_parameters",
+    "grace_period_supported",
+    "group_timeout",
+    "is_view",
+    "launch_config_shutdown_timeout",
+    "queue_autograd_callback",
+    "sync_params_and_buffers",
+    "tensor_version",
+    "to_kwargs",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map_only",
+]
+
+# --------------------------------------------------------------------------- fused tensor-list ops
+# torch's own optimizers and GradScaler are built on these; they have no public
+# names. Same signatures on 2.11-2.14.
+foreach_add_ = torch._foreach_add_
+foreach_copy_ = torch._foreach_copy_
+foreach_mul_ = torch._foreach_mul_
+foreach_norm = torch._foreach_norm
+foreach_zero_ = torch._foreach_zero_
+# GradScaler's fused unscale and inf/NaN check (torch/amp/grad_scaler.py): one
+# kernel per device and dtype, no host sync. 2.11-2.14: (grads, found_inf, inv_scale).
+amp_foreach_non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
+
+# --------------------------------------------------------------------------- torch-function machinery
+# The context manager torch's own __torch_function__ handlers use to call
+# through without re-dispatching (2.11-2.14).
+DisableTorchFunction = torch._C.DisableTorchFunction
+
+
+def current_function_mode_stack() -> list[Any]:
+    """The active ``TorchFunctionMode`` objects, outermost first (2.11-2.14: a private helper of
+    ``torch.overrides``; no public accessor exists)."""
+    return torch.overrides._get_current_function_mode_stack()
+
+
+# torch's pytree utilities: torch.utils.pytree (public) does not exist on 2.11-2.14.
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only  # noqa: E402
+
+# --------------------------------------------------------------------------- tensors and modules
+# The base class of BatchNorm1d/2d/3d, SyncBatchNorm and InstanceNorm1d/2d/3d (2.11-2.14).
+NormBase: type[nn.Module] = nn.modules.batchnorm._NormBase
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place modification counter (autograd's ``_version``; 2.11-2.14)."""
+    return tensor._version
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of another tensor's storage (autograd's ``_base``; 2.11-2.14)."""
+    return tensor._base is not None
+
+
+def queue_autograd_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass ends (what DDP's reducer and FSDP use;
+    ``Variable._execution_engine.queue_callback`` on 2.11-2.14). Call only during a backward."""
+    Variable._execution_engine.queue_callback(callback)
+
+
+def dtensor_local(tensor: DTensor) -> torch.Tensor:
+    """This rank's local tensor of a DTensor, the same object FSDP2 updates (not an autograd view).
+
+    ``DTensor.to_local()`` returns the stored local tensor itself when grad
+    mode is off (2.11-2.14), so no private attribute is needed.
+    """
+    with torch.no_grad():
+        return tensor.to_local()
+
+
+# --------------------------------------------------------------------------- process groups and DDP
+# DDP's default size of its first bucket; torch.compile's DDPOptimizer assumes it (2.11-2.14: 1 MiB).
+DEFAULT_FIRST_BUCKET_BYTES: int = dist._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def default_store() -> dist.Store:
+    """The store ``init_process_group`` built or was given (no public accessor on 2.11-2.14)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def group_timeout(group: dist.ProcessGroup, device: torch.device) -> Any:
+    """The timeout (a ``timedelta``) of ``group``'s backend for ``device`` (2.11-2.14)."""
+    return group._get_backend(device).options._timeout
+
+
+def ddp_has_rebuilt_buckets(ddp: nn.Module) -> bool:
+    """Whether DDP has rebuilt its buckets after the first backward (2.11-2.14)."""
+    return bool(ddp._has_rebuilt_buckets)
+
+
+def to_kwargs(
+    args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """DDP's own move of a forward's inputs (any nesting) to ``device`` (2.11-2.14)."""
+    from torch.distributed.utils import _to_kwargs
+
+    moved_args, moved_kwargs = _to_kwargs(args, kwargs, device, False)
+    return moved_args[0], moved_kwargs[0]
+
+
+def sync_params_and_buffers(group: dist.ProcessGroup, tensors: list[torch.Tensor], bucket_bytes: int, src: int) -> None:
+    """DDP's bucketed broadcast of ``tensors`` from group rank ``src`` (2.11-2.14)."""
+    from torch.distributed.utils import _sync_params_and_buffers
+
+    _sync_params_and_buffers(group, tensors, bucket_bytes, src)
+
+
+# --------------------------------------------------------------------------- FSDP2 (sharding stage 3)
+# FSDP2's AllGather and ReduceScatter interfaces for custom collectives: a private module path on
+# 2.11-2.14 (torch.distributed.fsdp._fully_shard._fsdp_api). Imported on first access of the names
+# (module __getattr__ below), so that only sharding stage 3 loads it.
+_LAZY_FSDP_NAMES = {"FSDPAllGather": "AllGather", "FSDPReduceScatter": "ReduceScatter"}
+
+if TYPE_CHECKING:
+    pass
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_FSDP_NAMES:
+        from torch.distributed.fsdp._fully_shard import _fsdp_api
+
+        return getattr(_fsdp_api, _LAZY_FSDP_NAMES[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _fsdp_param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: one optional group on 2.11, a list from 2.12 on."""
+    if hasattr(state, "_fsdp_param_groups"):  # 2.12+ (2.13.0, 2.14.1 checked)
+        return list(state._fsdp_param_groups)
+    if hasattr(type(state), "_fsdp_param_group") or "_fsdp_param_group" in vars(state):  # 2.11
+        group = state._fsdp_param_group
+        return [] if group is None else [group]
+    raise RuntimeError(
+        f"torch {torch.__version__}: FSDP2's state has neither _fsdp_param_groups nor _fsdp_param_group; "
+        "distamp's sharding stage 3 supports torch 2.11-2.15 (distamp/torch_compat.py)"
+    )
+
+
+def fsdp_unsharded_parameters(root: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(sharded parameter, unsharded parameter)`` for each FSDP2 parameter under ``root`` that has
+    been all-gathered at least once (FSDP2 then keeps reusing that unsharded ``Parameter``).
+
+    Raises :class:`RuntimeError` when FSDP2 holds parameters but none has the
+    attribute this reads (``FSDPParam._unsharded_param``, 2.11-2.14), so a
+    rename in a newer torch cannot silently switch a check off. Call it after
+    a forward has run.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    seen = found = 0
+    for module in root.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in _fsdp_param_groups(module._get_fsdp_state()):
+            for fsdp_param in group.fsdp_params:
+                seen += 1
+                if "_unsharded_param" in vars(fsdp_param):
+                    found += 1
+                    yield fsdp_param.sharded_param, fsdp_param._unsharded_param
+    if seen and not found:
+        raise RuntimeError(
+            f"torch {torch.__version__}: none of FSDP2's {seen} parameters has _unsharded_param after a forward; "
+            "distamp's sharding stage 3 supports torch 2.11-2.15 (distamp/torch_compat.py)"
+        )
+
+
+# --------------------------------------------------------------------------- the elastic launcher
+def launch_config_shutdown_timeout(seconds: int) -> dict[str, Any]:
+    """``LaunchConfig`` keyword arguments for a ``seconds`` grace period between SIGTERM and SIGKILL.
+
+    ``LaunchConfig.shutdown_timeout`` exists from torch 2.12 on (2.13.0 and
+    2.14.1 checked); torch 2.11's agent always waits 30 seconds, so there
+    the argument is left out and ``--grace_period`` other than 30 is refused
+    (:func:`grace_period_supported`).
+    """
+    return {"shutdown_timeout": seconds} if grace_period_supported() else {}
+
+
+def grace_period_supported() -> bool:
+    """Whether this torch's ``LaunchConfig`` takes a shutdown timeout (2.12+)."""
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return any(field.name == "shutdown_timeout" for field in dataclasses.fields(LaunchConfig))
+
+
+TORCH_DEFAULT_GRACE_PERIOD = 30
+"""Seconds torch's elastic agent waits between SIGTERM and SIGKILL when not told (2.11-2.14)."""

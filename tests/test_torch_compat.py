@@ -1,0 +1,202 @@
+"""Every entry of distamp/torch_compat.py does what distamp relies on, on the torch this runs on.
+
+CI runs this on torch 2.11.0, 2.13.0 and 2.14.1 (.ci/run), so each
+version-dependent branch is taken on some torch of the matrix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from distamp import torch_compat as tc
+from tests.multiprocess import run_workers
+
+
+def _release() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def test_fused_list_ops_compute_what_their_loops_compute():
+    a, b = [torch.ones(3), torch.full((2,), 2.0)], [torch.full((3,), 4.0), torch.ones(2)]
+    tc.foreach_add_(a, b)
+    assert [t.tolist() for t in a] == [[5.0] * 3, [3.0] * 2]
+    tc.foreach_mul_(a, 0.5)
+    assert [t.tolist() for t in a] == [[2.5] * 3, [1.5] * 2]
+    assert [n.item() for n in tc.foreach_norm(a, float("inf"))] == [2.5, 1.5]
+    tc.foreach_copy_(a, b)
+    assert [t.tolist() for t in a] == [t.tolist() for t in b]
+    tc.foreach_zero_(a)
+    assert all(not t.any() for t in a)
+
+
+def test_fused_unscale_sets_the_flag_only_for_a_non_finite_gradient():
+    grads, found = [torch.tensor([2.0, 4.0])], torch.zeros(1)
+    tc.amp_foreach_non_finite_check_and_unscale_(grads, found, torch.tensor(0.5))
+    assert grads[0].tolist() == [1.0, 2.0]
+    assert found.item() == 0.0
+    tc.amp_foreach_non_finite_check_and_unscale_([torch.tensor([float("inf")])], found, torch.tensor(1.0))
+    assert found.item() == 1.0
+
+
+def test_function_mode_stack_lists_the_active_modes_and_disable_torch_function_bypasses_them():
+    calls = []
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            calls.append(func)
+            return func(*args, **(kwargs or {}))
+
+    mode = Count()
+    assert mode not in tc.current_function_mode_stack()
+    with mode:
+        assert tc.current_function_mode_stack()[-1] is mode
+        torch.add(torch.ones(1), 1)
+        seen = len(calls)
+        with tc.DisableTorchFunction():
+            torch.add(torch.ones(1), 1)
+        assert len(calls) == seen > 0
+
+
+def test_pytree_helpers_reach_nested_tensors():
+    tree = {"a": [torch.ones(1), (torch.zeros(2), 3)]}
+    assert len(tc.tree_leaves(tree)) == 3
+    leaves, _ = tc.tree_flatten(tree)
+    assert leaves[2] == 3
+    doubled = tc.tree_map_only(torch.Tensor, lambda t: t + 1, tree)
+    assert doubled["a"][0].item() == 2.0
+    assert doubled["a"][1][1] == 3
+
+
+def test_norm_base_is_batch_and_instance_norm_and_not_layer_norm():
+    assert issubclass(nn.BatchNorm2d, tc.NormBase)
+    assert issubclass(nn.SyncBatchNorm, tc.NormBase)
+    assert issubclass(nn.InstanceNorm1d, tc.NormBase)
+    assert not issubclass(nn.LayerNorm, tc.NormBase)
+
+
+def test_tensor_version_counts_in_place_writes_and_is_view_tells_views():
+    t = torch.zeros(4)
+    before = tc.tensor_version(t)
+    t.add_(1)
+    assert tc.tensor_version(t) == before + 1
+    assert tc.is_view(t[1:])
+    assert not tc.is_view(t)
+
+
+def test_autograd_callback_runs_once_when_the_backward_ends():
+    order = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: tc.queue_autograd_callback(lambda: order.append("end")) or order.append("hook"))
+    y.sum().backward()
+    assert order == ["hook", "end"]
+
+
+def test_first_bucket_is_one_mebibyte():
+    assert tc.DEFAULT_FIRST_BUCKET_BYTES == 1024 * 1024
+
+
+def test_launch_config_takes_the_grace_period_where_torch_has_it():
+    from torch.distributed.launcher.api import LaunchConfig
+
+    kwargs = tc.launch_config_shutdown_timeout(7)
+    if _release() >= (2, 12):
+        assert tc.grace_period_supported()
+        assert kwargs == {"shutdown_timeout": 7}
+    else:  # torch 2.11: no such field, the agent always waits 30 s
+        assert not tc.grace_period_supported()
+        assert kwargs == {}
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, **kwargs)
+    if kwargs:
+        assert dataclasses.asdict(config)["shutdown_timeout"] == 7
+    assert tc.TORCH_DEFAULT_GRACE_PERIOD == 30
+
+
+def _group_entries(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel
+
+    store = tc.default_store()
+    store.set(f"k{rank}", str(rank))
+    store.wait([f"k{1 - rank}"], timedelta(seconds=30))
+    timeout = tc.group_timeout(dist.group.WORLD, torch.device("cpu"))
+    tensors = [torch.full((3,), float(rank)), torch.full((2,), float(rank) + 10)]
+    tc.sync_params_and_buffers(dist.group.WORLD, tensors, 1 << 20, 0)
+    args, kwargs = tc.to_kwargs((torch.ones(1), [torch.zeros(1)]), {"k": torch.ones(1)}, torch.device("cpu"))
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Linear(4, 2))
+    rebuilt = [tc.ddp_has_rebuilt_buckets(ddp)]
+    for _ in range(2):
+        ddp(torch.ones(3, 4)).sum().backward()
+        rebuilt.append(tc.ddp_has_rebuilt_buckets(ddp))
+    return {"other": store.get(f"k{1 - rank}").decode(), "timeout": timeout, "synced": [t.tolist() for t in tensors],
+            "moved": (len(args), len(args[1]), sorted(kwargs)), "rebuilt": rebuilt}
+
+
+@pytest.mark.timeout(120)
+def test_store_timeout_broadcast_input_moves_and_bucket_rebuild_on_a_real_group():
+    out = run_workers(_group_entries, 2, timeout=100, pg_timeout=77)
+    for rank in (0, 1):
+        assert out[rank]["other"] == str(1 - rank)
+        assert out[rank]["timeout"] == timedelta(seconds=77)
+        assert out[rank]["synced"] == [[0.0] * 3, [10.0] * 2]
+        assert out[rank]["moved"] == (2, 1, ["k"])
+        # DDP rebuilds its buckets in the forward after the first backward.
+        assert out[rank]["rebuilt"] == [False, False, True]
+
+
+def _fsdp_entries(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    try:  # before the first forward nothing is gathered: the same as a renamed attribute, so it raises
+        before = str(list(tc.fsdp_unsharded_parameters(model)))
+    except RuntimeError as exc:
+        before = str(exc)
+    model(torch.ones(3, 4)).sum().backward()
+    after = list(tc.fsdp_unsharded_parameters(model))
+    weight = model[0].weight
+    local = tc.dtensor_local(weight)
+    return {
+        "dtensor": isinstance(weight, DTensor),
+        "local_is_stored": local.data_ptr() == weight.to_local().data_ptr() and local.grad_fn is None,
+        "local_shape": tuple(local.shape),
+        "before": before,
+        "after": [(tuple(s.shape), tuple(u.shape)) for s, u in after],
+        "sharded_are_params": all(any(s is p for p in model.parameters()) for s, _ in after),
+        "comm_bases": (tc.FSDPAllGather.__name__, tc.FSDPReduceScatter.__name__),
+    }
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_unsharded_parameters_and_comm_interfaces_on_a_real_group():
+    out = run_workers(_fsdp_entries, 2, timeout=100)
+    for rank in (0, 1):
+        assert out[rank]["dtensor"]
+        assert out[rank]["local_is_stored"]
+        assert out[rank]["local_shape"] == (3, 4)  # 6 rows over 2 ranks
+        assert "none of FSDP2's 4 parameters has _unsharded_param" in out[rank]["before"]
+        # (sharded DTensor's global shape, unsharded shape) of each parameter
+        assert sorted(out[rank]["after"]) == sorted([((6, 4), (6, 4)), ((6,), (6,)), ((2, 6), (2, 6)), ((2,), (2,))])
+        assert out[rank]["sharded_are_params"]
+        assert out[rank]["comm_bases"] == ("AllGather", "ReduceScatter")
+
+
+def test_a_renamed_fsdp_attribute_fails_loudly():
+    class State:  # neither 2.11's _fsdp_param_group nor 2.12+'s _fsdp_param_groups
+        pass
+
+    with pytest.raises(RuntimeError, match=r"neither _fsdp_param_groups nor _fsdp_param_group.*2\.11-2\.15"):
+        tc._fsdp_param_groups(State())
