@@ -151,7 +151,11 @@ class FP32Forward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = tree_map_only(torch.Tensor, _to_fp32, (args, kwargs))
-        forward = self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+        forward = self.inner
+        if forward is None:
+            # The class's forward called with the module as self: torch 2.11's dynamo cannot trace
+            # binding it with function.__get__ (a graph break there).
+            forward, args = type(self.module).forward, (self.module, *args)
         with torch.autocast("cpu", enabled=False):
             if "cuda" not in self.device_types:
                 return forward(*args, **kwargs)
