@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.amp.auto_cast import auto_cast as _auto_cast
+from distamp.amp.deferred_autocast import DeferredAutocast
 from distamp.distributed.data_parallel import DataParallel
 from distamp.distributed.process_group import (
     SELECTED_GPUS_VAR,
@@ -47,9 +48,6 @@ from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
 
 if TYPE_CHECKING:
-    # typing.Self is Python 3.11+; mypy checks for 3.10 (setup.cfg).
-    import typing_extensions
-
     from distamp.distributed.fully_sharded import FullyShardedModel
 
 __all__ = [
@@ -314,18 +312,30 @@ def distributed_model(
 def auto_cast(enable: bool = True) -> contextlib.AbstractContextManager:
     """Op-level mixed precision from the latest strategy: ``torch.autocast`` on ``device()``.
 
-    The dtype and the custom op lists come from the strategy given to
-    ``init`` or ``distributed_optimizer`` (the latest); the device type is
-    that of :func:`device`. With default lists it is exactly
-    ``torch.autocast(device().type, dtype)``. A no-op when the strategy's
-    ``amp`` is off (or no strategy was given yet); ``enable=False`` switches
-    autocast off inside an enabled region.
+    The strategy is read each time the region is *entered*, not when
+    ``auto_cast()`` is called: a context built once at start-up, before
+    ``distributed_optimizer`` gave the strategy, and entered every step
+    (``ctx = fleet.auto_cast()`` ... ``with ctx:``) casts from the first
+    step after the strategy exists. The object is reusable and re-entrant.
+
+    On entry, the dtype and the custom op lists come from the strategy given
+    to ``init`` or ``distributed_optimizer`` (the latest); the device type is
+    that of :func:`device`. With default lists the region is exactly
+    ``torch.autocast(device().type, dtype)``. An entry while no strategy was
+    given yet, or while the latest one has ``amp`` off, does nothing;
+    ``enable=False`` switches autocast off inside an enabled region.
     """
     if not isinstance(enable, bool):
         raise TypeError(f"auto_cast(enable=...) must be True or False, got {enable!r}")
+    return DeferredAutocast(lambda: _autocast_region(enable), _inactive_reason)
+
+
+def _autocast_region(enable: bool) -> contextlib.AbstractContextManager | None:
+    """The region ``auto_cast(enable)`` enters now: from the latest strategy; ``None`` when AMP is off."""
     strategy = _state.strategy
     if strategy is None or not strategy.amp:
-        return _NoOp()
+        # Switching off what is not on is nothing to report (see _inactive_reason).
+        return None if enable else contextlib.nullcontext()
     cfg = strategy.amp_config
     return _auto_cast(
         enable=enable,
@@ -336,14 +346,11 @@ def auto_cast(enable: bool = True) -> contextlib.AbstractContextManager:
     )
 
 
-class _NoOp(contextlib.ContextDecorator):
-    """``auto_cast()`` with AMP off: nothing happens (also as a decorator)."""
-
-    def __enter__(self) -> typing_extensions.Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        return None
+def _inactive_reason() -> str:
+    if _state.strategy is None:
+        return ("no strategy had been given yet (fleet.init(strategy=...) or fleet.distributed_optimizer(..., "
+                "strategy))")
+    return "the latest strategy (given to fleet.init or fleet.distributed_optimizer) has amp off"
 
 
 def worker_index() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -180,6 +181,63 @@ def test_auto_cast_follows_the_latest_strategy_and_is_a_no_op_without_amp():
         assert F.linear(x, w).dtype == torch.bfloat16
     with fleet.auto_cast(enable=False):
         assert F.linear(x, w).dtype == torch.float32
+
+
+def _reference_o1_losses(model: nn.Module, batches, dtype: torch.dtype) -> list[torch.Tensor]:
+    """torch's own O1 loop: torch.autocast around the forward, plain SGD (BF16 needs no scaler)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for x, y in batches:
+        with torch.autocast("cpu", dtype=dtype):
+            loss = F.cross_entropy(model(x), y)
+        losses.append(loss.detach())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return losses
+
+
+def test_auto_cast_built_before_the_strategy_casts_once_the_strategy_exists():
+    """nanoGPT builds `ctx` once at start-up, before the optimizer, and enters it every step."""
+    import warnings
+
+    from distamp import fleet
+
+    fleet.init()
+    ctx = fleet.auto_cast()                      # no strategy yet
+    x, w = torch.randn(2, 3), torch.randn(4, 3)
+    with ctx:
+        assert F.linear(x, w).dtype == torch.float32  # entered before the strategy: nothing to do
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 5))
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 8, generator=g), torch.randint(0, 5, (6,), generator=g)) for _ in range(3)]
+    with torch.no_grad():
+        fp32_first_loss = F.cross_entropy(model(batches[0][0]), batches[0][1])
+    strategy = fleet.DistributedStrategy()
+    strategy.amp = True
+    strategy.amp_configs = {"dtype": "bfloat16"}
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    model = fleet.distributed_model(model)
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches:
+            with ctx:                            # the same object, entered again every step
+                with ctx:                        # and re-entrant
+                    assert F.linear(x, model.module[0].weight).dtype == torch.bfloat16
+                assert torch.is_autocast_enabled("cpu")
+                loss = F.cross_entropy(model(x), y)
+            assert not torch.is_autocast_enabled("cpu")
+            losses.append(loss.detach())
+            optimizer.zero_grad()
+            optimizer.minimize(loss)
+    assert [str(w.message) for w in caught if "FP32" in str(w.message)] == []
+    expected = _reference_o1_losses(reference, batches, torch.bfloat16)
+    assert not torch.equal(losses[0], fp32_first_loss)  # the step-0 loss is not the FP32 one (the bug's symptom)
+    for ours, theirs in zip(losses, expected, strict=True):
+        assert torch.equal(ours, theirs)
 
 
 def test_distributed_optimizer_alone_is_enough_in_one_process():

@@ -63,3 +63,19 @@ def test_gpt_example_fp16_o2_stage3_ends_within_2_percent_of_unsharded(tmp_path)
     unsharded = _gpt_final_loss(tmp_path, *args)
     sharded = _gpt_final_loss(tmp_path, *args, "--sharding_stage", "3")
     assert abs(sharded - unsharded) <= 0.02 * unsharded, (sharded, unsharded)
+
+
+@pytest.mark.timeout(150)
+def test_nanogpt_style_loop_does_what_the_readme_table_says(tmp_path):
+    """README, 'Adding distamp to existing data-parallel code': ctx built once, require_backward_grad_sync, norms."""
+    script = os.path.join(ROOT, "examples", "nanogpt_style.py")
+    cmd = [sys.executable, "-m", "distamp.launcher", "--nproc_per_node", "2", script, "--steps", "6"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=140, check=False)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    out = done.stdout + done.stderr
+    assert "'custom_black_varnames': ['transformer.h.*.ln_1', 'transformer.h.*.ln_2', 'transformer.ln_f']" in out
+    assert "no autocast region" not in out
+    assert "gradient all-reduce calls per optimizer step: [1]" in out  # one bucket, once per 2 micro-steps
+    assert ("model.state_dict()['transformer.h.0.attn.weight']: torch.bfloat16; "
+            "optimizer.fp32_state_dict(model)['transformer.h.0.attn.weight']: torch.float32") in out
+    assert "custom LayerNorm parameters: ['torch.bfloat16']" in out  # as the warning says

@@ -16,6 +16,13 @@ dtype; two kinds stay FP32:
 Example::
 
     keep = fp32_parameters(model, black_patterns=["head"], keep_norm_fp32=True)
+
+Normalization layers are recognised by type (:data:`NORM_LAYER_TYPES`), so a
+model's own norm class (nanoGPT's ``LayerNorm`` with an optional bias, Llama's
+``RMSNorm``) is stored in 16 bits like any other module;
+:func:`unrecognised_norms` finds those whose class is named like a norm, so
+that O2 can say so and name the ``custom_black_varnames`` patterns that keep
+them in FP32 (:func:`unrecognised_norms_message`).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from torch import nn
 from distamp.amp.black_modules import find_black_modules
 from distamp.torch_compat import NormBase
 
-__all__ = ["NORM_LAYER_TYPES", "fp32_parameters"]
+__all__ = ["NORM_LAYER_TYPES", "fp32_parameters", "looks_like_norm", "unrecognised_norms", "unrecognised_norms_message"]
 
 NORM_LAYER_TYPES: tuple[type[nn.Module], ...] = (
     NormBase,  # BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm1d/2d/3d
@@ -60,3 +67,55 @@ def fp32_parameters(
             if isinstance(module, NORM_LAYER_TYPES):
                 keep.update(id(p) for p in module.parameters(recurse=False))
     return [p for p in model.parameters() if id(p) in keep]
+
+
+_NORM_NAME_PARTS = ("LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm", "InstanceNorm")
+_SHOWN_MODULES = 4
+
+
+def looks_like_norm(class_name: str) -> bool:
+    """Whether a class named ``class_name`` is, by its name, a normalization layer (``...Norm``, ``LayerNorm2d``)."""
+    return class_name.endswith("Norm") or any(part in class_name for part in _NORM_NAME_PARTS)
+
+
+def _class_name(module: nn.Module) -> str:
+    """The module's own class name (FSDP2's ``fully_shard`` makes a subclass named ``FSDP<class>``)."""
+    for cls in type(module).__mro__:
+        if not cls.__module__.startswith("torch.distributed."):
+            return cls.__name__
+    return type(module).__name__
+
+
+def unrecognised_norms(model: nn.Module, black_patterns: Iterable[str] = ()) -> list[tuple[str, str]]:
+    """``(qualified name, class name)`` of the modules O2 would store in 16 bits though they look like norms.
+
+    A module counts when its class is named like a normalization layer
+    (:func:`looks_like_norm`), it is not one of :data:`NORM_LAYER_TYPES`, it
+    holds floating-point parameters of its own, and no ``custom_black_varnames``
+    pattern already keeps it (or a module around it) in FP32.
+    """
+    inside_black = [f"{name}." if name else "" for name, _ in find_black_modules(model, list(black_patterns))]
+    found = []
+    for name, module in model.named_modules():
+        if (name and looks_like_norm(_class_name(module)) and not isinstance(module, NORM_LAYER_TYPES)
+                and any(p.is_floating_point() for p in module.parameters(recurse=False))
+                and not any(f"{name}.".startswith(prefix) for prefix in inside_black)):
+            found.append((name, _class_name(module)))
+    return found
+
+
+def unrecognised_norms_message(found: list[tuple[str, str]], dtype: str) -> str:
+    """The O2 warning for :func:`unrecognised_norms`' modules: what happens, and the patterns that fix it."""
+    shown = ", ".join(f"{name!r} ({cls})" for name, cls in found[:_SHOWN_MODULES])
+    more = f" and {len(found) - _SHOWN_MODULES} more" if len(found) > _SHOWN_MODULES else ""
+    # One pattern per position in a repeated block: "transformer.h.*.ln_1" for every block's ln_1.
+    patterns = list(dict.fromkeys(".".join("*" if part.isdigit() else part for part in name.split("."))
+                                  for name, _ in found))
+    return (
+        f"O2 (use_pure_fp16=True) stores the parameters of {shown}{more} in {dtype}: their classes are named like "
+        "normalization layers, but keep_norm_fp32 keeps only torch.nn's (BatchNorm, SyncBatchNorm, InstanceNorm, "
+        "LayerNorm, GroupNorm, RMSNorm and their subclasses) in FP32. To keep them in FP32 (weights and compute), "
+        f"list them in custom_black_varnames: strategy.amp_configs = {{..., 'custom_black_varnames': {patterns!r}}}. "
+        "If 16-bit norms are what you want, amp_configs['keep_norm_fp32'] = False stores every norm in 16 bits "
+        "and silences this."
+    )

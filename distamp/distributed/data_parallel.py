@@ -237,6 +237,24 @@ class DataParallel(nn.Module):
         runtime.optimizer_sync[id(optimizer)] = flag
         runtime.merge_sync = all(runtime.optimizer_sync.values())
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's attribute: whether the backward of the next forward communicates (default True).
+
+        Set it to ``False`` for the micro-batches of a gradient-accumulation
+        window and back to ``True`` before the last one's forward, as nanoGPT
+        and Accelerate do with torch's DDP: the backward of a forward run with
+        it ``False`` skips the all-reduce and ``.grad`` accumulates locally;
+        the next backward with it ``True`` reduces the accumulated sum. As
+        with DDP it is read at each forward, and :meth:`no_sync` is the same
+        switch (it sets ``False`` and restores the previous value).
+        """
+        return self._runtime.sync_enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._runtime.sync_enabled = bool(value)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally: backward passes run inside skip the all-reduce."""

@@ -123,6 +123,7 @@ class FullyShardedModel(nn.Module):
         self._replaced = {id(old): (weakref.ref(old), after[name]) for name, old in before}
         self._optimizers: list[FullyShardedOptimizer] = []
         self._ran_forward = False
+        self._grad_sync = True
 
     # ------------------------------------------------------------------
     @property
@@ -185,15 +186,27 @@ class FullyShardedModel(nn.Module):
     def set_grad_sync(self, optimizer: Any, flag: bool) -> None:
         """Called by an attached optimizer; stage 3 reduce-scatters every micro-batch, so nothing changes."""
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's attribute (nanoGPT and Accelerate set it for gradient accumulation): ``False`` skips the
+        reduce-scatter of the following backward passes, which accumulate unsharded gradients locally; the
+        next backward with it ``True`` reduces the sum (FSDP2's ``set_requires_gradient_sync``)."""
+        return self._grad_sync
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._grad_sync = bool(value)
+        cast(FSDPModule, self.module).set_requires_gradient_sync(self._grad_sync)  # the root is an FSDPModule
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate unsharded FP32 gradients locally: backward passes run inside skip the reduce-scatter."""
-        module = cast(FSDPModule, self.module)  # fully_shard made the root an FSDPModule
-        module.set_requires_gradient_sync(False)
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            module.set_requires_gradient_sync(True)
+            self.require_backward_grad_sync = previous
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the sharded module (FSDP2 all-gathers each unit before it runs)."""

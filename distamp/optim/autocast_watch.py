@@ -10,13 +10,17 @@ casts every matmul's operands, and casting a tensor to its own dtype
 records nothing) mean FP32 compute. A compiled region
 (``CompiledFunctionBackward``) is opaque and taken on trust, and a graph
 without matmuls says nothing. It warns once, when the first step finishes,
-and never looks again.
+and never looks again. When ``fleet.auto_cast()`` was entered meanwhile but
+did nothing (no strategy with ``amp`` on was the latest when it was entered:
+e.g. the optimizer was built as ``AmpOptimizer`` directly, not by
+``fleet.distributed_optimizer``), the warning says that, not "no region".
 """
 
 from __future__ import annotations
 
 import torch
 
+from distamp.amp.deferred_autocast import INACTIVE_ENTRIES
 from distamp.user_warning import warn_user
 
 __all__ = ["AutocastWatch"]
@@ -54,6 +58,7 @@ class AutocastWatch:
         self.active = active
         self.dtype = dtype
         self._fp32 = False
+        self._inactive_before = INACTIVE_ENTRIES.count
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """Look at the graph about to be differentiated (it is freed by the backward)."""
@@ -65,9 +70,18 @@ class AutocastWatch:
         if not self.active:
             return
         self.active = False
-        if self._fp32:
+        if not self._fp32:
+            return
+        if INACTIVE_ENTRIES.count > self._inactive_before:
             warn_user(
-                f"O1 (use_pure_fp16=False): the forward of this step ran with no autocast region, so the model "
-                f"computed in FP32, not {self.dtype}. Run the forward and the loss under `with fleet.auto_cast():` "
-                "(or torch.autocast)."
+                f"O1 (use_pure_fp16=False): the forward of this step computed in FP32, not {self.dtype}: it ran "
+                f"inside fleet.auto_cast(), which did nothing because, when it was entered, "
+                f"{INACTIVE_ENTRIES.reason}. fleet.auto_cast() follows the latest strategy: give this optimizer's "
+                "strategy to fleet.init(strategy=...) or build the optimizer with fleet.distributed_optimizer."
             )
+            return
+        warn_user(
+            f"O1 (use_pure_fp16=False): the forward of this step ran with no autocast region, so the model "
+            f"computed in FP32, not {self.dtype}. Run the forward and the loss under `with fleet.auto_cast():` "
+            "(or torch.autocast)."
+        )

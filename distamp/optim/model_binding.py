@@ -9,6 +9,9 @@ calls) or, without it, at the model's first forward
 * gives O2's FP32-kept parameters (normalization layers,
   ``custom_black_varnames``) their exact FP32 values back from the masters,
   or with ``keep_norm_fp32=False`` stores normalization buffers in 16 bits;
+  with ``keep_norm_fp32``, warns once about modules whose class is named like
+  a norm but is not one of torch's (they are stored in 16 bits), naming the
+  ``custom_black_varnames`` patterns that keep them in FP32;
 * learns the qualified parameter names that overflow attribution reports;
 * installs the ``check_nan_inf`` hooks;
 * keeps the ``custom_black_varnames`` modules a first-forward adoption
@@ -26,11 +29,12 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.amp.black_modules import BlackModulesHandle
-from distamp.amp.fp32_parameters import NORM_LAYER_TYPES
+from distamp.amp.fp32_parameters import NORM_LAYER_TYPES, unrecognised_norms, unrecognised_norms_message
 from distamp.amp.nan_inf_check import NanInfChecker
 from distamp.distributed.groups import group_rank, group_size
 from distamp.optim.master_weights import MasterWeightsSurface
 from distamp.strategy import AmpConfig
+from distamp.user_warning import warn_user
 
 __all__ = ["ModelBinding"]
 
@@ -80,6 +84,10 @@ class ModelBinding:
             self._master_weights.convert_model(keep_fp32=keep_fp32)
             if not self._config.keep_norm_fp32:
                 self._norm_buffers_to_low(model, keep_fp32)
+            else:
+                found = unrecognised_norms(model, self._config.custom_black_varnames)
+                if found:
+                    warn_user(unrecognised_norms_message(found, self._config.dtype))
         if self._amp and self._config.check_nan_inf:
             self.checker = NanInfChecker(model, self._step, group_rank())
 

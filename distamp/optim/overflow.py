@@ -9,7 +9,13 @@ on skipped steps: applied steps pay nothing.
 
 :class:`OverflowLog` keeps ``last_overflow`` for ``optimizer.stats()``,
 logs one warning line per skipped step, and once a module keeps showing up
-suggests keeping it in FP32 with ``custom_black_varnames``.
+suggests keeping it in FP32 with ``custom_black_varnames``. Only overflows at
+a loss scale that could not fall count toward that hint (at
+``min_loss_scaling``, or a fixed scale: BF16, or dynamic scaling off): while
+the scale is still backing off from a value too high for the model (e.g.
+``init_loss_scaling`` 2**24), every gradient overflows because of the scale,
+not because of a module, and blaming the first layers would send the user
+after the wrong fix.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ __all__ = ["SUGGEST_AFTER", "OverflowLog", "nonfinite_parameters"]
 logger = logging.getLogger("distamp")
 
 SUGGEST_AFTER = 5
-"""Skipped steps naming the same module before the log suggests ``custom_black_varnames`` for it."""
+"""Skipped steps naming the same module, at a scale that could not fall, before the log suggests
+``custom_black_varnames`` for it."""
 
 _SHOWN_NAMES = 6
 
@@ -84,11 +91,23 @@ class OverflowLog:
     def __init__(self) -> None:
         self.last_overflow: dict | None = None
         self.overflows = 0
-        self._module_counts: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+        self._module_counts: collections.Counter[str] = collections.Counter()
         self._suggested: set[str] = set()
 
-    def record(self, step: int, names: list[str], loss_scale: float, retrying: bool = False) -> None:
-        """One non-finite verdict at ``step``: remember it, log it, maybe suggest FP32 for a module."""
+    def record(self, step: int, names: list[str], loss_scale: float, retrying: bool = False,
+               scale_falls: bool = False) -> None:
+        """One non-finite verdict at ``step``: remember it, log it, maybe suggest FP32 for a module.
+
+        Args:
+            step: the step's number.
+            names: the parameters whose reduced gradient is non-finite.
+            loss_scale: the scale the step ran at.
+            retrying: the step is retried at a lower scale (``overflow_retries``).
+            scale_falls: the loss scaler lowers (or lowered) the scale in answer to
+                this overflow. Such an overflow may be the scale's doing, so
+                it does not count toward the module hint; a retry always
+                lowered the scale.
+        """
         self.overflows += 1
         self.last_overflow = {"step": step, "params": list(names)}
         more = len(names) - _SHOWN_NAMES
@@ -97,16 +116,17 @@ class OverflowLog:
         logger.warning(
             "step %d %s: non-finite gradients in %s (loss scale %g)", step, action, shown or "no parameter", loss_scale
         )
+        if retrying or scale_falls:
+            return
         for module in dict.fromkeys(_module_of(n) for n in names):
-            counts = self._module_counts[module]
-            counts["retried" if retrying else "skipped"] += 1
-            if counts.total() >= SUGGEST_AFTER and module not in self._suggested:
+            self._module_counts[module] += 1
+            if self._module_counts[module] >= SUGGEST_AFTER and module not in self._suggested:
                 self._suggested.add(module)
-                self._suggest(module, names, counts)
+                self._suggest(module, names, self._module_counts[module], loss_scale)
 
     @staticmethod
-    def _suggest(module: str, names: list[str], counts: collections.Counter[str]) -> None:
-        seen = " and ".join(_times(counts[kind], f"{kind} step") for kind in ("skipped", "retried") if counts[kind])
+    def _suggest(module: str, names: list[str], count: int, loss_scale: float) -> None:
+        seen = f"{_times(count, 'skipped step')} at a loss scale that could not go lower ({loss_scale:g})"
         if module:
             logger.warning(
                 "module %r had non-finite gradients in %s; if it keeps overflowing, run it in FP32: "

@@ -75,7 +75,11 @@ class StepPolicy:
         grads = self.precision.master_weights.reduced_grads()
         with named_collective(f"the overflow attribution of step {self.step_number + 1}"):
             bad = nonfinite_parameters(params, names, self._group(), grads)
-        self.overflow.record(self.step_number + 1, bad, self.precision.loss_scale, retrying=retrying)
+        # Read before the scale update: whether this overflow can still lower the scale (as the stuck-scale check).
+        scaler = self.precision.scaler
+        scale_falls = scaler is not None and scaler.can_decrease
+        self.overflow.record(self.step_number + 1, bad, self.precision.loss_scale, retrying=retrying,
+                             scale_falls=scale_falls)
 
     def binding_params(self) -> list[torch.nn.Parameter]:
         """The model parameters, in the masters' order."""

@@ -438,6 +438,60 @@ def test_no_sync_accumulation_communicates_once_and_steps_once():
         assert torch.equal(masters, out[0][2])
 
 
+def _accumulate(rank, world_size, stage, switch):
+    """nanoGPT's loop: 2 steps of 2 micro-batches, the sync switched per micro-batch by `switch`."""
+    from distamp import fleet
+
+    strategy = make_strategy(dtype="bfloat16", use_pure_fp16=True)
+    if stage:
+        strategy.sharding = True
+        strategy.sharding_configs = {"stage": stage}
+    fleet.init()
+    model = tiny_mlp()
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), strategy)
+    wrapped = fleet.distributed_model(model)
+    ctx = fleet.auto_cast()
+    calls, updates = [], []
+    batches = global_batches(4, world_size, per_rank=2)
+    for step in range(2):
+        for micro_step in range(2):
+            x, y = shard(batches[2 * step + micro_step], rank, world_size)
+            last = micro_step == 1
+            if switch == "attribute":
+                wrapped.require_backward_grad_sync = last
+            with contextlib.nullcontext() if switch == "attribute" or last else wrapped.no_sync():
+                with ctx:
+                    loss = F.mse_loss(wrapped(x), y) / 2
+                opt.backward(loss)
+            calls.append(wrapped.comm_stats.calls)
+        before = opt.steps_applied + opt.steps_skipped
+        assert opt.step()
+        updates.append(opt.steps_applied + opt.steps_skipped - before)
+        opt.zero_grad(set_to_none=True)
+    state = opt.fp32_state_dict(wrapped)
+    return calls, updates, torch.cat([state[k].reshape(-1) for k in sorted(state)])
+
+
+def _attribute_and_no_sync(rank, world_size, stage):
+    return {switch: _accumulate(rank, world_size, stage, switch) for switch in ("attribute", "no_sync")}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_require_backward_grad_sync_false_accumulates_locally_as_ddp_does(stage):
+    """DDP's attribute, set as nanoGPT and Accelerate set it, communicates once per optimizer step."""
+    out = run_workers(_attribute_and_no_sync, 2, stage, timeout=130)
+    for runs in out:
+        calls, updates, params = runs["attribute"]
+        per_step = calls[1]
+        assert per_step >= 1
+        assert calls == [0, per_step, per_step, 2 * per_step]  # nothing on the accumulating micro-batches
+        assert updates == [1, 1]  # one inf/NaN check and one scale update per optimizer step
+        assert runs["no_sync"][:2] == (calls, updates)
+        assert torch.equal(params, runs["no_sync"][2])  # the same sums as under no_sync()
+        assert torch.equal(params, out[0]["attribute"][2])  # and the ranks agree
+
+
 class Scale(nn.Module):
     """loss = sum(weight * x): the weight's gradient is the input, chosen per rank."""
 

@@ -49,3 +49,33 @@ def test_o1_with_a_region_does_not_warn(region):
 
 def test_a_compiled_o1_model_under_auto_cast_does_not_warn():
     assert _steps(fleet.auto_cast, compile_model=True) == []
+
+
+def test_a_forward_inside_a_fleet_auto_cast_that_did_nothing_is_not_called_regionless():
+    """An AmpOptimizer built directly gives fleet no strategy: auto_cast() enters nothing, and the warning says so."""
+    from distamp.optim import AmpOptimizer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    strategy = fleet.DistributedStrategy(amp=True)
+    strategy.amp_configs = {"dtype": "bfloat16"}
+    optimizer = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fleet.auto_cast():
+            loss = model(torch.ones(2, 4)).float().sum()
+        optimizer.backward(loss)
+        optimizer.step()
+    messages = [str(w.message) for w in caught if str(w.message).startswith("O1")]
+    assert messages == [
+        "O1 (use_pure_fp16=False): the forward of this step computed in FP32, not bfloat16: it ran inside "
+        "fleet.auto_cast(), which did nothing because, when it was entered, no strategy had been given yet "
+        "(fleet.init(strategy=...) or fleet.distributed_optimizer(..., strategy)). fleet.auto_cast() follows the "
+        "latest strategy: give this optimizer's strategy to fleet.init(strategy=...) or build the optimizer with "
+        "fleet.distributed_optimizer."
+    ]
+
+
+def test_fleet_auto_cast_built_before_the_optimizer_does_not_warn():
+    ctx = fleet.auto_cast()  # nanoGPT's start-up `ctx`, built before the strategy exists
+    assert _steps(lambda: ctx) == []

@@ -66,10 +66,48 @@ def test_a_module_that_keeps_overflowing_gets_the_black_varnames_hint(caplog):
             assert not _train_step(model, opt, x, y, poison=model.body.weight)
     hints = [r.getMessage() for r in caplog.records if "custom_black_varnames" in r.getMessage()]
     assert hints == [
-        (f"module 'body' had non-finite gradients in {SUGGEST_AFTER} skipped steps; if it keeps overflowing, "
-         "run it in FP32: strategy.amp_configs = {..., 'custom_black_varnames': ['body']}")
+        (f"module 'body' had non-finite gradients in {SUGGEST_AFTER} skipped steps at a loss scale that could not "
+         "go lower (1); if it keeps overflowing, run it in FP32: strategy.amp_configs = {..., "
+         "'custom_black_varnames': ['body']}")
     ]
     assert opt.stats()["overflows"] == SUGGEST_AFTER
+
+
+def _hints_with_a_huge_initial_scale(caplog, steps: int, **amp_configs) -> tuple[list[str], AmpOptimizer]:
+    model = Net()
+    strategy = _strategy(dtype="float16", init_loss_scaling=2.0**24, **amp_configs)
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), strategy)
+    g = torch.Generator().manual_seed(0)
+    with caplog.at_level(logging.WARNING, logger="distamp"):
+        for _ in range(steps):
+            _train_step(model, opt, torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g))
+    return [r.getMessage() for r in caplog.records if "custom_black_varnames" in r.getMessage()], opt
+
+
+def test_overflows_while_a_too_high_scale_backs_off_blame_no_module(caplog):
+    """init_loss_scaling 2**24: the scale is the cause, and it falls until the steps fit; no module is named."""
+    hints, opt = _hints_with_a_huge_initial_scale(caplog, steps=30)
+    assert opt.steps_skipped >= 2 * SUGGEST_AFTER  # every one named the model's parameters
+    assert opt.steps_applied > 0
+    assert opt.get_loss_scaling() <= 2.0**17
+    assert hints == []
+
+
+def test_overflows_that_go_on_once_the_scale_stopped_falling_get_the_module_hint(caplog):
+    """The scale stops at min_loss_scaling 2**22, where every step still overflows: now the modules are named."""
+    steps = 4 + SUGGEST_AFTER  # 4 overflows lower the scale 2**24 -> 2**22, then SUGGEST_AFTER at the minimum
+    hints, opt = _hints_with_a_huge_initial_scale(caplog, steps=steps, min_loss_scaling=2.0**22)
+    assert opt.steps_applied == 0
+    assert opt.get_loss_scaling() == 2.0**22
+    assert hints == [
+        (f"module {module!r} had non-finite gradients in {SUGGEST_AFTER} skipped steps at a loss scale that could "
+         f"not go lower (4.1943e+06); if it keeps overflowing, run it in FP32: strategy.amp_configs = {{..., "
+         f"'custom_black_varnames': [{module!r}]}}")
+        for module in ("body", "head.1")
+    ]
+    messages = [r.getMessage() for r in caplog.records]
+    first_hint = messages.index(hints[0])
+    assert messages[first_hint - 1].startswith(f"step {steps} skipped")  # not before the last step
 
 
 def _attribution_on_two_ranks(rank, world_size):

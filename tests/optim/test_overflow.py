@@ -59,26 +59,32 @@ def test_suggests_fp32_once_per_module_after_repeated_overflows(caplog):
             log.record(step, ["head.weight", "head.bias", "bias"], 8.0)  # two params of one module: counted once
     hints = [r.getMessage() for r in caplog.records if "custom_black_varnames" in r.getMessage()]
     assert hints == [
-        (f"module 'head' had non-finite gradients in {SUGGEST_AFTER} skipped steps; if it keeps overflowing, "
-         "run it in FP32: strategy.amp_configs = {..., 'custom_black_varnames': ['head']}"),
+        (f"module 'head' had non-finite gradients in {SUGGEST_AFTER} skipped steps at a loss scale that could not "
+         "go lower (8); if it keeps overflowing, run it in FP32: strategy.amp_configs = {..., "
+         "'custom_black_varnames': ['head']}"),
         # 'bias' is the root's own parameter: no module name could keep it in FP32.
         (f"the model's own parameters 'bias' (of its root module, not of a submodule) had non-finite gradients "
-         f"in {SUGGEST_AFTER} skipped steps; custom_black_varnames names submodules and cannot keep the root in "
-         "FP32. Move them into a submodule and list that one in custom_black_varnames, or train with "
-         "amp_configs['dtype'] = 'bfloat16', whose range is FP32's"),
+         f"in {SUGGEST_AFTER} skipped steps at a loss scale that could not go lower (8); custom_black_varnames "
+         "names submodules and cannot keep the root in FP32. Move them into a submodule and list that one in "
+         "custom_black_varnames, or train with amp_configs['dtype'] = 'bfloat16', whose range is FP32's"),
     ]
 
 
-def test_the_hint_tells_retries_from_skipped_steps(caplog):
+def test_overflows_while_the_scale_falls_or_retries_blame_no_module(caplog):
     log = OverflowLog()
     with caplog.at_level(logging.WARNING, logger="distamp"):
-        for _ in range(SUGGEST_AFTER - 1):
-            log.record(1, ["head.weight"], 8.0, retrying=True)  # step 1 retried SUGGEST_AFTER - 1 times...
-        log.record(1, ["head.weight"], 8.0)  # ...then skipped
-    hints = [r.getMessage() for r in caplog.records if "custom_black_varnames" in r.getMessage()]
-    assert hints == [
-        f"module 'head' had non-finite gradients in 1 skipped step and {SUGGEST_AFTER - 1} retried steps; if it "
-        "keeps overflowing, run it in FP32: strategy.amp_configs = {..., 'custom_black_varnames': ['head']}"
+        for step in range(1, 3 * SUGGEST_AFTER):
+            log.record(step, ["wte.weight"], 2.0 ** (24 - step), scale_falls=True)  # backing off from 2**24
+            log.record(step, ["wte.weight"], 8.0, retrying=True)  # a retry lowered the scale too
+    assert [r.getMessage() for r in caplog.records if "custom_black_varnames" in r.getMessage()] == []
+    assert log.overflows == 2 * (3 * SUGGEST_AFTER - 1)  # every verdict is still counted and logged
+    with caplog.at_level(logging.WARNING, logger="distamp"):
+        for step in range(SUGGEST_AFTER):
+            log.record(100 + step, ["wte.weight"], 1.0)  # the scale stopped falling: now the module is the cause
+    assert [r.getMessage() for r in caplog.records if "custom_black_varnames" in r.getMessage()] == [
+        (f"module 'wte' had non-finite gradients in {SUGGEST_AFTER} skipped steps at a loss scale that could not "
+         "go lower (1); if it keeps overflowing, run it in FP32: strategy.amp_configs = {..., "
+         "'custom_black_varnames': ['wte']}")
     ]
 
 
