@@ -287,3 +287,23 @@ def test_with_powersgd_a_perturbed_master_stops_every_rank(monkeypatch):
     # The master was perturbed after step 4; step 5 copied it into the 16-bit parameter, which comes first.
     _check_stopped(results, every, perturb_after, "2.weight")
     assert re.search(r"1 more differ: '2\.weight \(FP32 master\)'\. Every rank stops here", results[0]["raised"][1])
+
+
+def test_the_message_groups_more_ranks_by_value_and_names_the_others():
+    from distamp.distributed.replica_check import _message
+
+    same, other = [1, 5, 6], [1, 7, 8]
+    per_rank = [[same, same, same], [same, other, other], [same, same, same], [[0, 0, 0], other, same]]
+    message = _message(["a", "b", "c"], per_rank, [1, 2], step=9, applied_step=7)
+    assert message.startswith("replica check (strategy.check_replicas_every) at step 9 (applied step 7): the "
+                              "data-parallel ranks no longer hold the same 'b': ranks grouped by the value they "
+                              "hold: [0, 2] | [1, 3]. 1 more differ: 'c'. Every rank stops here")
+    missing = _message(["a"], [[same], [[0, 0, 0]], [same]], [0], step=1, applied_step=1)
+    assert "hold the same 'a': ranks grouped by the value they hold: [0, 2]; rank(s) [1] did not hold it." in missing
+
+
+def test_the_setting_is_part_of_the_set_up_fingerprint():
+    from distamp import fleet
+    from distamp.distributed.fingerprint import fingerprint
+
+    assert fingerprint(fleet.DistributedStrategy(check_replicas_every=5), _model())["check_replicas_every"] == "5"
