@@ -26,9 +26,10 @@ update, so it is what that step's forward and backward ran with:
 * **stage 3**: no rank holds a copy of another rank's FP32 shard, so a shard
   has no replica, and changing one is a change of the one model every rank
   gathers, not a divergence. What the ranks must hold identically is the
-  unsharded parameter FSDP2 all-gathers for each forward: on a check step
-  :class:`GatheredParameterHashes` hashes each unit's parameters in a forward
-  pre-hook (after FSDP2's own, which gathers them), and those are compared.
+  unsharded parameter FSDP2 all-gathers for each forward: for the forward of a
+  check step :class:`GatheredParameterHashes` hashes each unit's parameters in
+  a forward pre-hook (after FSDP2's own, which gathers them), installed for
+  that step only, and those are compared.
   That catches a rank that computes with other values than the rest (a
   faulty gather, an edit of the gathered copy), and costs no gather of its
   own.
@@ -188,32 +189,47 @@ def _message(names: Sequence[str], per_rank: list[list[list[int]]],
 class GatheredParameterHashes:
     """Stage 3: hashes of the unsharded parameters FSDP2 gathered for a forward, taken on check steps.
 
-    A forward pre-hook on every ``FSDPModule`` of ``model`` runs after
-    FSDP2's own pre-hook has all-gathered the unit's parameters, and, when
-    ``due()`` says the coming step is a check step, hashes each parameter of
-    the unit that is no longer a DTensor (the gathered one), once per step
-    (the first forward of a gradient-merge window, not recomputations).
+    While armed (:meth:`arm`, for the forward of a check step), a forward
+    pre-hook on every ``FSDPModule`` of ``model`` runs after FSDP2's own
+    pre-hook has all-gathered the unit's parameters and hashes each of the
+    unit's parameters that is no longer a DTensor (the gathered one), once
+    per step (the first forward of a gradient-merge window, not
+    recomputations). Disarmed, no hook is installed, so other steps cost
+    nothing, compiled or not; the hooks run eagerly (``torch.compile``
+    breaks its graph there on check steps only).
 
     Args:
         model: the sharded model (its qualified names are the ones reported).
-        due: whether the step the next forward belongs to is a check step.
     """
 
-    def __init__(self, model: nn.Module, due: Callable[[], bool]) -> None:
+    def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.hashes: dict[str, torch.Tensor] = {}
-        self._due = due
-        # Registered after fully_shard's own pre-hook, so each runs once the unit's parameters are gathered.
-        self._handles = [
-            module.register_forward_pre_hook(self._recorder(f"{prefix}." if prefix else ""))
-            for prefix, module in model.named_modules()
-            if isinstance(module, nn.Module) and isinstance(module, FSDPModule)
-        ]
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    @property
+    def armed(self) -> bool:
+        """Whether the hooks are installed."""
+        return bool(self._handles)
+
+    def arm(self, on: bool) -> None:
+        """Install the hooks (``on``) or remove them; a no-op when they already are as asked."""
+        if on and not self._handles:
+            # Registered after fully_shard's own pre-hook, so each runs once the unit's parameters are gathered.
+            self._handles = [
+                module.register_forward_pre_hook(self._recorder(f"{prefix}." if prefix else ""))
+                for prefix, module in self.model.named_modules()
+                if isinstance(module, nn.Module) and isinstance(module, FSDPModule)
+            ]
+        elif not on:
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
 
     def _recorder(self, prefix: str) -> Callable[[nn.Module, object], None]:
+        # Eager even inside torch.compile: the hash reads raw bytes (views as other dtypes, storage offsets).
+        @torch.compiler.disable
         def record(module: nn.Module, args: object) -> None:
-            if not self._due():
-                return
             with torch.no_grad():
                 for name, param in module.named_parameters():
                     qualified = prefix + name
@@ -229,9 +245,3 @@ class GatheredParameterHashes:
     def clear(self) -> None:
         """Forget this step's hashes (the next check step records anew)."""
         self.hashes.clear()
-
-    def remove(self) -> None:
-        """Remove the hooks."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()

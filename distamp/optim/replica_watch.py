@@ -61,7 +61,8 @@ class ReplicaWatch:
     def watch_model(self, model: nn.Module) -> None:
         """Stage 3: hash the parameters ``model``'s FSDP2 units gather in the forward of each check step (once)."""
         if self.every and self.gathered is None and isinstance(self.precision, FullyShardedPrecision):
-            self.gathered = GatheredParameterHashes(model, lambda: self._due(self.applied_steps() + 1))
+            self.gathered = GatheredParameterHashes(model)
+            self.gathered.arm(self._due(self.applied_steps() + 1))
 
     def on_verdict(self, applied: bool, step: int) -> None:
         """The ranks agreed to apply (or skip) step ``step``: on a check step compare, before the update.
@@ -84,6 +85,8 @@ class ReplicaWatch:
         finally:
             if self.gathered is not None:
                 self.gathered.clear()
+                # The next forward belongs to the step after this one if this one is applied, else to it again.
+                self.gathered.arm(self._due(applied_step + 1 if applied else applied_step))
 
     def _what_to_compare(self) -> tuple[list[str], list[torch.Tensor | None]]:
         masters = self.precision.master_weights
