@@ -309,6 +309,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         are refreshed too."""
         self.finish_param_gather()
         load_optimizer_state(self, state_dict)
+        self.replicas.follow_step_count()
 
     def finish_param_gather(self, params: Iterable[nn.Parameter] | None = None) -> None:
         """Complete the all-gather of updated parameters that ``overlap_param_gather`` left running.

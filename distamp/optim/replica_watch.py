@@ -62,6 +62,11 @@ class ReplicaWatch:
         """Stage 3: hash the parameters ``model``'s FSDP2 units gather in the forward of each check step (once)."""
         if self.every and self.gathered is None and isinstance(self.precision, FullyShardedPrecision):
             self.gathered = GatheredParameterHashes(model)
+            self.follow_step_count()
+
+    def follow_step_count(self) -> None:
+        """The applied-step count was restored (``load_state_dict``): arm stage 3's hooks for the step it makes next."""
+        if self.gathered is not None:
             self.gathered.arm(self._due(self.applied_steps() + 1))
 
     def on_verdict(self, applied: bool, step: int) -> None:

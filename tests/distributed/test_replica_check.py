@@ -338,3 +338,34 @@ def test_a_compiled_stage3_model_is_checked_and_trains_as_without_the_check():
     unchecked = run_workers(_compiled_stage3, 2, 0, timeout=280)
     assert [c[1:] for c in checked] == [(2, 6), (2, 6)]
     assert [c[0] for c in checked] == [u[0] for u in unchecked]
+
+
+def _resumed_stage3(rank, world):
+    """Three steps, then a new optimizer loads their state: its next step (the 4th) is a check step."""
+    from distamp import fleet
+
+    fleet.init()
+    g = torch.Generator().manual_seed(1)
+
+    def steps(opt, wrapped, count):
+        for _ in range(count):
+            x, y = torch.randn(PER_RANK, 6, generator=g), torch.randn(PER_RANK, 3, generator=g)
+            with fleet.auto_cast():
+                loss = F.mse_loss(wrapped(x).float(), y)
+            opt.zero_grad()
+            opt.backward(loss)
+            opt.step()
+
+    first = fleet.distributed_optimizer(torch.optim.SGD((m := _model()).parameters(), lr=0.05), _strategy(3, 4))
+    wrapped = fleet.distributed_model(m)
+    steps(first, wrapped, 3)
+    state = first.state_dict()
+    second = fleet.distributed_optimizer(torch.optim.SGD((m2 := _model()).parameters(), lr=0.05), _strategy(3, 4))
+    wrapped2 = fleet.distributed_model(m2)
+    second.load_state_dict(state)
+    steps(second, wrapped2, 1)
+    return first.replicas.checks, second.replicas.checks, second.replicas.last_held
+
+
+def test_stage3_after_load_state_dict_the_next_check_step_hashes_what_was_gathered():
+    assert run_workers(_resumed_stage3, 2, timeout=180) == [(0, 1, 6)] * 2
