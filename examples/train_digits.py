@@ -8,7 +8,7 @@ The README's main job::
     distrun --nproc_per_node 2 examples/train_digits.py --no_amp   # FP32 baseline
     distrun --nproc_per_node 2 examples/train_digits.py --pure_fp16 --sharding_stage 2   # ZeRO-2
     distrun --nproc_per_node 2 examples/train_digits.py --pure_fp16 --sharding_stage 3   # ZeRO-3 (FSDP2)
-    distrun --nproc_per_node 2 examples/train_digits.py --powersgd_rank 2   # PowerSGD compression
+    distrun --nproc_per_node 2 examples/train_digits.py --powersgd_rank 2 --check_replicas_every 50   # PowerSGD
 
 The data (1,797 8x8 images) ships inside scikit-learn, so nothing is
 downloaded. Every rank splits it with the same seed, trains on its
@@ -119,6 +119,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                      help="compress gradients with PowerSGD at rank R (0: off, the default)")
     amp.add_argument("--powersgd_start", type=int, default=50, metavar="N",
                      help="with --powersgd_rank: applied steps of plain all-reduce first (default: %(default)s)")
+    amp.add_argument("--check_replicas_every", type=int, default=0, metavar="N",
+                     help="every N applied steps the ranks compare hashes of their parameters and stop together "
+                          "if they differ (strategy.check_replicas_every; 0: off, the default)")
     train = p.add_argument_group("training")
     train.add_argument("--epochs", type=int, default=20, help="default: %(default)s")
     train.add_argument("--max_steps", type=int, default=None,
@@ -145,6 +148,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.powersgd_rank < 0 or args.powersgd_start < 0:
         p.error(f"--powersgd_rank and --powersgd_start must be >= 0, got {args.powersgd_rank!r} and "
                 f"{args.powersgd_start!r}")
+    if args.check_replicas_every < 0:
+        p.error(f"--check_replicas_every must be >= 0, got {args.check_replicas_every!r}")
     if args.powersgd_rank and args.sharding_stage:
         p.error("--powersgd_rank and --sharding_stage cannot be combined; use one of them")
     for name in ("epochs", "batch_size", "checkpoint_every"):
@@ -179,6 +184,7 @@ def build_strategy(args: argparse.Namespace) -> fleet.DistributedStrategy:
     """The distamp strategy the command line asks for."""
     strategy = fleet.DistributedStrategy()
     strategy.amp = not args.no_amp
+    strategy.check_replicas_every = args.check_replicas_every
     if args.sharding_stage:
         strategy.sharding = True
         strategy.sharding_configs = {"stage": args.sharding_stage}

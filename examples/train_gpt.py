@@ -5,7 +5,7 @@ What a language-model loop looks like with distamp::
     distrun --nproc_per_node 2 examples/train_gpt.py                          # BF16, O2
     distrun --nproc_per_node 2 examples/train_gpt.py --dtype float16 --o1     # FP16 with loss scaling
     distrun --nproc_per_node 2 examples/train_gpt.py --no_amp                 # FP32 baseline
-    distrun --nproc_per_node 2 examples/train_gpt.py --powersgd_rank 4        # PowerSGD compression
+    distrun --nproc_per_node 2 examples/train_gpt.py --powersgd_rank 4 --check_replicas_every 50   # PowerSGD
     distrun --nproc_per_node 2 examples/train_gpt.py --sharding_stage 3       # parameters sharded (FSDP2)
 
 The text is synthetic, so nothing is downloaded: sequences drawn from a
@@ -118,6 +118,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="compress gradients with PowerSGD at this rank (0: off, the default)")
     p.add_argument("--powersgd_start", type=int, default=20,
                    help="with --powersgd_rank: applied steps of plain all-reduce first (default: %(default)s)")
+    p.add_argument("--check_replicas_every", type=int, default=0, metavar="N",
+                   help="every N applied steps the ranks compare hashes of their parameters and stop together "
+                        "if they differ (0: off, the default)")
     p.add_argument("--sharding_stage", type=int, choices=(0, 1, 2, 3), default=0,
                    help="ZeRO sharding stage (0: off, the default; 3: parameters sharded too, each block a unit)")
     args = p.parse_args(argv)
@@ -126,6 +129,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.powersgd_rank < 0 or args.powersgd_start < 0:
         p.error(f"--powersgd_rank and --powersgd_start must be >= 0, got {args.powersgd_rank!r} and "
                 f"{args.powersgd_start!r}")
+    if args.check_replicas_every < 0:
+        p.error(f"--check_replicas_every must be >= 0, got {args.check_replicas_every!r}")
     for name in ("steps", "merge", "batch_size", "warmup", "d_model", "layers", "heads", "vocab", "seq_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)!r}")
@@ -136,7 +141,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def build_strategy(args: argparse.Namespace) -> fleet.DistributedStrategy:
     """AMP as asked, with gradient merge of ``--merge`` micro-batches."""
-    strategy = fleet.DistributedStrategy(amp=not args.no_amp)
+    strategy = fleet.DistributedStrategy(amp=not args.no_amp, check_replicas_every=args.check_replicas_every)
     if strategy.amp:
         strategy.amp_configs = {"dtype": args.dtype, "use_pure_fp16": not args.o1}
     if args.merge > 1:

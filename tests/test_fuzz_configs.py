@@ -37,7 +37,7 @@ from distamp.strategy import AmpConfig, DistributedStrategy, GradientMergeConfig
 from distamp.torch_compat import grace_period_supported
 
 ATTRS = ["amp", "amp_configs", "gradient_merge", "gradient_merge_configs", "sharding", "sharding_configs",
-         "find_unused_parameters", "fuse_grad_size_in_MB"]
+         "find_unused_parameters", "fuse_grad_size_in_MB", "check_replicas_every"]
 PADDLE_ONLY = ["recompute", "pipeline", "dgc", "lars", "a_sync", "amp_config", "gradient_merge_config",
                "sharding_config"]
 
@@ -113,6 +113,8 @@ def _assert_well_formed(strategy: DistributedStrategy) -> None:
     assert isinstance(strategy.find_unused_parameters, bool)
     assert strategy.fuse_grad_size_in_MB > 0
     assert math.isfinite(strategy.fuse_grad_size_in_MB)
+    assert type(strategy.check_replicas_every) is int
+    assert strategy.check_replicas_every >= 0
     assert isinstance(strategy.amp_config, AmpConfig)
     assert isinstance(strategy.gradient_merge_config, GradientMergeConfig)
     plain = json.loads(json.dumps(strategy.to_dict(), allow_nan=False))

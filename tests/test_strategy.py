@@ -700,3 +700,32 @@ def test_stage_3_refuses_overlap_param_gather_and_other_stages_refuse_units():
 def test_sharding_flag_must_be_a_bool():
     with pytest.raises(ValueError, match=re.escape("strategy.sharding must be a bool (True or False); got 1.")):
         DistributedStrategy().sharding = 1
+
+
+# --------------------------------------------------------------------------- check_replicas_every
+
+
+def test_check_replicas_every_defaults_to_off_and_round_trips():
+    s = DistributedStrategy()
+    assert s.check_replicas_every == 0
+    assert s.to_dict()["check_replicas_every"] == 0
+    s.check_replicas_every = np.int64(100)
+    assert s.check_replicas_every == 100
+    assert type(s.check_replicas_every) is int
+    assert repr(s) == "DistributedStrategy(check_replicas_every=100)"
+    back = DistributedStrategy.from_dict(json.loads(json.dumps(s.to_dict())))
+    assert back == s
+    assert back != DistributedStrategy()
+    assert DistributedStrategy(check_replicas_every=7).check_replicas_every == 7
+    assert pickle.loads(pickle.dumps(s)) == s
+
+
+@pytest.mark.parametrize("value", [-1, True, False, 1.0, 2.5, "10", None, math.nan, 2**63])
+def test_check_replicas_every_rejects(value):
+    s = DistributedStrategy(check_replicas_every=3)
+    with pytest.raises(ValueError, match=re.escape(
+            f"strategy.check_replicas_every must be an int >= 0 (at most 2**63 - 1); got {value!r}.")):
+        s.check_replicas_every = value
+    assert s.check_replicas_every == 3  # a refused value changes nothing
+    with pytest.raises(ValueError, match=re.escape("strategy.check_replicas_every must be an int >= 0")):
+        DistributedStrategy.from_dict({"check_replicas_every": value})

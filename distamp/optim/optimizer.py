@@ -38,6 +38,7 @@ from distamp.optim.grad_watch import GradWatch
 from distamp.optim.model_binding import ModelBinding
 from distamp.optim.precision import FullPrecision
 from distamp.optim.precision_choice import precision_for
+from distamp.optim.replica_watch import ReplicaWatch
 from distamp.optim.sharded_precision import ShardedPrecision
 from distamp.optim.state import load_optimizer_state, optimizer_state
 from distamp.optim.step_policy import StepPolicy
@@ -117,6 +118,9 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         self._warned_slices = False
         self.policy = StepPolicy(optimizer, self.precision, self.merge, self._watch, self.binding, process_group)
         self.clipper = GradClipper(self.precision, self.policy, self.merge)
+        self.replicas = ReplicaWatch(strategy.check_replicas_every, self.precision, self.binding,
+                                     lambda: self.policy.steps_applied, process_group)
+        self.policy.replicas = self.replicas
         o1 = self.amp_enabled and not strategy.amp_config.use_pure_fp16
         self._autocast_watch = AutocastWatch(o1, strategy.amp_config.dtype)
         # Alone, the optimizer sees parameters, not modules: learn the model at its first forward.
@@ -157,6 +161,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
             self._finder.remove()
             self._finder = None
         self.binding.adopt(model, keep_fp32, reduces_grads=reduces_grads, black_modules=black_modules)
+        self.replicas.watch_model(model)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backward of ``loss * scale`` (divided by K inside a gradient-merge window).
@@ -304,6 +309,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         are refreshed too."""
         self.finish_param_gather()
         load_optimizer_state(self, state_dict)
+        self.replicas.follow_step_count()
 
     def finish_param_gather(self, params: Iterable[nn.Parameter] | None = None) -> None:
         """Complete the all-gather of updated parameters that ``overlap_param_gather`` left running.

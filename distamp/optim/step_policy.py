@@ -9,7 +9,7 @@ gradient-merge window and the model binding.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,9 @@ from distamp.optim.grad_watch import GradWatch
 from distamp.optim.model_binding import ModelBinding
 from distamp.optim.overflow import OverflowLog, nonfinite_parameters
 from distamp.optim.precision import FullPrecision
+
+if TYPE_CHECKING:  # replica_watch imports the precision plugins, which import this module's users
+    from distamp.optim.replica_watch import ReplicaWatch
 
 __all__ = ["StepPolicy"]
 
@@ -50,6 +53,8 @@ class StepPolicy:
         self.grad_max: float | None = None
         self.compressor: GradCompressor | None = None
         """A gradient compressor whose state is kept only for applied steps (``strategy.powersgd``)."""
+        self.replicas: ReplicaWatch | None = None
+        """The replica check told each agreed verdict (``strategy.check_replicas_every``)."""
 
     @property
     def step_number(self) -> int:
@@ -141,6 +146,8 @@ class StepPolicy:
     def finish(self) -> bool:
         """Apply or skip on the agreed verdict, count, update the scale; True when applied."""
         found_inf = self.found_inf
+        if self.replicas is not None:  # before the update: what this step's forward and backward ran with
+            self.replicas.on_verdict(applied=not found_inf, step=self.step_number + 1)
         if found_inf:
             self.attribute_overflow(retrying=False)
         else:

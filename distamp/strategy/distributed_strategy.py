@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar, Generic, TypeVar, overload
 
 from distamp.strategy.amp_config import AmpConfig
-from distamp.strategy.checks import as_bool, as_float, show
+from distamp.strategy.checks import as_bool, as_float, as_int, show
 from distamp.strategy.config_base import Config
 from distamp.strategy.gradient_merge_config import GradientMergeConfig
 from distamp.strategy.powersgd_config import PowerSGDConfig
@@ -20,9 +20,9 @@ __all__ = ["DistributedStrategy"]
 _MAX_BUCKET_MB = 2**20
 
 _ATTRS = ("amp", "amp_configs", "gradient_merge", "gradient_merge_configs", "sharding", "sharding_configs",
-          "powersgd", "powersgd_configs", "find_unused_parameters", "fuse_grad_size_in_MB")
+          "powersgd", "powersgd_configs", "check_replicas_every", "find_unused_parameters", "fuse_grad_size_in_MB")
 _DEFAULTS = {"amp": False, "gradient_merge": False, "sharding": False, "powersgd": False,
-             "find_unused_parameters": False, "fuse_grad_size_in_MB": 25}
+             "find_unused_parameters": False, "fuse_grad_size_in_MB": 25, "check_replicas_every": 0}
 
 
 _SHARDING_WITH_POWERSGD = (
@@ -104,6 +104,9 @@ class DistributedStrategy:
       :class:`PowerSGDConfig`; same rules as amp_configs. Not with ``sharding``.
     * ``find_unused_parameters`` (bool, False): passed to DDP.
     * ``fuse_grad_size_in_MB`` (number > 0, 25): DDP's gradient bucket size.
+    * ``check_replicas_every`` (int >= 0, 0): every N applied steps the ranks
+      compare a hash of the parameters they hold and stop together when they
+      differ (0: off); see :mod:`distamp.distributed.replica_check`.
 
     ``amp_config``, ``gradient_merge_config``, ``sharding_config`` and ``powersgd_config`` return
     the typed configs.
@@ -125,6 +128,7 @@ class DistributedStrategy:
     __slots__ = (
         "_amp",
         "_amp_config",
+        "_check_replicas_every",
         "_find_unused_parameters",
         "_fuse_grad_size_in_MB",
         "_gradient_merge",
@@ -137,6 +141,7 @@ class DistributedStrategy:
     # Declared for the type checker only: no values here, which __slots__ would refuse.
     _amp: bool
     _amp_config: AmpConfig
+    _check_replicas_every: int
     _find_unused_parameters: bool
     _fuse_grad_size_in_MB: float
     _gradient_merge: bool
@@ -160,6 +165,7 @@ class DistributedStrategy:
         object.__setattr__(self, "_powersgd_config", PowerSGDConfig())
         object.__setattr__(self, "_find_unused_parameters", False)
         object.__setattr__(self, "_fuse_grad_size_in_MB", _DEFAULTS["fuse_grad_size_in_MB"])
+        object.__setattr__(self, "_check_replicas_every", _DEFAULTS["check_replicas_every"])
         for name, value in attributes.items():
             setattr(self, name, value)
 
@@ -244,6 +250,15 @@ class DistributedStrategy:
             number = int(value)
         object.__setattr__(self, "_fuse_grad_size_in_MB", number)
 
+    @property
+    def check_replicas_every(self) -> int:
+        """Compare the ranks' parameter hashes every N applied steps (int >= 0, default 0: off)."""
+        return self._check_replicas_every
+
+    @check_replicas_every.setter
+    def check_replicas_every(self, value: int) -> None:
+        object.__setattr__(self, "_check_replicas_every", as_int("strategy", "check_replicas_every", value, 0))
+
     # -- configs -------------------------------------------------------------
     # Each config lives in the slot ``_<name>_config``: ``<name>_configs`` reads it as a read-only dict and
     # replaces it from an assigned dict; ``<name>_config`` returns the typed dataclass.
@@ -272,6 +287,7 @@ class DistributedStrategy:
             "powersgd_configs": self.powersgd_config.to_dict(),
             "find_unused_parameters": self.find_unused_parameters,
             "fuse_grad_size_in_MB": self.fuse_grad_size_in_MB,
+            "check_replicas_every": self.check_replicas_every,
         }
 
     @classmethod
