@@ -656,3 +656,41 @@ def test_ranks_on_different_instruction_sets_end_bitwise_equal_on_torch_ops(tmp_
     for name in ("params", "masters"):
         for a, b in zip(ranks[0][name], ranks[1][name], strict=True):
             assert torch.equal(a, b), f"{name} differ between the ranks: max {(a.float() - b.float()).abs().max()}"
+
+
+def _fingerprint_worker(rank, world_size, directory):
+    """Rank 1 builds its kernels with FP contraction on (as a compiler defaulting to it would); rank 0 as usual."""
+    from distamp.distributed import low_rank_kernels
+
+    os.environ[KERNELS_ENV] = "auto"
+    os.environ["DISTAMP_CACHE_DIR"] = os.path.join(directory, f"cache-{rank}")
+    if rank == 1:
+        wrapper = os.path.join(directory, "contracting-cc")
+        with open(wrapper, "w") as f:
+            f.write(f'#!/bin/sh\nexec {" ".join(low_rank_kernels.find_compiler())} "$@" -ffp-contract=fast\n')
+        os.chmod(wrapper, 0o755)
+        os.environ["CC"] = wrapper
+    built = low_rank_kernels.load()
+    strategy = _strategy(dtype="bfloat16", o2=True, start_step=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, wrapped, opt = _build(strategy)
+        applied = [_train_step(wrapped, opt, *_batch(rank, step)) for step in range(1, 4)]
+    return {"fingerprint": built.fingerprint, "kernels": opt.policy.compressor.kernels is not None,
+            "applied": applied, "params": _flat(model), "messages": [str(w.message) for w in caught]}
+
+
+def test_kernels_built_to_other_bits_make_every_rank_use_torch_ops(tmp_path):
+    if not compiler_present():
+        pytest.skip("no C compiler: no kernels to tell apart")
+    out = run_workers(_fingerprint_worker, 2, str(tmp_path), timeout=110)
+    if out[0]["fingerprint"] == out[1]["fingerprint"]:
+        pytest.skip("this CPU or compiler has no fused multiply-add: -ffp-contract=fast builds the same bits")
+    for result in out:
+        assert not result["kernels"]
+        assert result["applied"] == [True] * 3
+        warned = [m for m in result["messages"] if "compute other bits on other ranks" in m]
+        assert len(warned) == 1, result["messages"]
+        assert f"rank 0: {out[0]['fingerprint']:015x}, rank 1: {out[1]['fingerprint']:015x}" in warned[0]
+        assert "-ffp-contract=fast" in warned[0]
+    assert torch.equal(out[0]["params"], out[1]["params"])
