@@ -131,3 +131,23 @@ def test_ignore_rules_are_modelled():
     assert ignored("runs/x.json", ["runs"])
     assert ignored("distamp/__pycache__/a.pyc", ["**/__pycache__"])
     assert not ignored("distamp/fleet.py", ["runs", "**/__pycache__", "*.egg-info"])
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_an_image_with_a_compiler_builds_the_powersgd_kernels_at_build_time(dockerfile):
+    """A fresh container must not compile them: the image builds them into a cache it names in ENV."""
+    steps = instructions(dockerfile)
+    installs_gcc = any(keyword == "RUN" and re.search(r"apt-get install[^&]*\bgcc\b", args) for keyword, args in steps)
+    if not installs_gcc:
+        with open(os.path.join(ROOT, dockerfile)) as f:
+            header = " ".join(line.strip("# \n") for line in f if line.startswith("#"))
+        assert "GPU gradients always use torch ops" in header, f"{dockerfile}: say why it builds no kernels"
+        return
+    copied = next(i for i, (keyword, args) in enumerate(steps) if keyword == "COPY" and "distamp" in args.split())
+    cache = [i for i, (keyword, args) in enumerate(steps) if keyword == "ENV" and "DISTAMP_CACHE_DIR=" in args]
+    build = [i for i, (keyword, args) in enumerate(steps)
+             if keyword == "RUN" and "low_rank_kernels" in args and "load()" in args and "SystemExit" in args]
+    assert build, f"{dockerfile} installs gcc but does not build PowerSGD's kernels in a RUN step"
+    assert cache, f"{dockerfile}: set ENV DISTAMP_CACHE_DIR for the kernels"
+    assert cache[0] < build[0], f"{dockerfile}: set ENV DISTAMP_CACHE_DIR before building the kernels"
+    assert copied < build[0]

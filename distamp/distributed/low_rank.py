@@ -2,8 +2,15 @@
 
 Kept apart from the comm hook (:mod:`distamp.distributed.powersgd`) so the
 numerics can be checked against a plain reference without a process group.
-Everything here works in FP32, whatever the gradients' dtype, but for
-:func:`product_to_bf16_`, which writes a BF16 gradient from FP32 factors.
+Everything here works in FP32, whatever the gradients' dtype.
+
+What every rank must compute to the same bits (the orthogonalised P, the
+product ``P Q^T`` written back as the mean gradient) is built here from
+elementwise torch ops only, in an order fixed by the code: an elementwise
+add, multiply, divide or square root is one IEEE rounding on every
+instruction set, while torch's reductions and matrix products sum in an
+order that depends on the CPU's vector width (``ATEN_CPU_CAPABILITY``),
+on oneDNN's or MKL's choice of kernel, and on the GPU model.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import zlib
 
 import torch
 
-__all__ = ["effective_rank", "is_power_of_two", "matrix_shape", "orthogonalize_", "product_to_bf16_", "start_q"]
+__all__ = ["effective_rank", "fixed_order_product", "is_power_of_two", "matrix_shape", "orthogonalize_", "start_q"]
 
 
 def matrix_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int] | None:
@@ -38,8 +45,25 @@ def is_power_of_two(value: float) -> bool:
     return value > 0 and mantissa == 0.5
 
 
+def _sum_rows(x: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 by pairwise halving (rows ``i`` and ``i + half``, an odd last row carried): a fixed order."""
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        head = x[:half] + x[half : 2 * half]
+        x = head if x.shape[0] % 2 == 0 else torch.cat([head, x[2 * half :]])
+    return x[0]
+
+
 def orthogonalize_(matrix: torch.Tensor) -> torch.Tensor:
-    """Gram-Schmidt on the columns of an FP32 ``matrix`` in place; returns it.
+    """Gram-Schmidt on the columns of an FP32 ``matrix`` in place; returns it. The same bits on every CPU and GPU.
+
+    Column by column, as the CPU kernels do: ``v /= |v|``, then
+    ``w -= (v . w) v`` for each later column ``w``. Norms and dot products
+    are summed in FP64 (each product of two FP32 numbers is exact there) in
+    a fixed pairwise order and rounded once to FP32; every other step is one
+    FP32 elementwise op. No torch reduction or matrix product is used, so
+    ranks on different instruction sets agree bit for bit (the kernels sum
+    in row order instead, so the two may differ in the last bit).
 
     A column that is (or becomes, once the earlier ones are projected out)
     exactly zero stays zero instead of turning into 0/0 = NaN: torch's
@@ -54,50 +78,46 @@ def orthogonalize_(matrix: torch.Tensor) -> torch.Tensor:
     cols = matrix.shape[1]
     for i in range(cols):
         col = matrix[:, i : i + 1]
-        norm = torch.linalg.vector_norm(col)
+        wide = col.double()
+        norm = _sum_rows(wide * wide).sqrt().float()
         col.div_(torch.where(norm > 0, norm, torch.ones_like(norm)))
         if i + 1 < cols:
             rest = matrix[:, i + 1 :]
-            rest.sub_(col * (col * rest).sum(dim=0, keepdim=True))
+            dots = _sum_rows(col.double() * rest.double()).float()
+            rest.sub_(col * dots)
     return matrix
 
 
+def fixed_order_product(p: torch.Tensor, qt: torch.Tensor, out: torch.Tensor | None = None,
+                        work: torch.Tensor | None = None) -> torch.Tensor:
+    """``P Q^T`` (FP32 ``rows x rank`` times ``rank x cols``) summed over the rank in order, from the first term.
+
+    ``out = p[:, 0] qt[0]``, then ``out += p[:, k] qt[k]`` for each later
+    ``k``: one FP32 multiply and one add per term, the order the CPU kernels'
+    ``finish`` uses, so with the same factors both give the same bits on any
+    host. ``work`` (``rows x cols``, FP32) holds each term; costs ``2 rank - 1``
+    elementwise passes over the matrix.
+    """
+    rank = p.shape[1]
+    out = torch.mul(p[:, :1], qt[:1], out=out) if out is not None else p[:, :1] * qt[:1]
+    if rank > 1:
+        term = work if work is not None else torch.empty_like(out)
+        for k in range(1, rank):
+            out.add_(torch.mul(p[:, k : k + 1], qt[k : k + 1], out=term))
+    return out
+
+
 def start_q(name: str, cols: int, rank: int, seed: int, device: torch.device) -> torch.Tensor:
-    """A random orthonormal ``cols x rank`` FP32 Q, the same on every rank for the same arguments.
+    """A random orthonormal ``cols x rank`` FP32 Q, the same for the same arguments on one instruction set.
 
     Drawn from a private CPU generator seeded from ``seed`` and the
     parameter's name, so the global RNG streams (and hence a resumed run's
-    data order and dropout) are untouched.
+    data order and dropout) are untouched. torch's normal sampler is
+    vectorised, so a rank on another instruction set may draw other bits:
+    that changes only its own ``M Q`` before the all-reduce of P, never
+    what the ranks agree on.
     """
     generator = torch.Generator(device="cpu")
     generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
     q = torch.randn(cols, rank, generator=generator, dtype=torch.float32)
     return orthogonalize_(q).to(device)
-
-
-def product_to_bf16_(out: torch.Tensor, p: torch.Tensor, qt: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """Write ``scale * p @ qt`` (FP32 factors) into the BF16 matrix ``out`` in one BF16 product; returns ``out``.
-
-    Each factor is split into a high and a low BF16 half (``p = ph + pl``
-    keeps 16 of FP32's 24 significant bits), and
-    ``[ph ph pl pl] @ [qh; ql; qh; ql]`` is one BF16 matrix product with an
-    FP32 accumulator: every partial product of two BF16 numbers is exact in
-    FP32, so each term of ``p @ qt`` is right to about 2^-16 of its size
-    before the one rounding to BF16 (2^-8). Against rounding an FP32
-    ``p @ qt``, which costs a full FP32 matrix plus a conversion pass,
-    about 0.2% of the elements differ: by one BF16 unit in the last place,
-    or, where the terms of an element cancel, by about 2^-16 of the terms.
-    ``scale`` multiplies ``p`` first (exactly, for a power of two).
-    """
-    if out.dtype != torch.bfloat16 or p.dtype != torch.float32 or qt.dtype != torch.float32:
-        raise TypeError(f"product_to_bf16_ writes a bfloat16 out from float32 factors; got out {out.dtype}, "
-                        f"p {p.dtype}, qt {qt.dtype}")
-    if scale != 1.0:
-        p = p * scale
-    p_hi = p.to(torch.bfloat16)
-    p_lo = (p - p_hi.float()).to(torch.bfloat16)
-    q_hi = qt.to(torch.bfloat16)
-    q_lo = (qt - q_hi.float()).to(torch.bfloat16)
-    left = torch.cat([p_hi, p_hi, p_lo, p_lo], dim=1)
-    right = torch.cat([q_hi, q_lo, q_hi, q_lo], dim=0)
-    return torch.mm(left, right, out=out)

@@ -33,9 +33,29 @@ everything during the first ``start_step`` applied steps.
 
 On CPU the matrix work runs in compiled kernels
 (:mod:`distamp.distributed.low_rank_kernels`: three passes over each
-gradient instead of six with torch ops), when every rank could
-build them; elsewhere, and on GPUs, in torch ops. The two round the
-products differently, so the ranks agree on one when the hook is built.
+gradient), when every rank built kernels that give the same bits on a fixed
+input; elsewhere, and on GPUs, in torch ops. The ranks agree on one path
+when the hook is built.
+
+Why the ranks end every step with the same bits, on either path and
+whatever each rank's instruction set: after the all-reduce of P every rank
+holds the same P, and after that of Q the same Q. What each rank computes
+from them must then be exactly the same function on every host: the
+orthogonalised P (from which the ranks' Q contributions and the written
+gradient are made) and ``P Q^T`` scaled and rounded into the gradient. The
+kernels state their order of operations and are compiled without
+contraction; the torch-op path uses
+:func:`~distamp.distributed.low_rank.orthogonalize_` and
+:func:`~distamp.distributed.low_rank.fixed_order_product`, built from
+elementwise ops only (one IEEE rounding each on any CPU or GPU), never a
+torch reduction or matrix product, whose summation order depends on the
+vector width, the BLAS and the GPU. The rest (``M = G / scale + E``,
+``M Q``, ``P^T M``, the error) is each rank's own and may round as its
+hardware does: it only enters the sums. Sharing the orthogonalised P
+instead would cost a third collective per bucket and would still leave
+``P Q^T``; recomputing it in a fixed order costs one elementwise pass per
+rank term. Products are FP32 (a BF16 matrix product runs in software on
+CPUs without ``avx512_bf16``).
 """
 
 # No ``from __future__ import annotations``: DDP reads the hook's annotations
@@ -52,10 +72,10 @@ from distamp.distributed import low_rank_kernels
 from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
 from distamp.distributed.low_rank import (
     effective_rank,
+    fixed_order_product,
     is_power_of_two,
     matrix_shape,
     orthogonalize_,
-    product_to_bf16_,
     start_q,
 )
 from distamp.distributed.low_rank_kernels import LowRankKernels
@@ -67,6 +87,9 @@ __all__ = ["GradCompressor", "PowerSGD", "powersgd_hook"]
 logger = logging.getLogger("distamp")
 
 STATE_FORMAT = "distamp.PowerSGD/1"
+# What the fallback costs, as measured (examples/README.md, "PowerSGD's CPU kernels").
+_TORCH_OPS_COST = ("The same algorithm, the ranks still agree bit for bit; the hook takes longer (measured on a "
+                   "2048 x 2048 BF16 gradient: 1.8x the kernels' time at rank 1, 3.2x at rank 4).")
 
 
 @runtime_checkable
@@ -123,8 +146,8 @@ class PowerSGD:
         device: where the gradients (and so the state) live.
 
     Cost: per compressed gradient an FP32 copy (the error) plus its tentative
-    successor (and an FP32 work matrix for FP16 gradients, and for FP32 ones
-    on torch ops; BF16 ones are written straight from the factors), and two
+    successor (and an FP32 work matrix for FP16 gradients, and for every
+    gradient on torch ops, plus one more of the largest size there at rank > 1), and two
     extra small all-reduces per bucket, issued from the backward thread in the
     same order on every rank. Building it on CPU is collective (the ranks agree
     on the CPU kernels); the first build of the kernels on a host takes about
@@ -165,6 +188,7 @@ class PowerSGD:
         # Work buffers kept between steps: M (which becomes the next error) and P Q^T.
         self._spare: dict[str, torch.Tensor] = {}
         self._scratch: dict[str, torch.Tensor] = {}
+        self._term = torch.empty(0)  # torch ops at rank > 1: one term of P Q^T, shared by all gradients
         self._loss_scale: Callable[[], float] = lambda: 1.0
         self._bound = False
         self._sent = self._dense_equivalent = 0
@@ -323,8 +347,6 @@ class PowerSGD:
             x.qt.div_(self.world_size)
             if self.kernels is not None:
                 new_error = self._write_fused(self.kernels, x, scale, cfg.error_feedback)
-            elif x.grad.dtype == torch.bfloat16:
-                new_error = self._write_bf16(x, scale, cfg.error_feedback)
             else:
                 new_error = self._write_exact(x, scale, cfg.error_feedback)
             self._tentative[x.name] = (new_error, x.qt.clone() if cfg.warm_start else None)
@@ -368,7 +390,9 @@ class PowerSGD:
             return start_q(name, cols, r, self.applied_steps, device).t().contiguous()
         if self.kernels is not None:
             return self.kernels.orthogonalize_rows_(qt.clone())
-        return orthogonalize_(qt.t().contiguous()).t().contiguous()
+        # A copy whatever the shape: for a 1 x n Q^T, .t().contiguous() is Q^T's own storage, and the
+        # committed Q would be orthogonalised in place (a skipped step would then change the state).
+        return orthogonalize_(qt.t().clone(memory_format=torch.contiguous_format)).t().contiguous()
 
     def _write_fused(self, kernels: LowRankKernels, x: _Matrix, scale: float,
                      error_feedback: bool) -> torch.Tensor | None:
@@ -384,28 +408,25 @@ class PowerSGD:
         return error
 
     def _write_exact(self, x: _Matrix, scale: float, error_feedback: bool) -> torch.Tensor | None:
-        """Write ``scale * P Q^T`` into the (FP32 or FP16) gradient; return ``M - P Q^T`` (in ``x.m``) or None."""
+        """Write ``scale * P Q^T`` into the gradient (any dtype); return ``M - P Q^T`` (in ``x.m``) or None.
+
+        ``P Q^T`` is :func:`~distamp.distributed.low_rank.fixed_order_product`,
+        so every rank writes the same bits (module docstring); the scaling
+        and the rounding to the gradient's dtype are elementwise.
+        """
         rows, cols = x.m.shape
         approx = self._buffer(self._scratch, x.name, rows, cols, x.m.device)
-        torch.matmul(x.p, x.qt, out=approx)
+        work = None
+        if x.p.shape[1] > 1:
+            if self._term.numel() < rows * cols or self._term.device != x.m.device:
+                self._term = torch.empty(rows * cols, dtype=torch.float32, device=x.m.device)
+            work = self._term[: rows * cols].view(rows, cols)
+        fixed_order_product(x.p, x.qt, out=approx, work=work)
         new_error = x.m.sub_(approx) if error_feedback else None
         if scale != 1.0:
             approx.mul_(scale)
         x.grad.copy_(approx.view_as(x.grad))
         return new_error
-
-    @staticmethod
-    def _write_bf16(x: _Matrix, scale: float, error_feedback: bool) -> torch.Tensor | None:
-        """:meth:`_write_exact` for a BF16 gradient, in two passes over the matrix instead of four.
-
-        The gradient is :func:`~distamp.distributed.low_rank.product_to_bf16_`
-        (one BF16 product of split factors); the error is one ``addmm_``,
-        whose bits are those of ``M - P @ Q^T``: the product accumulated as
-        ``matmul`` accumulates it, negated exactly, added once. The error
-        keeps the FP32 product, as the FP32 path does.
-        """
-        product_to_bf16_(x.grad.view(x.m.shape), x.p, x.qt, scale)
-        return x.m.addmm_(x.p, x.qt, alpha=-1.0) if error_feedback else None
 
     @staticmethod
     def _buffer(store: dict[str, torch.Tensor], name: str, rows: int, cols: int, device: torch.device,
@@ -419,25 +440,38 @@ class PowerSGD:
 
 
 def _agreed_kernels(device: torch.device, group: dist.ProcessGroup | None, rank: int) -> LowRankKernels | None:
-    """The CPU kernels if every rank of ``group`` has them, else None (collective on CPU).
+    """The CPU kernels if every rank of ``group`` has kernels with the same fingerprint, else None (collective on CPU).
 
     The ranks must agree: the kernels and torch ops round the products
-    differently, and each rank writes its own copy of the mean gradient.
+    differently, and so do two builds of the kernels by compilers with other
+    floating-point defaults; each rank writes its own copy of the mean
+    gradient. One all-gather of each rank's fingerprint (-1: no kernels).
     """
     if device.type != "cpu":
         return None
     found = low_rank_kernels.load()
-    everywhere = torch.tensor([0 if isinstance(found, str) else 1], dtype=torch.int32)
-    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
+    mine = found.fingerprint if isinstance(found, LowRankKernels) else -1
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64), group=group)
+    prints = [int(t.item()) for t in gathered]
     if isinstance(found, LowRankKernels):
-        if everywhere.item():
+        if -1 in prints:
+            logger.info("PowerSGD uses torch ops: rank(s) %s have no CPU kernels",
+                        [r for r, f in enumerate(prints) if f == -1])
+        elif len(set(prints)) > 1:
+            by_rank = ", ".join(f"rank {r}: {f:015x}" for r, f in enumerate(prints))
+            warn_user(f"PowerSGD's CPU kernels compute other bits on other ranks (fingerprints of their output on "
+                      f"a fixed input: {by_rank}; this rank's build is {found.path}): a compiler that defaults to "
+                      "-ffast-math or -ffp-contract=fast, or another compiler or version, would do that. Every "
+                      f"rank uses torch ops instead. {_TORCH_OPS_COST} Build with the same compiler everywhere "
+                      f"(CC), or set {low_rank_kernels.KERNELS_ENV}=torch to choose torch ops without this warning")
+        else:
             logger.info("PowerSGD uses the CPU kernels in %s", found.path)
             return found
-        logger.info("PowerSGD uses torch ops: another rank has no CPU kernels")
     elif found != f"{low_rank_kernels.KERNELS_ENV}=torch":
         warn_user(f"PowerSGD's CPU kernels are not available on rank {rank} ({found}); every rank uses torch "
-                  "ops instead: the same algorithm, about twice the hook's time on CPU. Set "
-                  f"{low_rank_kernels.KERNELS_ENV}=torch to choose that without this warning")
+                  f"ops instead. {_TORCH_OPS_COST} Set {low_rank_kernels.KERNELS_ENV}=torch to choose that "
+                  "without this warning")
     return None
 
 

@@ -9,6 +9,11 @@ threads.
 from __future__ import annotations
 
 import math
+import os
+import pwd
+import stat
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,15 +248,20 @@ def test_the_build_reports_why_it_has_no_kernels(monkeypatch, tmp_path):
         low_rank_kernels.load()
 
 
-def _load_with_compiler(monkeypatch, tmp_path, script: str) -> LowRankKernels | str:
-    """``load()`` with ``$CC`` a shell script of ``script`` and a fresh cache under ``tmp_path``."""
+def _load_with_compiler(monkeypatch, tmp_path, script: str, cc_args: str = "") -> LowRankKernels | str:
+    """``load()`` with ``$CC`` a shell script of ``script`` (then ``cc_args``) and a fresh cache under ``tmp_path``."""
     compiler = tmp_path / "test-cc"
     compiler.write_text(f"#!/bin/sh\n{script}\n")
     compiler.chmod(0o755)
     monkeypatch.setattr(low_rank_kernels, "_loaded", {})
-    monkeypatch.setenv("CC", str(compiler))
+    monkeypatch.setenv("CC", f"{compiler} {cc_args}".strip())
     monkeypatch.setenv("DISTAMP_CACHE_DIR", str(tmp_path / "cache"))
     return low_rank_kernels.load()
+
+
+def real_compiler() -> str:
+    """The host's compiler command, for wrapper scripts."""
+    return " ".join(low_rank_kernels.find_compiler() or ["cc"])
 
 
 def test_a_compile_error_is_reported_with_the_compilers_words(monkeypatch, tmp_path):
@@ -262,7 +272,7 @@ def test_a_compile_error_is_reported_with_the_compilers_words(monkeypatch, tmp_p
 
 def test_a_compiler_that_refuses_march_native_builds_without_it(kernels, monkeypatch, tmp_path):
     refuse = '[ "$a" = -march=native ] && { echo "no native" >&2; exit 1; }'
-    script = f'for a in "$@"; do {refuse}; done\nexec {low_rank_kernels.find_compiler()} "$@"'
+    script = f'for a in "$@"; do {refuse}; done\nexec {real_compiler()} "$@"'
     found = _load_with_compiler(monkeypatch, tmp_path, script)
     assert isinstance(found, LowRankKernels)
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [found.path.name]
@@ -284,6 +294,8 @@ def test_an_unwritable_cache_falls_back_to_the_temp_directory(kernels, monkeypat
     found = low_rank_kernels.load()
     assert isinstance(found, LowRankKernels)
     assert found.path.parent.parent == tmp_path / "tmp"
+    assert found.path.parent.name.startswith("distamp-kernels-")  # a fresh mkdtemp, not a predictable name
+    assert list((tmp_path / "tmp").iterdir()) == []  # removed once loaded (the library stays mapped)
 
 
 def test_a_build_goes_to_the_cache_dir_and_is_reused(kernels, monkeypatch, tmp_path):
@@ -299,3 +311,125 @@ def test_a_build_goes_to_the_cache_dir_and_is_reused(kernels, monkeypatch, tmp_p
     assert isinstance(again, LowRankKernels)
     assert again.path == found.path
     assert found.path.stat().st_mtime_ns == built
+
+
+def test_cc_with_arguments_is_split_as_the_shell_would(kernels, monkeypatch, tmp_path):
+    log = tmp_path / "argv.log"
+    host = real_compiler()
+    script = f'echo "$@" >> {log}\nexec {host} "$@"'
+    found = _load_with_compiler(monkeypatch, tmp_path, script, cc_args="-m64 -DDISTAMP_TEST='a b'")
+    assert isinstance(found, LowRankKernels), found
+    assert log.read_text().splitlines()[-1].startswith("-m64 -DDISTAMP_TEST=a b -march=native")
+    monkeypatch.setenv("CC", "ccache-not-installed gcc")
+    assert low_rank_kernels.find_compiler() is None
+    monkeypatch.setenv("CC", f"{host} -m64")
+    assert low_rank_kernels.find_compiler() == [*host.split(), "-m64"]
+
+
+def test_a_build_that_cannot_be_loaded_is_tried_once(kernels, monkeypatch, tmp_path):
+    """As in a noexec directory: dlopen fails, and building with the other flags would not help."""
+    log = tmp_path / "builds.log"
+    script = f'case "$*" in *-o*) echo build >> {log};; esac\nexec {real_compiler()} "$@"'
+
+    def noexec(path, *args, **kwargs):
+        raise OSError(f"{path}: failed to map segment from shared object")
+
+    monkeypatch.setattr(low_rank_kernels.ctypes, "CDLL", noexec)
+    found = _load_with_compiler(monkeypatch, tmp_path, script)
+    assert isinstance(found, str)
+    assert "failed to map segment" in found
+    assert log.read_text().splitlines() == ["build"]
+
+
+PLANTED = r"""
+#include <fcntl.h>
+#include <unistd.h>
+__attribute__((constructor)) static void planted(void) { close(open("MARKER", O_CREAT | O_WRONLY, 0600)); }
+"""
+
+
+def _plant(tmp_path, target) -> Path:
+    """Compile a library whose constructor creates a marker file, at ``target``; returns the marker's path."""
+    marker = tmp_path / "planted-constructor-ran"
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED.replace("MARKER", str(marker)))
+    subprocess.run([*real_compiler().split(), "-shared", "-fPIC", "-o", str(target), str(source)], check=True)
+    return marker
+
+
+def _expected_target(monkeypatch, tmp_path) -> Path:
+    """The library the loader will look for in a fresh cache ``tmp_path / 'cache'`` (nothing loaded yet:
+    a path this process already dlopen'ed would not be read again)."""
+    monkeypatch.setattr(low_rank_kernels, "_loaded", {})
+    monkeypatch.setenv("DISTAMP_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir(mode=0o700)
+    names = low_rank_kernels._library_names(low_rank_kernels.find_compiler())
+    return tmp_path / "cache" / names[low_rank_kernels.FLAG_SETS[0]]
+
+
+@pytest.mark.parametrize("flaw", ["group-writable", "world-writable", "another owner", "a symlink"])
+def test_a_library_planted_in_the_cache_is_never_loaded(kernels, monkeypatch, tmp_path, flaw):
+    target = _expected_target(monkeypatch, tmp_path)
+    planted = tmp_path / "elsewhere.so" if flaw == "a symlink" else target
+    marker = _plant(tmp_path, planted)
+    if flaw == "group-writable":
+        planted.chmod(0o775)
+    elif flaw == "world-writable":
+        planted.chmod(0o777)
+    elif flaw == "another owner":
+        if os.geteuid() != 0:
+            pytest.skip("chown to another user needs root")
+        os.chown(planted, pwd.getpwnam("nobody").pw_uid, -1)
+    else:
+        target.symlink_to(planted)
+    found = low_rank_kernels.load()
+    assert not marker.exists(), "the planted library's constructor ran"
+    assert isinstance(found, LowRankKernels)  # rebuilt over it
+    assert found.path == target
+    assert not target.is_symlink()
+    st = target.stat()
+    assert st.st_uid == os.geteuid()
+    assert stat.S_IMODE(st.st_mode) & 0o022 == 0
+
+
+@pytest.mark.parametrize("flaw", ["group-writable", "world-writable", "another owner"])
+def test_a_cache_directory_others_can_write_or_own_is_refused(kernels, monkeypatch, tmp_path, flaw):
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    if flaw == "another owner":
+        if os.geteuid() != 0:
+            pytest.skip("chown to another user needs root")
+        os.chown(cache, pwd.getpwnam("nobody").pw_uid, -1)
+    else:
+        cache.chmod(0o770 if flaw == "group-writable" else 0o777)
+    monkeypatch.setattr(low_rank_kernels, "_loaded", {})
+    monkeypatch.setenv("DISTAMP_CACHE_DIR", str(cache))
+    found = low_rank_kernels.load()
+    assert isinstance(found, str)
+    assert f"refusing the kernel cache {cache}" in found
+    assert ("owned by uid" if flaw == "another owner" else "writable by group or others") in found
+    assert list(cache.iterdir()) == []  # nothing built there either
+
+
+def test_a_new_cache_directory_is_private(kernels, monkeypatch, tmp_path):
+    monkeypatch.setattr(low_rank_kernels, "_loaded", {})
+    monkeypatch.delenv("DISTAMP_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    old = os.umask(0)
+    try:
+        found = low_rank_kernels.load()
+    finally:
+        os.umask(old)
+    assert isinstance(found, LowRankKernels)
+    assert found.path.parent == tmp_path / "xdg" / "distamp"
+    assert stat.S_IMODE(found.path.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(found.path.stat().st_mode) & 0o022 == 0  # even with umask 0
+
+
+def test_the_fingerprint_tells_builds_that_round_otherwise_apart(kernels, monkeypatch, tmp_path):
+    contracted = _load_with_compiler(monkeypatch, tmp_path, f'exec {real_compiler()} "$@" -ffp-contract=fast')
+    assert isinstance(contracted, LowRankKernels)
+    assert contracted.path != kernels.path
+    assert kernels.fingerprint == kernels.fingerprint
+    if contracted.fingerprint == kernels.fingerprint:
+        pytest.skip("this CPU or compiler has no fused multiply-add: -ffp-contract=fast builds the same bits")

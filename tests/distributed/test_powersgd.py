@@ -11,6 +11,8 @@ the same scenario keeps skipping.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distamp.distributed.low_rank import effective_rank, matrix_shape, orthogonalize_, product_to_bf16_, start_q
+from distamp.distributed.low_rank import effective_rank, fixed_order_product, matrix_shape, orthogonalize_, start_q
 from distamp.distributed.low_rank_kernels import KERNELS_ENV
 from tests.distributed.test_low_rank_kernels import (
     compiler_present,
@@ -27,7 +29,7 @@ from tests.distributed.test_low_rank_kernels import (
     reference_project,
     reference_start,
 )
-from tests.multiprocess import run_workers
+from tests.multiprocess import free_port, run_workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -147,33 +149,43 @@ def test_shapes_and_the_start_q():
     torch.testing.assert_close(q.t() @ q, torch.eye(3), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("scale", [1.0, 1024.0])
-def test_the_bf16_gradient_is_the_fp32_product_rounded_once(scale):
+def test_the_product_is_the_rank_ordered_sum_of_fp32_outer_products():
     g = torch.Generator().manual_seed(3)
-    p = orthogonalize_(torch.randn(300, 4, generator=g))
-    qt = torch.randn(4, 200, generator=g) * 1e-3
-    out = product_to_bf16_(torch.empty(300, 200, dtype=torch.bfloat16), p, qt, scale)
-    exact = (p.double() @ qt.double()) * scale
-    # One rounding to BF16 (half a unit in the last place: at most 2^-8 relative) plus the split's 16 bits per factor.
-    terms = (p.double().abs() @ qt.double().abs()) * scale
-    assert ((out.double() - exact).abs() <= exact.abs() * 2.0**-8 + terms * 2.0**-15).all()
-    rounded_fp32 = ((p @ qt) * scale).bfloat16()
-    assert (out != rounded_fp32).float().mean() < 0.01
-    assert not torch.equal(out, (p.bfloat16() @ qt.bfloat16()) * scale)  # the split is not plain BF16 factors
-    with pytest.raises(TypeError, match="bfloat16 out from float32 factors"):
-        product_to_bf16_(torch.empty(300, 200), p, qt)
+    p, qt = torch.randn(300, 4, generator=g), torch.randn(4, 200, generator=g) * 1e-3
+    expected = p[:, 0:1] * qt[0:1]
+    for k in range(1, 4):
+        expected = expected + p[:, k : k + 1] * qt[k : k + 1]
+    assert torch.equal(fixed_order_product(p, qt), expected)
+    out, work = torch.empty(300, 200), torch.empty(300, 200)
+    assert fixed_order_product(p, qt, out=out, work=work) is out
+    assert torch.equal(out, expected)
+    assert torch.equal(fixed_order_product(p[:, :1].contiguous(), qt[:1].contiguous()), p[:, :1] * qt[:1])
+    torch.testing.assert_close(out.double(), p.double() @ qt.double(), rtol=1e-5, atol=1e-9)
 
 
-def test_the_bf16_write_keeps_the_error_bitwise_m_minus_pq():
-    from distamp.distributed.powersgd import PowerSGD, _Matrix
+def _gram_schmidt_64(a: torch.Tensor) -> torch.Tensor:
+    """Textbook Gram-Schmidt in float64 (a zero column left zero)."""
+    a = a.double().clone()
+    for i in range(a.shape[1]):
+        norm = a[:, i].norm()
+        if norm > 0:
+            a[:, i] /= norm
+        for j in range(i + 1, a.shape[1]):
+            a[:, j] -= (a[:, i] @ a[:, j]) * a[:, i]
+    return a
 
-    g = torch.Generator().manual_seed(4)
-    m, p = torch.randn(64, 48, generator=g), orthogonalize_(torch.randn(64, 3, generator=g))
-    qt = torch.randn(3, 48, generator=g)
-    grad = torch.zeros(64 * 48, dtype=torch.bfloat16)
-    error = PowerSGD._write_bf16(_Matrix("w", grad, m.clone(), p, qt), 2.0, error_feedback=True)
-    assert torch.equal(error, m - p @ qt)
-    assert torch.equal(grad.view(64, 48), product_to_bf16_(torch.empty(64, 48, dtype=torch.bfloat16), p, qt, 2.0))
+
+def _reference_start_q(name: str, cols: int, rank: int, seed: int) -> torch.Tensor:
+    """The documented start Q: a normal draw from a generator seeded by the step count and the name, orthonormalised."""
+    import zlib
+
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return _gram_schmidt_64(torch.randn(cols, rank, generator=generator))
+
+
+def test_the_start_q_is_the_seeded_draw_orthonormalised():
+    q = start_q("0.weight", 40, 3, seed=5, device=torch.device("cpu"))
+    torch.testing.assert_close(q.double(), _reference_start_q("0.weight", 40, 3, 5), rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- the math against a reference
@@ -202,28 +214,32 @@ def _math_worker(rank, world_size, low_rank, kernels, batch=8):
 
     ms = _gather(local_w.contiguous())
     r = effective_rank(12, 16, low_rank)
-    q0 = start_q("weight", 16, r, seed=0, device=torch.device("cpu"))
     compressor = opt.policy.compressor
+    bias = sum(b / world_size for b in _gather(local_b.contiguous()))
+    result = {"kernels": compressor.kernels is not None, "bias_exact": torch.equal(reduced_b, bias),
+              "same_on_every_rank": all(torch.equal(w, reduced_w) for w in _gather(reduced_w)),
+              # amp off, scale 1: the gradient is P Q^T as written, the error M - P Q^T with M the local gradient
+              "error_exact": torch.equal(compressor.error["weight"], local_w - reduced_w),
+              "mean_error": (reduced_w - sum(ms) / world_size).abs().max().item(), "stats": opt.stats()}
     if compressor.kernels is None:
-        p = sum(m @ q0 for m in ms)
-        p_hat = orthogonalize_(p)
-        qt = sum(p_hat.t() @ m for m in ms) / world_size  # Q^T = P^T M, the layout the hook keeps
+        # Independent of the code under test: PowerSGD in float64 from the documented start Q.
+        q0 = _reference_start_q("weight", 16, r, seed=0)
+        p_hat = _gram_schmidt_64(sum(m.double() @ q0 for m in ms))
+        qt = sum(p_hat.t() @ m.double() for m in ms) / world_size  # Q^T = P^T M, the layout the hook keeps
         approx = p_hat @ qt
+        scale = approx.abs().max().item()
+        result["weight_exact"] = torch.allclose(reduced_w.double(), approx, rtol=1e-5, atol=1e-6 * scale)
+        result["q_exact"] = torch.allclose(compressor.q["weight"].double(), qt, rtol=1e-5, atol=1e-6 * scale)
     else:
+        # The kernels' stated order of operations, from the start Q the hook was given.
+        q0 = start_q("weight", 16, r, seed=0, device=torch.device("cpu"))
         p = sum(reference_start(m, None, q0.t(), 1.0)[1] for m in ms)
         p_hat = reference_orthogonalize(list(p.t())).t()
         qt = sum(reference_project(m, p_hat) for m in ms) / world_size
         approx = reference_product(p_hat, qt)
-    bias = sum(b / world_size for b in _gather(local_b.contiguous()))
-    return {
-        "kernels": compressor.kernels is not None,
-        "weight_exact": torch.equal(reduced_w, approx),
-        "bias_exact": torch.equal(reduced_b, bias),
-        "error_exact": torch.equal(compressor.error["weight"], local_w - approx),
-        "q_exact": torch.equal(compressor.q["weight"], qt),
-        "mean_error": (reduced_w - sum(ms) / world_size).abs().max().item(),
-        "stats": opt.stats(),
-    }
+        result["weight_exact"] = torch.equal(reduced_w, approx)
+        result["q_exact"] = torch.equal(compressor.q["weight"], qt)
+    return result
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
@@ -233,6 +249,7 @@ def test_compressed_gradient_is_powersgd_of_the_rank_gradients(kernels):
         assert result["kernels"] == (kernels == "auto" and compiler_present())
         assert result["weight_exact"]
         assert result["bias_exact"]
+        assert result["same_on_every_rank"]
         assert result["error_exact"]
         assert result["q_exact"]
         assert result["mean_error"] > 1e-4  # rank 2 of a rank-12 matrix: lossy, as it should be
@@ -260,8 +277,12 @@ INF_STEP = 4  # 1-based; compression starts after start_step=2 applied steps
 
 def _poison(model, rank, step_box):
     """Rank 1 puts an inf into one element of the first weight's gradient at INF_STEP (before communication)."""
+    _poison_at(model, rank, step_box, INF_STEP)
+
+
+def _poison_at(model, rank, step_box, at):
     def hook(grad):
-        if rank == 1 and step_box[0] == INF_STEP:
+        if rank == 1 and step_box[0] == at:
             grad = grad.clone()
             grad[0, 0] = float("inf")
         return grad
@@ -302,6 +323,56 @@ def test_an_inf_on_one_rank_skips_that_step_only(dtype, o2, kernels):
     assert out[0]["scales"] == out[1]["scales"]
     assert torch.equal(out[0]["params"], out[1]["params"])
     assert torch.isfinite(out[0]["params"]).all()
+
+
+SKIPPED_STEP = 3  # 1-based; compression starts after start_step=1 applied step
+
+
+def _skip_or_omit_run(rank, low_rank, o2, skip):
+    """Five batches; the third overflows on rank 1 (``skip``) or is never run. Returns what a rank keeps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 40),
+                          nn.ReLU(), nn.Linear(40, 4))
+    strategy = _strategy(dtype="bfloat16" if o2 else "float16", o2=o2, rank=low_rank, start_step=1,
+                         min_compression_rate=1.0)
+    model, wrapped, opt = _build(strategy, model)
+    step_box = [0]
+    _poison_at(model, rank, step_box, SKIPPED_STEP)
+    for step in range(1, 6):
+        step_box[0] = step
+        if step == SKIPPED_STEP and not skip:
+            continue
+        applied = _train_step(wrapped, opt, *_batch(rank, step))
+        assert applied == (step != SKIPPED_STEP)
+    compressor = opt.policy.compressor
+    masters = [m.detach().clone() for m in opt.master_weights.masters]
+    return {"params": _flat(model), "masters": masters, "state": _snapshot(compressor),
+            "rank": max(q.shape[0] for q in compressor.q.values())}
+
+
+def _skip_worker(rank, world_size, kernels, o2):
+    os.environ[KERNELS_ENV] = kernels
+    out = {}
+    for low_rank in (1, 2, 8):
+        skipped, omitted = (_skip_or_omit_run(rank, low_rank, o2, skip) for skip in (True, False))
+        out[low_rank] = {
+            "rank_used": skipped["rank"],
+            "params": torch.equal(skipped["params"], omitted["params"]),
+            "masters": all(torch.equal(a, b) for a, b in zip(skipped["masters"], omitted["masters"], strict=True)),
+            "state": _same_state(skipped["state"], omitted["state"]),
+        }
+    return out
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+@pytest.mark.parametrize("o2", [False, True], ids=["O1-fp16", "O2-bf16"])
+def test_a_skipped_step_is_bitwise_no_step(kernels, o2):
+    """For ranks 1, 2 and 8: the overflowed step leaves params, masters, error feedback and Q as if never run."""
+    out = run_workers(_skip_worker, 2, kernels, o2, timeout=110)
+    for result in out:
+        assert [result[r]["rank_used"] for r in (1, 2, 8)] == [1, 2, 8]
+        for low_rank in (1, 2, 8):
+            assert result[low_rank] == {"rank_used": low_rank, "params": True, "masters": True, "state": True}, low_rank
 
 
 def _torch_control_worker(rank, world_size, steps=8):
@@ -548,3 +619,78 @@ def test_a_rank_without_the_kernels_makes_every_rank_use_torch_ops():
         if compiler_present():
             assert not [m for m in messages if "kernels" in m]  # asked for on rank 1: nothing to warn about
     assert torch.equal(out[0][2], out[1][2])
+
+
+# ----------------------------------------------------------------------------- ranks on different instruction sets
+
+
+def test_ranks_on_different_instruction_sets_end_bitwise_equal_on_torch_ops(tmp_path):
+    """Rank 0 alone runs torch's portable kernels (no vector ISA) and oneDNN capped at AVX2; rank 1 the host's best.
+
+    The torch-op path (every GPU, and wherever a rank lacks the kernels)
+    must still leave both ranks with the same bits: only what each rank
+    computes from the all-reduced P and Q must be the same function
+    everywhere, and that is built from elementwise ops.
+    """
+    port = free_port()
+    out = str(tmp_path / "params")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    base = {**os.environ, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+        base.pop(name, None)
+    portable = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    envs = [{**base, "RANK": str(r), "LOCAL_RANK": str(r), **(portable if r == 0 else {})} for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed.powersgd_isa_job", out], cwd=root, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for env in envs]
+    try:
+        logs = [p.communicate(timeout=150)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)
+    ranks = [torch.load(f"{out}-{rank}.pt") for rank in range(2)]
+    assert ranks[0]["capability"] == "DEFAULT"
+    assert ranks[0]["compression_rate"] > 1.0
+    for name in ("params", "masters"):
+        for a, b in zip(ranks[0][name], ranks[1][name], strict=True):
+            assert torch.equal(a, b), f"{name} differ between the ranks: max {(a.float() - b.float()).abs().max()}"
+
+
+def _fingerprint_worker(rank, world_size, directory):
+    """Rank 1 builds its kernels with FP contraction on (as a compiler defaulting to it would); rank 0 as usual."""
+    from distamp.distributed import low_rank_kernels
+
+    os.environ[KERNELS_ENV] = "auto"
+    os.environ["DISTAMP_CACHE_DIR"] = os.path.join(directory, f"cache-{rank}")
+    if rank == 1:
+        wrapper = os.path.join(directory, "contracting-cc")
+        with open(wrapper, "w") as f:
+            f.write(f'#!/bin/sh\nexec {" ".join(low_rank_kernels.find_compiler())} "$@" -ffp-contract=fast\n')
+        os.chmod(wrapper, 0o755)
+        os.environ["CC"] = wrapper
+    built = low_rank_kernels.load()
+    strategy = _strategy(dtype="bfloat16", o2=True, start_step=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, wrapped, opt = _build(strategy)
+        applied = [_train_step(wrapped, opt, *_batch(rank, step)) for step in range(1, 4)]
+    return {"fingerprint": built.fingerprint, "kernels": opt.policy.compressor.kernels is not None,
+            "applied": applied, "params": _flat(model), "messages": [str(w.message) for w in caught]}
+
+
+def test_kernels_built_to_other_bits_make_every_rank_use_torch_ops(tmp_path):
+    if not compiler_present():
+        pytest.skip("no C compiler: no kernels to tell apart")
+    out = run_workers(_fingerprint_worker, 2, str(tmp_path), timeout=110)
+    if out[0]["fingerprint"] == out[1]["fingerprint"]:
+        pytest.skip("this CPU or compiler has no fused multiply-add: -ffp-contract=fast builds the same bits")
+    for result in out:
+        assert not result["kernels"]
+        assert result["applied"] == [True] * 3
+        warned = [m for m in result["messages"] if "compute other bits on other ranks" in m]
+        assert len(warned) == 1, result["messages"]
+        assert f"rank 0: {out[0]['fingerprint']:015x}, rank 1: {out[1]['fingerprint']:015x}" in warned[0]
+        assert "-ffp-contract=fast" in warned[0]
+    assert torch.equal(out[0]["params"], out[1]["params"])
