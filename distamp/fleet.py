@@ -46,6 +46,7 @@ from distamp.distributed.process_group import (
 )
 from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
+from distamp.strategy.applicability import check_applicable
 
 if TYPE_CHECKING:
     from distamp.distributed.fully_sharded import FullyShardedModel
@@ -245,8 +246,9 @@ def distributed_optimizer(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}; "
             "build it on the model's parameters first, e.g. torch.optim.SGD(model.parameters(), lr=0.1)"
         )
-    _world()
+    world = _world()
     strategy = _strategy(strategy)
+    check_applicable(strategy, world.world_size)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     models = [m for m in _state.models if m.owns_any(params)]
     # Stage 3 converts nothing: FSDP2 casts each all-gather to the 16-bit param_dtype.
@@ -284,8 +286,9 @@ def distributed_model(
     the model's repeated blocks); no DDP, so DDP's keyword arguments are
     refused.
     """
-    _world()
+    world = _world()
     strategy = _strategy(strategy)
+    check_applicable(strategy, world.world_size)
     if _fully_sharded(strategy):
         if kwargs:
             raise ValueError(

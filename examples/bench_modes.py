@@ -209,7 +209,8 @@ def _distamp_runner(mode: str, model: nn.Module, loss_fn: LossFn, lr: float, buc
     if compress:
         strategy.powersgd = True
         strategy.powersgd_configs = {"rank": powersgd[0], "start_step": powersgd[1]}
-    strategy.fuse_grad_size_in_MB = bucket_mb
+    if not sharding or sharding[0] != "stage3":  # stage 3 refuses it: its units set the message sizes
+        strategy.fuse_grad_size_in_MB = bucket_mb
     optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), strategy)
     wrapped = fleet.distributed_model(model, strategy)
     forward = torch.compile(wrapped) if compiled else wrapped

@@ -10,7 +10,11 @@ changes carries a ``# distamp:`` comment. Run it like the original::
     python examples/ddp_tutorial.py 3 1                             # one process, no launcher
 
 The snapshot holds FP32 weights in every mode (in O2 the model itself is
-16-bit; the snapshot comes from the optimizer's FP32 masters).
+16-bit; the snapshot comes from the optimizer's FP32 masters). Each precision
+mode has its own default snapshot, ``runs/tutorial/<o1|o2>-<dtype>/snapshot.pt``
+(e.g. ``o1-float16`` for the first command above, ``o2-bfloat16`` for the
+second): the optimizer state of one mode does not load into another, so a
+rerun resumes the snapshot of its own mode.
 """
 
 from __future__ import annotations
@@ -115,10 +119,14 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("total_epochs", type=int, help="Total epochs to train the model")
     parser.add_argument("save_every", type=int, help="How often to save a snapshot")
     parser.add_argument("--batch_size", default=32, type=int, help="Input batch size on each device (default: 32)")
-    parser.add_argument("--snapshot_path", default=os.path.join("runs", "tutorial", "snapshot.pt"))
+    parser.add_argument("--snapshot_path", default=None,
+                        help="default: runs/tutorial/<o1|o2>-<dtype>/snapshot.pt, one per precision mode")
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
     parser.add_argument("--pure_fp16", action="store_true", help="O2: 16-bit weights, FP32 masters")
     args = parser.parse_args(argv)
+    if args.snapshot_path is None:  # distamp: O1 and O2 snapshots hold different optimizer state
+        mode = f"{'o2' if args.pure_fp16 else 'o1'}-{args.dtype}"
+        args.snapshot_path = os.path.join("runs", "tutorial", mode, "snapshot.pt")
 
     strategy = fleet.DistributedStrategy()  # distamp: what AMP does, set once
     strategy.amp = True

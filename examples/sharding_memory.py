@@ -55,7 +55,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="optimizer steps (default: %(default)s)")
     p.add_argument("--merge_k", type=int, default=1, help="gradient merge micro-batches (default: %(default)s)")
     p.add_argument("--bucket_mb", type=float, default=25.0,
-                   help="fuse_grad_size_in_MB: DDP buckets and all-gather rounds (default: %(default)s)")
+                   help="fuse_grad_size_in_MB: DDP buckets and all-gather rounds, not stage 3 (default: %(default)s)")
     p.add_argument("--stages", default="0,1,2,3",
                    help="comma-separated stages; 0 is sharding off, the ratios' base (default: %(default)s)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
@@ -117,7 +117,8 @@ def measure(rank: int, world: int, stage: int, args: argparse.Namespace) -> dict
     if args.merge_k > 1:
         strategy.gradient_merge = True
         strategy.gradient_merge_configs = {"k_steps": args.merge_k}
-    strategy.fuse_grad_size_in_MB = args.bucket_mb
+    if stage != 3:  # stage 3 refuses it: its units set the message sizes
+        strategy.fuse_grad_size_in_MB = args.bucket_mb
     g = torch.Generator().manual_seed(rank)
     every_thread = count_every_thread()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:

@@ -24,13 +24,24 @@ def test_tutorial_trains_snapshots_fp32_and_resumes(tmp_path):
     precision = ["--dtype", "bfloat16", "--pure_fp16"]  # O2: the model is 16-bit, the snapshot is not
     first = _distrun(tmp_path, "2", "1", *precision)
     assert "[rank0]: Epoch 1 | Training snapshot saved" in first
-    snapshot = torch.load(tmp_path / "runs" / "tutorial" / "snapshot.pt", weights_only=True)
+    snapshot = torch.load(tmp_path / "runs" / "tutorial" / "o2-bfloat16" / "snapshot.pt", weights_only=True)
     assert snapshot["EPOCHS_RUN"] == 2
     assert {k: v.dtype for k, v in snapshot["MODEL_STATE"].items()} == {"weight": torch.float32, "bias": torch.float32}
     resumed = _distrun(tmp_path, "3", "1", *precision)
     assert "Resuming training from snapshot at epoch 2" in resumed
     assert "Epoch 0 |" not in resumed
     assert "[rank0]: [GPUcpu] Epoch 2 |" in resumed
+
+
+@pytest.mark.timeout(300)
+def test_the_two_tutorial_commands_run_one_after_the_other_and_each_resumes(tmp_path):
+    # examples/README's two commands, with and without --pure_fp16: they shared one snapshot, and the second
+    # failed with "checkpoint and optimizer disagree on use_pure_fp16".
+    o2 = ["--pure_fp16", "--dtype", "bfloat16"]
+    assert "Resuming" not in _distrun(tmp_path, "2", "1")
+    assert "Resuming" not in _distrun(tmp_path, "2", "1", *o2)
+    assert "Resuming training from snapshot at epoch 2" in _distrun(tmp_path, "3", "1")
+    assert "Resuming training from snapshot at epoch 2" in _distrun(tmp_path, "3", "1", *o2)
 
 
 @pytest.mark.timeout(120)

@@ -63,8 +63,8 @@ still read.
 
 Loading reads the manifest and checks its checksum, the payload's size and
 SHA-256, then ``torch.load(..., weights_only=True)``. A checkpoint that
-cannot be read is skipped, on every rank, with a warning naming the file
-and the reason, in favour of the next older one; one that reads but does
+cannot be read is skipped, on every rank, with a warning naming the file,
+the reason and the step, in favour of the next older one; one that reads but does
 not fit the model or optimizer raises on every rank.
 
 Rank 0 writes (and each rank its own part when sharded); every rank reads, so on several nodes ``directory`` must be

@@ -75,8 +75,10 @@ def load_latest_checkpoint(
 
     - a checkpoint that cannot be read (no or damaged manifest, truncated
       or corrupted payload, one that ``weights_only`` refuses to unpickle)
-      is skipped on every rank with a warning naming the file and the
-      reason, in favour of the next older one;
+      is skipped on every rank with a warning naming the file, the reason
+      and the step passed over, in favour of the next older one; nothing
+      else falls back (an intact manifest that lists no part its own common
+      payload says was saved raises, as below);
     - one that reads but does not fit the model, optimizer or scheduler
       (shapes, optimizer type, O1 vs O2) raises the same ``RuntimeError``
       on every rank: falling back would silently train something else;
@@ -197,7 +199,7 @@ def _choose(
         if verdict == "use":
             return manifest, payload, shards, skipped
         if verdict == "skip":
-            warn_user(f"skipping bad checkpoint {message}; falling back to an older one")
+            warn_user(f"skipping bad checkpoint {message}; step {step} is not resumed, falling back to an older one")
             skipped.append(message)
             continue
         coordinator.finish()
@@ -261,11 +263,30 @@ def _read(
     _verify(path, manifest, [COMMON], intact)
     payload = _load(path, manifest, COMMON, lambda p: check_payload(p, step))
     # ValueError when it does not fit the optimizer: raised on every rank, never skipped.
-    needed = sorted({*flat_state.parts_needed(payload["optimizer"], target),
+    needed = sorted({*flat_state.parts_needed(payload["optimizer"], target, int(payload["world_size"])),
                      *model_shards.parts_needed(payload.get("model_shards"), unwrap(model))})
+    _check_listed(path, manifest, needed)
     _verify(path, manifest, [rank_part(r) for r in needed], intact)
     parts = {r: _load(path, manifest, rank_part(r), lambda p, r=r: check_shard_payload(p, step, r)) for r in needed}
     return manifest, payload, parts
+
+
+def _check_listed(path: str, manifest: Manifest, ranks: list[int]) -> None:
+    """``ValueError`` when the intact manifest lists no part that its own common payload says a rank saved.
+
+    Not damage on disk (the manifest passed its checksum): the checkpoint
+    was written that way, and an older one would not repair that, so the
+    load raises on every rank instead of skipping it.
+    """
+    names = {f.part for f in manifest.files}
+    missing = [rank_part(r) for r in ranks if rank_part(r) not in names]
+    if missing:
+        raise ValueError(
+            f"{os.path.join(path, manifest_name(manifest.step))} (step {manifest.step}, saved by "
+            f"{manifest.world_size} rank(s)) lists no {', '.join(missing)} part, which its common payload "
+            "says was saved: the checkpoint is inconsistent as written, not damaged; move it away to resume "
+            "from an older one"
+        )
 
 
 def _verify(path: str, manifest: Manifest, parts: list[str], intact: dict[str, str]) -> None:

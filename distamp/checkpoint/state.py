@@ -223,6 +223,6 @@ def restore(
     module.load_state_dict(model_state)
     target = flat_state.describe(optimizer)
     shards = {r: p["optimizer_shard"] for r, p in parts.items() if p.get("optimizer_shard") is not None}
-    optimizer.load_state_dict(flat_state.join(payload["optimizer"], shards, target))
+    optimizer.load_state_dict(flat_state.join(payload["optimizer"], shards, target, int(payload["world_size"])))
     if scheduler is not None:
         scheduler.load_state_dict(payload["scheduler"])

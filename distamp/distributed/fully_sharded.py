@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
-from typing import Any, cast
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,8 @@ from distamp.strategy import DistributedStrategy
 from distamp.torch_compat import fsdp_unsharded_parameters
 
 __all__ = ["FullyShardedModel"]
+
+_Self = TypeVar("_Self", bound="FullyShardedModel")
 
 
 class FullyShardedModel(nn.Module):
@@ -224,6 +226,52 @@ class FullyShardedModel(nn.Module):
         names = {id(p): name for name, p in self.module.named_parameters()}
         return [(names[id(sharded)], unsharded) for sharded, unsharded in fsdp_unsharded_parameters(self.module)
                 if id(sharded) in names]
+
+    # -- moves yes, casts no ---------------------------------------------------
+    # FSDP2 replaces each DTensor parameter by swapping in its converted copy; a dtype change of a sharded
+    # parameter fails deep inside torch ("Couldn't swap ..."), so it is refused first, saying what works.
+
+    def to(self: _Self, *args: Any, **kwargs: Any) -> _Self:
+        """``nn.Module.to``: a move works; a dtype change raises ``RuntimeError`` (cast before sharding)."""
+        self._refuse_cast(lambda t: t.to(*args, **kwargs), "model.to(...)")
+        return super().to(*args, **kwargs)
+
+    def type(self: _Self, dst_type: torch.dtype | str) -> _Self:
+        """``nn.Module.type``: refused with ``RuntimeError`` unless it keeps the parameters' dtype."""
+        self._refuse_cast(lambda t: t.type(dst_type), f"model.type({dst_type!r})")
+        return super().type(dst_type)
+
+    def half(self: _Self) -> _Self:
+        """``nn.Module.half``: refused with ``RuntimeError`` (cast before ``fleet.distributed_model``)."""
+        self._refuse_cast(lambda t: t.half(), "model.half()")
+        return super().half()
+
+    def bfloat16(self: _Self) -> _Self:
+        """``nn.Module.bfloat16``: refused with ``RuntimeError`` (cast before ``fleet.distributed_model``)."""
+        self._refuse_cast(lambda t: t.bfloat16(), "model.bfloat16()")
+        return super().bfloat16()
+
+    def float(self: _Self) -> _Self:
+        """``nn.Module.float``: a no-op on the FP32 shards; refused with ``RuntimeError`` on any other dtype."""
+        self._refuse_cast(lambda t: t.float(), "model.float()")
+        return super().float()
+
+    def double(self: _Self) -> _Self:
+        """``nn.Module.double``: refused with ``RuntimeError`` (cast before ``fleet.distributed_model``)."""
+        self._refuse_cast(lambda t: t.double(), "model.double()")
+        return super().double()
+
+    def _refuse_cast(self, convert: Callable[[torch.Tensor], torch.Tensor], call: str) -> None:
+        """``RuntimeError`` when ``convert`` (a tensor conversion) would change a floating parameter's dtype."""
+        for dtype, device in {(p.dtype, p.device) for p in self.module.parameters() if p.is_floating_point()}:
+            to = convert(torch.empty(0, dtype=dtype, device=device)).dtype
+            if to != dtype:
+                raise RuntimeError(
+                    f"{call} after fleet.distributed_model would cast the sharded {dtype} parameters to {to}, "
+                    "and FSDP2 cannot cast sharded parameters (sharding stage 3). Cast the model before "
+                    "fleet.distributed_model; for mixed precision keep the model FP32 and set "
+                    "amp_configs['dtype'] (and 'use_pure_fp16') instead. Moves (model.to(device)) work"
+                )
 
     def fp32_state_dict(self) -> dict[str, Any]:
         """The model's ``state_dict()`` with every parameter as a full FP32 tensor (collective).

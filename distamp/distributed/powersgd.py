@@ -82,7 +82,7 @@ from distamp.distributed.low_rank_kernels import LowRankKernels
 from distamp.strategy import PowerSGDConfig
 from distamp.user_warning import warn_user
 
-__all__ = ["GradCompressor", "PowerSGD", "powersgd_hook"]
+__all__ = ["GradCompressor", "PowerSGD", "fit_state_to_world", "powersgd_hook"]
 
 logger = logging.getLogger("distamp")
 
@@ -90,6 +90,34 @@ STATE_FORMAT = "distamp.PowerSGD/1"
 # What the fallback costs, as measured (examples/README.md, "PowerSGD's CPU kernels").
 _TORCH_OPS_COST = ("The same algorithm, the ranks still agree bit for bit; the hook takes longer (measured on a "
                    "2048 x 2048 BF16 gradient: 1.8x the kernels' time at rank 1, 3.2x at rank 4).")
+
+
+def fit_state_to_world(state: dict, world_size: int, rank: int) -> dict:
+    """:meth:`PowerSGD.state_dict`'s ``state`` as a job of ``world_size`` ranks may use it.
+
+    At the saving world size it is returned as it is. At another, the
+    error feedback (one rank's residual of a sum over the saving ranks, with
+    no counterpart now) is dropped, rank 0 warning once, and the state is
+    labelled with ``world_size``; Q and the step count, the same on every
+    rank, are kept. The optimizer calls it too when it holds the state for a
+    compressor not built yet, so the warning comes at load either way.
+
+    Raises:
+        ValueError: not a PowerSGD state.
+    """
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"not a distamp PowerSGD state (found {found!r}); expected format {STATE_FORMAT!r}")
+    saved_world = int(state["world_size"])
+    if saved_world == world_size:
+        return state
+    if rank == 0 and state["error"]:
+        warn_user(
+            f"PowerSGD error feedback dropped: the checkpoint was saved by {saved_world} rank(s) and is "
+            f"resumed by {world_size}; each rank's error is its residual of a sum over the saving "
+            "ranks and has no counterpart now, so it restarts from zero (Q and the step count are kept)"
+        )
+    return {**state, "world_size": world_size, "error": {}}
 
 
 @runtime_checkable
@@ -278,23 +306,11 @@ class PowerSGD:
         Raises:
             ValueError: not a PowerSGD state.
         """
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            found = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"not a distamp PowerSGD state (found {found!r}); expected format {STATE_FORMAT!r}")
+        state = fit_state_to_world(state, self.world_size, self.rank)
         device = self.device
         self.applied_steps = int(state["applied_steps"])
         self.q = {name: t.to(device, torch.float32) for name, t in state["q"].items()}
-        saved_world = int(state["world_size"])
-        if saved_world == self.world_size:
-            self.error = {name: t.to(device, torch.float32).clone() for name, t in state["error"].items()}
-        else:
-            self.error = {}
-            if self.rank == 0 and state["error"]:
-                warn_user(
-                    f"PowerSGD error feedback dropped: the checkpoint was saved by {saved_world} rank(s) and is "
-                    f"resumed by {self.world_size}; each rank's error is its residual of a sum over the saving "
-                    "ranks and has no counterpart now, so it restarts from zero (Q and the step count are kept)"
-                )
+        self.error = {name: t.to(device, torch.float32).clone() for name, t in state["error"].items()}
         self._tentative, self._spare = {}, {}
 
     # -- the hook's work -------------------------------------------------------------

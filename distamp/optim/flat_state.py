@@ -232,8 +232,12 @@ def _flat_for(store: dict, key: str, like: torch.Tensor, length: int) -> torch.T
 # ----------------------------------------------------------------------------- loading
 
 
-def parts_needed(common: dict, target: Target | None) -> list[int]:
+def parts_needed(common: dict, target: Target | None, saved_world_size: int | None = None) -> list[int]:
     """Ranks whose shard parts the loading optimizer needs: those overlapping what it holds (:meth:`Target.needs`).
+
+    ``saved_world_size``: the number of ranks of the job that saved the
+    checkpoint (its manifest's), which decides whose PowerSGD part a rank
+    reads; None takes the PowerSGD marker's word for it.
 
     Raises:
         ValueError: the checkpoint's parameters differ from the target's, or
@@ -241,7 +245,7 @@ def parts_needed(common: dict, target: Target | None) -> list[int]:
     """
     layout = common.get("sharding") if isinstance(common, dict) else None
     if layout is None:
-        source = _compressor_part(common, target)
+        source = _compressor_part(common, target, saved_world_size)
         return [] if source is None else [source]
     if target is None:
         raise ValueError("this checkpoint holds sharded optimizer state; load it into fleet.distributed_optimizer's "
@@ -272,22 +276,29 @@ def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
     return False
 
 
-def join(common: dict, parts: dict[int, dict], target: Target | None) -> dict:
+def join(common: dict, parts: dict[int, dict], target: Target | None, saved_world_size: int | None = None) -> dict:
     """The ``state_dict`` the target optimizer loads as its own, from a checkpoint's optimizer state.
 
     ``parts`` maps saving ranks to their shard parts (at least
     :func:`parts_needed`'s). An unsharded checkpoint loaded by an unsharded
     optimizer is returned as it is. For a stage-3 target the result holds
     this rank's local shards and the target's layout under ``"sharding"``.
+    ``saved_world_size`` as for :func:`parts_needed`.
 
     Raises:
         ValueError: the checkpoint does not fit the target (parameters,
             param groups, O1/O2).
     """
     saved_layout = common.get("sharding")
-    compressor_rank = _compressor_part(common, target)
+    compressor_rank = _compressor_part(common, target, saved_world_size)
     if compressor_rank is not None:
-        common = {**common, "powersgd": parts[compressor_rank]["powersgd"]}
+        compressor = parts[compressor_rank]["powersgd"]
+        if saved_world_size is not None and int(compressor["world_size"]) != saved_world_size:
+            # Carried over from another world size by a job that could not use it (written before this was
+            # refused): its error feedback fits neither job, so label it with the saving job's world size, whose
+            # mismatch makes the compressor drop it.
+            compressor = {**compressor, "world_size": saved_world_size}
+        common = {**common, "powersgd": compressor}
     if target is None or (saved_layout is None and target.sharding is None):
         return common
     if saved_layout is None:  # the model's shapes were checked when its state_dict was loaded
@@ -315,16 +326,20 @@ def join(common: dict, parts: dict[int, dict], target: Target | None) -> dict:
     return {**state, "inner": inner, "master_weights": masters}
 
 
-def _compressor_part(common: Any, target: Target | None) -> int | None:
+def _compressor_part(common: Any, target: Target | None, saved_world_size: int | None = None) -> int | None:
     """The saving rank whose PowerSGD part this rank loads: its own at the same world size, else rank 0's.
 
     Rank 0's at another world size: its Q and step count are the same on
-    every rank; its error feedback is dropped when loaded (the compressor warns).
+    every rank; its error feedback is dropped when loaded (with one warning).
+    The saving job's world size counts, not only the state's: a state whose
+    world size differs from its job's is in rank 0's part alone.
     """
     marker = common.get("powersgd") if isinstance(common, dict) else None
     if target is None or not isinstance(marker, dict) or not marker.get("in_rank_parts"):
         return None
-    return target.rank if int(marker["world_size"]) == target.world_size else 0
+    saved = int(marker["world_size"])
+    same = saved == target.world_size and (saved_world_size is None or saved_world_size == saved)
+    return target.rank if same else 0
 
 
 def _part_ranges(part: dict) -> list[tuple[int, int]]:

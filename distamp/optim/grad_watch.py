@@ -14,14 +14,19 @@ Three habits from plain PyTorch silently break a scaled-loss loop:
   some optimizers, apply again) a step. :meth:`GradWatch.before_step` warns
   once and the step is not taken.
 
-Gradients are compared by identity (a weak reference, so nothing is kept
-alive) and version counter; a check is one pass over the parameters.
+Gradients are compared by identity and version counter; a check is one
+pass over the parameters. Identity is a stamp the snapshot writes into each
+gradient's ``__dict__`` (a tensor made later, e.g. by a plain backward after
+``zero_grad()``, has none), not a reference: a strong one would keep freed
+gradients alive, and a weak one makes ``torch.utils.swap_tensors`` refuse
+the gradient, which ``model.to(...)`` of an FSDP2 (sharding stage 3) model
+swaps.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import weakref
 from collections.abc import Callable, Iterable
 
 from torch import nn
@@ -33,7 +38,12 @@ __all__ = ["GradWatch"]
 
 logger = logging.getLogger("distamp")
 
-_Snapshot = tuple[int, list[tuple[weakref.ref, int] | None]]
+_Snapshot = tuple[int, int, list[int | None]]
+"""``(deliveries, stamp, per parameter: its gradient's version, None without one)``."""
+
+_STAMP = "_distamp_grad_watch"  # the gradient's attribute: {snapshot slot: the stamp it last wrote}
+_stamps = itertools.count(1)  # one per snapshot, process-wide, so no two snapshots ever share one
+_slots = itertools.count()
 
 
 class GradWatch:
@@ -49,32 +59,42 @@ class GradWatch:
     def __init__(self, params: Iterable[nn.Parameter], deliveries: Callable[[], int] = lambda: 0) -> None:
         self.params = list(params)
         self._deliveries = deliveries
+        # Each kind of snapshot stamps the gradients in its own slot: the two are compared independently.
+        self._backward_slot, self._step_slot = next(_slots), next(_slots)
         self._backward_since_step = False
         self._after_backward: _Snapshot | None = None
-        self._after_step = self._snapshot()
+        self._after_step = self._snapshot(self._step_slot)
         self._warned: set[str] = set()
 
     def track(self, params: Iterable[nn.Parameter]) -> None:
         """Watch more parameters (``add_param_group``)."""
         self.params.extend(params)
-        self._after_step = self._snapshot()
+        self._after_step = self._snapshot(self._step_slot)
 
-    def _snapshot(self) -> _Snapshot:
-        grads = [None if p.grad is None else (weakref.ref(p.grad), tensor_version(p.grad)) for p in self.params]
-        return self._deliveries(), grads
+    def _snapshot(self, slot: int) -> _Snapshot:
+        stamp = next(_stamps)
+        versions: list[int | None] = []
+        for p in self.params:
+            grad = p.grad
+            if grad is None:
+                versions.append(None)
+                continue
+            grad.__dict__.setdefault(_STAMP, {})[slot] = stamp
+            versions.append(tensor_version(grad))
+        return self._deliveries(), stamp, versions
 
-    def _unchanged_since(self, snapshot: _Snapshot) -> bool:
+    def _unchanged_since(self, snapshot: _Snapshot, slot: int) -> bool:
         # strict=False: track() (add_param_group) may append parameters after the snapshot was taken;
         # those have no earlier state to compare, so only the snapshotted prefix is checked.
-        deliveries, grads = snapshot
+        deliveries, stamp, versions = snapshot
         if deliveries != self._deliveries():
             return False
-        for p, seen in zip(self.params, grads, strict=False):
+        for p, seen in zip(self.params, versions, strict=False):
             grad = p.grad
             if grad is None:
                 if seen is not None:
                     return False
-            elif seen is None or seen[1] != tensor_version(grad) or seen[0]() is not grad:
+            elif seen is None or seen != tensor_version(grad) or grad.__dict__.get(_STAMP, {}).get(slot) != stamp:
                 return False
         return True
 
@@ -86,11 +106,11 @@ class GradWatch:
     def after_backward(self, loss_scale: float) -> None:
         """``optimizer.backward`` finished (gradients communicated)."""
         self._backward_since_step = True
-        self._after_backward = self._snapshot() if loss_scale != 1.0 else None
+        self._after_backward = self._snapshot(self._backward_slot) if loss_scale != 1.0 else None
 
     def before_unscale(self) -> None:
         """Warn once if scaled gradients were changed between backward and unscaling."""
-        if self._after_backward is None or self._unchanged_since(self._after_backward):
+        if self._after_backward is None or self._unchanged_since(self._after_backward, self._backward_slot):
             return
         if self._once("scaled"):
             logger.warning(
@@ -108,7 +128,7 @@ class GradWatch:
         """
         if self._backward_since_step:
             return True
-        if self._unchanged_since(self._after_step):
+        if self._unchanged_since(self._after_step, self._step_slot):
             if self._once("nothing"):
                 warn_user(
                     "optimizer.step() found no new gradients since the last step, so it did nothing and "
@@ -133,10 +153,10 @@ class GradWatch:
         follows the new tensors.
         """
         if not self._backward_since_step:
-            self._after_step = self._snapshot()
+            self._after_step = self._snapshot(self._step_slot)
 
     def after_step(self) -> None:
         """A step was taken (or skipped for inf/NaN): start watching for the next backward."""
         self._backward_since_step = False
         self._after_backward = None
-        self._after_step = self._snapshot()
+        self._after_step = self._snapshot(self._step_slot)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from distamp.distributed.groups import group_rank, group_size
+from distamp.distributed.powersgd import fit_state_to_world
 from distamp.optim.dtensor_state import gather_full, local_inner, reshard_loaded, wrap_loaded
 from distamp.optim.fully_sharded_precision import FullyShardedPrecision
 
@@ -116,12 +118,19 @@ def _load_compressor_state(opt: AmpOptimizer, state: dict | None) -> None:
     """This rank's PowerSGD state, to its compressor now or when ``fleet.distributed_model`` builds it.
 
     A checkpoint marker without the state, or a strategy without
-    ``powersgd``, leaves the compressor as it is.
+    ``powersgd``, leaves the compressor as it is. State held for a
+    compressor not built yet is fitted to the world size now (error
+    feedback of another world size dropped, with its one warning). One
+    process builds no compressor (there is no DDP to hook), so there the
+    state is dropped whole: saved again, it would pass another world size's
+    state off as this job's.
     """
     if state is None or "format" not in state or not opt.strategy.powersgd:
         return
     compressor = opt.policy.compressor
-    if compressor is None:
-        opt._pending_compressor_state = state
-    else:
+    if compressor is not None:
         compressor.load_state_dict(state)
+        return
+    world_size = group_size(opt.policy.process_group)
+    state = fit_state_to_world(state, world_size, group_rank(opt.policy.process_group))
+    opt._pending_compressor_state = state if world_size > 1 else None

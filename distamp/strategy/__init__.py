@@ -24,6 +24,8 @@ Modules:
 * :mod:`~distamp.strategy.views`: the read-only dicts ``strategy.amp_configs`` and co. return.
 * :mod:`~distamp.strategy.checks` and :mod:`~distamp.strategy.op_checks`: the value checks,
   shared with ``auto_cast()``, the loss scalers and the black-module patterns.
+* :mod:`~distamp.strategy.applicability`: settings the chosen path would ignore, refused by
+  ``fleet.distributed_optimizer`` and ``fleet.distributed_model``.
 """
 
 from distamp.strategy.amp_config import AmpConfig

@@ -364,3 +364,70 @@ def test_units_patterns_and_o2_fp32_modules_decide_what_is_gathered_in_which_dty
                                "applied": True}
     # O1: FP32 parameters, computed in BF16 under auto_cast.
     assert out["o1"] == {"units": [3], "gathered": {0: f32, 1: f32, 3: f32}, "output": bf16, "applied": True}
+
+
+def _step(wrapped, opt, x, y):
+    from distamp import fleet
+
+    with fleet.auto_cast():
+        loss = F.mse_loss(wrapped(x).float(), y)
+    opt.zero_grad()
+    opt.backward(loss)
+    return opt.step()
+
+
+def _move_after_a_step(rank, world, o2):
+    from distamp import fleet
+
+    fleet.init()
+    model = _model()
+    opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      _strategy(3, use_pure_fp16=o2, dtype="bfloat16"))
+    wrapped = fleet.distributed_model(model)
+    (x, y), (x2, y2) = [(a[rank * PER_RANK:(rank + 1) * PER_RANK], b[rank * PER_RANK:(rank + 1) * PER_RANK])
+                        for a, b in _batches(world, 2)]
+    applied = [_step(wrapped, opt, x, y)]
+    moved = wrapped.to("cpu")  # the gradients of the step are still there
+    applied.append(_step(wrapped, opt, x2, y2))
+    return moved is wrapped, applied
+
+
+@pytest.mark.parametrize("o2", [False, True])
+def test_stage3_model_moves_after_a_training_step(o2):
+    for same, applied in run_workers(_move_after_a_step, 2, o2, timeout=120):
+        assert same
+        assert applied == [True, True]
+
+
+def _cast_after_sharding(rank, world, names):
+    from distamp import fleet
+
+    fleet.init()
+    model = _model()
+    fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), _strategy(3, dtype="bfloat16"))
+    wrapped = fleet.distributed_model(model)
+    casts = {"half": wrapped.half, "double": wrapped.double, "to": lambda: wrapped.to("cpu", torch.float16),
+             "type": lambda: wrapped.type(torch.bfloat16)}
+    messages = []
+    for name in names:
+        try:
+            casts[name]()
+        except RuntimeError as exc:
+            messages.append(str(exc))
+        else:
+            messages.append(None)
+    # What keeps the FP32 shards' dtype is no cast and works.
+    same = [wrapped.float() is wrapped, wrapped.to(torch.float32) is wrapped, wrapped.to("cpu") is wrapped]
+    return messages, same
+
+
+def test_stage3_refuses_a_cast_after_sharding_with_what_to_do():
+    names = ["half", "double", "to", "type"]
+    for messages, same in run_workers(_cast_after_sharding, 2, names, timeout=120):
+        assert same == [True, True, True]
+        for name, message in zip(names, messages, strict=True):
+            assert message is not None, name
+            assert "FSDP2 cannot cast sharded parameters" in message
+            assert "Cast the model before fleet.distributed_model" in message
+        assert messages[0].startswith("model.half() after fleet.distributed_model would cast the sharded "
+                                      "torch.float32 parameters to torch.float16")

@@ -107,3 +107,28 @@ def test_replaced_gradient_object_is_a_change():
     p.grad = torch.ones(3)  # same values, another tensor
     with pytest.raises(RuntimeError, match=r"did not come from optimizer\.backward"):
         watch.before_step(4.0)
+
+
+def test_a_new_gradient_of_the_same_version_is_noticed_and_none_is_referenced():
+    import weakref
+
+    p = _p()
+    p.grad = torch.zeros(3)
+    watch = GradWatch([p])
+    # No reference to the gradient: a weak one makes torch.utils.swap_tensors (model.to under FSDP2) refuse it.
+    assert weakref.getweakrefcount(p.grad) == 0
+    p.grad = torch.ones(3)  # a new tensor at version 0, as a plain backward after zero_grad() makes
+    assert p.grad._version == 0
+    with pytest.raises(RuntimeError, match=r"did not come from optimizer\.backward"):
+        watch.before_step(2.0)
+
+
+def test_an_untouched_gradient_is_still_nothing_new():
+    p = _p()
+    p.grad = torch.zeros(3)
+    watch = GradWatch([p])
+    other = GradWatch([p])  # a second watch's stamps do not disturb the first's
+    with pytest.warns(UserWarning, match="found no new gradients"):
+        assert watch.before_step(2.0) is False
+    with pytest.warns(UserWarning, match="found no new gradients"):
+        assert other.before_step(2.0) is False
