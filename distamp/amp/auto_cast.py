@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from distamp.amp.compile_cache import keep_autocast_dtypes_apart
 from distamp.amp.op_list_mode import OpListMode
 from distamp.strategy.op_checks import validate_dtype, validate_op_lists
 
@@ -112,6 +113,10 @@ def auto_cast(
             type only.
         cache_enabled: ``torch.autocast``'s weight-cast cache (default True).
 
+    On torch < 2.13 an enabled ``auto_cast`` switches AOTAutograd's
+    compiled-graph cache off for the process, whose key there lacks the
+    autocast dtype (see :mod:`distamp.amp.compile_cache`).
+
     Returns:
         A ``torch.autocast`` when no custom list is given (and when ``enable``
         is False); otherwise an :class:`AutocastWithOpLists`.
@@ -127,6 +132,8 @@ def auto_cast(
     low = getattr(torch, validate_dtype("auto_cast()", "dtype", dtype))
     device_type = _check_device_type(device_type)
     white, black = validate_op_lists("auto_cast()", custom_white_list or (), custom_black_list or ())
+    if enable:
+        keep_autocast_dtypes_apart()  # torch < 2.13 would reuse a graph compiled under the other dtype
     autocast = torch.autocast(device_type, dtype=low, enabled=enable, cache_enabled=cache_enabled)
     if not enable or not (white or black):
         return autocast

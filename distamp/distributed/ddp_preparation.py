@@ -20,9 +20,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distamp.distributed.attached import AttachedOptimizer, SliceOwner
 from distamp.distributed.comm_hooks import LowPrecisionAllReduce, PendingFp32Grads
+from distamp.distributed.comm_threads import check_gloo_workers_found, wait_for_comm_threads
 from distamp.distributed.fingerprint import check_ranks_agree
 from distamp.distributed.powersgd import PowerSGD
-from distamp.distributed.process_group import wait_for_comm_threads
 from distamp.distributed.reduce_scatter import ShardedGradReduce, reduce_bucket_bytes
 from distamp.distributed.slice_reducer import SliceReducer
 from distamp.distributed.timeouts import named_collective
@@ -161,6 +161,7 @@ class DDPPreparation:
         ddp.bucket_bytes_cap = max(ddp.bucket_bytes_cap, DEFAULT_FIRST_BUCKET_BYTES)
         # Before the reducer (perhaps the process group's last owner) is freed, let gloo's threads
         # release the comm hook's Python continuations: see wait_for_comm_threads.
+        check_gloo_workers_found(self.process_group)
         weakref.finalize(ddp, wait_for_comm_threads)
         return ddp
 

@@ -13,7 +13,7 @@ import ipaddress
 import math
 import os
 import socket
-import time
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distamp.distributed.comm_threads import check_gloo_workers_found, wait_for_comm_threads
 from distamp.distributed.store_exchange import StoreExchange
 
 __all__ = [
@@ -31,7 +32,6 @@ __all__ = [
     "default_device",
     "init_process_group",
     "validate_timeout",
-    "wait_for_comm_threads",
     "world_info_from_env",
     "world_info_from_group",
 ]
@@ -248,8 +248,7 @@ def init_process_group(world: WorldInfo, timeout: timedelta = DEFAULT_TIMEOUT) -
     store = _loopback_store(world, timeout)
     rendezvous: dict[str, Any] = {"store": store} if store is not None else {"init_method": "env://"}
     dist.init_process_group(default_backend(), **rendezvous, **kwargs)
-    atexit.unregister(wait_for_comm_threads)  # once, whatever the number of inits
-    atexit.register(wait_for_comm_threads)
+    _tear_down_at_exit(dist.group.WORLD)
     return True
 
 
@@ -271,12 +270,33 @@ def _init_one_process_group(timeout: timedelta, kwargs: dict[str, Any]) -> None:
     finally:
         for var in chosen:
             os.environ.pop(var, None)
-    atexit.register(_destroy_if_current, dist.group.WORLD)
+    _tear_down_at_exit(dist.group.WORLD)
 
 
-def _destroy_if_current(group: dist.ProcessGroup | None) -> None:
-    if dist.is_initialized() and dist.group.WORLD is group:
-        dist.destroy_process_group()
+def _tear_down_at_exit(group: dist.ProcessGroup | None) -> None:
+    """Destroy ``group``, the one ``init`` created, when the interpreter exits (unless the user did).
+
+    Fleet scripts, like Paddle's, never call ``destroy_process_group()``;
+    without it NCCL's destructor warns "destroy_process_group() was not
+    called before program exit" and aborts its communicators instead of
+    flushing them. Registered right after the group is created, so a
+    user's own exit handlers registered later still find it (atexit runs
+    them last-in, first-out).
+    """
+    check_gloo_workers_found(group)
+    atexit.register(_destroy_at_exit, group)
+
+
+def _destroy_at_exit(group: dist.ProcessGroup | None) -> None:
+    # gloo's threads first (GIL released): freeing the group joins them with the GIL held.
+    wait_for_comm_threads()
+    if not (dist.is_initialized() and dist.group.WORLD is group):
+        return  # destroyed by the user already (and any group made since is theirs)
+    if getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None:
+        # An uncaught exception ends this rank; its peers may be gone or mid-collective, and
+        # NCCL's shutdown flushes outstanding work where torch's destructor aborts it.
+        return
+    dist.destroy_process_group()
 
 
 def _loopback_interface() -> str | None:
@@ -317,58 +337,3 @@ def _loopback_store(world: WorldInfo, timeout: timedelta) -> dist.TCPStore | Non
         ) from exc
     return dist.TCPStore(host, port, world.world_size, True, timeout=timeout,
                          multi_tenant=True, master_listen_fd=sock.detach())
-
-
-_GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives ProcessGroupGloo's worker threads
-_EXIT_WAIT = 2.0  # seconds at most
-
-
-def wait_for_comm_threads() -> None:
-    """Wait, with the GIL released, until this process's gloo worker threads are idle (2 s at most).
-
-    A gloo thread that completes an all-reduce with a Python continuation
-    (DDP comm hooks: distamp's, torch's fp16_compress_hook) takes the GIL once
-    more after the waiting backward has already returned, to release the
-    continuation. Two places must not hold the GIL against it:
-
-    * freeing the last reference to a process group (``~ProcessGroupGloo``
-      joins its threads with the GIL held): when a DDP model outlives
-      ``destroy_process_group()``, that is the reducer's destructor, at the
-      model's garbage collection. ``DataParallel`` calls this from a
-      finalizer of its DDP, which runs before the reducer is freed.
-      Without it the job hangs after training (reproduced: DDP + comm hook,
-      one backward, ``destroy_process_group()``, ``del model``).
-    * interpreter exit: a thread that needs the GIL while the interpreter
-      finalizes is ended with ``pthread_exit``, whose unwinding reaches a
-      ``noexcept`` destructor ("terminate called without an active
-      exception", exit 134 after a job that had finished). This runs as an
-      atexit handler, before finalization.
-
-    A thread that needs the GIL gets it while this one sleeps, so two looks
-    in a row at sleeping workers mean they are idle.
-    """
-    deadline = time.monotonic() + _EXIT_WAIT
-    idle_looks = 0
-    while idle_looks < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-        idle_looks = 0 if _gloo_workers_running() else idle_looks + 1
-
-
-def _gloo_workers_running() -> bool:
-    """True when a gloo worker thread of this process is runnable (not sleeping)."""
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:  # not Linux: nothing to look at
-        return False
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() != _GLOO_WORKER:
-                    continue
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state != "S":  # running, runnable, or in the kernel (D) mid-way
-            return True
-    return False

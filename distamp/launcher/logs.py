@@ -11,17 +11,24 @@ worker's traceback lines with it once the process group exists).
 
 It also hands each worker the files the launcher reads after an attempt:
 torch's error file and the exit stamp written by the bootstrap's guardian.
+
+:func:`claim_log_dir` keeps two jobs from writing the same files: a second
+``distrun`` on a log directory that a live job on the same node rank holds
+is refused, naming it and the job that holds it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -29,12 +36,51 @@ from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
 
 from distamp.launcher import _bootstrap
 
-__all__ = ["RankLogs", "log_path", "tail_lines"]
+__all__ = ["LogDirInUseError", "RankLogs", "claim_log_dir", "log_path", "tail_lines"]
 
 
 def log_path(log_dir: str, rank: int) -> str:
     """Path of global rank ``rank``'s log file."""
     return os.path.join(log_dir, f"workerlog.{rank}")
+
+
+class LogDirInUseError(RuntimeError):
+    """Another live ``distrun`` job writes its logs to the directory this one was given."""
+
+
+@contextmanager
+def claim_log_dir(log_dir: str, node_rank: int = 0) -> Iterator[None]:
+    """Hold ``log_dir`` (which must exist) for this job's node ``node_rank`` while the block runs.
+
+    The claim is an exclusive ``flock`` on ``log_dir/.distrun-node{node_rank}.lock``:
+    the kernel drops it when the holder exits, even by SIGKILL, so only a
+    live job can hold it. Each node of one job claims its own file (its
+    workers write their own ranks' files), so the nodes of a job may share
+    the directory on a shared file system. The lock file keeps the holder's
+    pid, host and start time for the message a second job gets.
+
+    Raises:
+        LogDirInUseError: a live job holds it, naming the directory and that job.
+    """
+    path = os.path.join(log_dir, f".distrun-node{node_rank}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode("utf-8", errors="replace").strip() or "a process"
+            raise LogDirInUseError(
+                f"--log_dir {log_dir!r} is in use by another distrun job ({holder}), whose workers write "
+                f"{os.path.join(log_dir, 'workerlog.N')} there: two jobs would mix their lines in the same files. "
+                f"Wait for it to finish, or give this job its own directory, e.g. --log_dir "
+                f"{log_dir.rstrip(os.sep) + '-2'!r}"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, started "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # drops the lock
 
 
 def tail_lines(path: str, count: int = 20) -> list[str]:

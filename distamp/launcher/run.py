@@ -30,7 +30,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from distamp.launcher import _bootstrap
 from distamp.launcher.env import build_worker_env, patched_environ
-from distamp.launcher.logs import RankLogs, log_path, tail_lines
+from distamp.launcher.logs import LogDirInUseError, RankLogs, claim_log_dir, log_path, tail_lines
 from distamp.launcher.plan import LaunchPlan
 from distamp.launcher.reaper import Reaper
 from distamp.torch_compat import launch_config_shutdown_timeout
@@ -332,7 +332,9 @@ def launch(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = Non
 
     0 when every worker succeeded; the first failing worker's code (128 +
     signal number for a signal) when they failed; 128 + signal number when
-    distrun itself was interrupted; 1 when the rendezvous failed. Whatever
+    distrun itself was interrupted; 1 when the rendezvous failed; 2, with
+    nothing started, when ``--log_dir`` cannot be created or a live job on
+    this node rank writes there. Whatever
     the outcome, every process the workers started is gone when it returns
     (SIGKILL for what the agent did not already stop), and between restarts
     nothing of the previous attempt is left running.
@@ -344,6 +346,16 @@ def launch(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = Non
     except OSError as exc:
         print(f"distrun: error: --log_dir {plan.log_dir!r} cannot be created: {exc}", file=err)
         return 2
+    try:
+        with claim_log_dir(plan.log_dir, plan.node_rank):
+            return _launch_claimed(plan, out, err)
+    except LogDirInUseError as exc:
+        print(f"distrun: error: {exc}", file=err)
+        return 2
+
+
+def _launch_claimed(plan: LaunchPlan, out: TextIO, err: TextIO) -> int:
+    """:func:`launch`, once this job holds its log directory."""
     worker_env = build_worker_env(plan, os.environ, launcher_pid=os.getpid())
     print(_summary(plan), file=err)
     for note in worker_env.notes:

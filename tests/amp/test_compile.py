@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch._dynamo
@@ -120,3 +124,43 @@ def test_a_compiled_o1_model_is_one_graph_with_the_calls_of_compiled_torch_autoc
     assert ours_calls == theirs_calls > 0
     for a, b in zip(ours_model.parameters(), theirs_model.parameters(), strict=True):
         assert torch.equal(a, b)  # and the same training
+
+
+# fleet.auto_cast under one dtype, then another (a new strategy), in one process, and a second process
+# under the second dtype on the same on-disk compile cache: each forward runs in its own dtype. Before
+# torch 2.13 AOTAutograd's cache key had no autocast dtype (see distamp.amp.compile_cache): without
+# distamp's switch the second and third forwards ran in the first dtype.
+_SWITCH_DTYPE = """
+import sys, torch
+from torch import nn
+from distamp import fleet
+
+def strategy(dtype):
+    s = fleet.DistributedStrategy(amp=True)
+    s.amp_configs = {"dtype": dtype}
+    return s
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+compiled = torch.compile(model, backend="inductor")
+x = torch.randn(2, 8)
+with torch.no_grad():
+    for dtype in sys.argv[1:]:
+        fleet.init(strategy=strategy(dtype))
+        with fleet.auto_cast():
+            print(dtype, compiled(x).dtype, flush=True)
+"""
+
+
+@pytest.mark.timeout(600)
+def test_a_model_compiled_under_one_dtype_runs_in_the_next_dtype_too(tmp_path):
+    script = tmp_path / "switch.py"
+    script.write_text(_SWITCH_DTYPE)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor-cache")}
+    env.pop("TORCHINDUCTOR_AUTOGRAD_CACHE", None)
+    runs = [("float16", "bfloat16"), ("bfloat16",)]
+    for dtypes in runs:
+        proc = subprocess.run([sys.executable, str(script), *dtypes], capture_output=True, text=True,
+                              env=env, timeout=500, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.splitlines() == [f"{d} torch.{d}" for d in dtypes], proc.stdout

@@ -180,7 +180,12 @@ def test_bf16_o2_step_with_a_non_finite_gradient_is_skipped():
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_torch_compile_under_auto_cast_runs_in_16_bits_like_torch_autocast(backend, dtype):
+def test_torch_compile_under_auto_cast_runs_in_16_bits_like_torch_autocast(backend, dtype, tmp_path, monkeypatch):
+    # Each case compiles on an empty on-disk cache: before torch 2.13 AOTAutograd's cache key has no
+    # autocast dtype, so the reference under torch.autocast(bfloat16) read the graph the float16 case
+    # had cached and ran in FP16 (torch 2.11, H100). distamp's auto_cast switches that cache off
+    # (distamp.amp.compile_cache); torch.autocast alone does not.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-cache"))
     from distamp import fleet
 
     low = DTYPES[dtype]

@@ -1,14 +1,21 @@
-"""A data-parallel model freed after ``destroy_process_group()`` does not hang the process.
+"""A data-parallel model freed after ``destroy_process_group()`` does not hang the process, and the
+group ``fleet.init`` created is destroyed at exit.
 
 gloo's thread that completes a comm hook's all-reduce takes the GIL once more, after the backward
 returned, to release the hook's Python continuation; freeing the model's reducer (the process
-group's last owner) joins that thread with the GIL held. Without distamp's finalizer this hung at
-the first or second iteration of the loop below, every time.
+group's last owner) joins that thread with the GIL held. Without distamp's finalizer this hangs at
+the first or second iteration of the loop below, every time; so it does when the finalizer cannot
+find gloo's threads by name (as on a torch that renamed them): the tests below show both.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 import torch
@@ -16,10 +23,14 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp import fleet
+from distamp.distributed import comm_threads, ddp_preparation
 from tests.multiprocess import free_port, run_workers
 
 
 def _train_destroy_free(rank: int, world_size: int, port: int, iterations: int, pure: bool) -> int:
+    # The main thread keeps the GIL for up to 0.1 s of Python work (the default is 5 ms), as a busy
+    # interpreter would: gloo's thread then still waits for it when the model is freed, every time.
+    sys.setswitchinterval(0.1)
     dist.destroy_process_group()  # the harness's group; each iteration builds its own
     store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=datetime.timedelta(seconds=30))
     for it in range(iterations):
@@ -47,3 +58,87 @@ def _train_destroy_free(rank: int, world_size: int, port: int, iterations: int, 
 @pytest.mark.parametrize("pure", [False, True])
 def test_freeing_the_model_after_destroy_process_group_does_not_hang(pure):
     assert run_workers(_train_destroy_free, 2, free_port(), 8, pure, timeout=90) == [8, 8]
+
+
+def _without_the_wait(rank: int, world_size: int, port: int, iterations: int, how: str) -> int:
+    if how == "no-op finalizer":
+        ddp_preparation.wait_for_comm_threads = lambda: None
+    else:  # the threads are not found by name, as on a torch that renamed them
+        comm_threads.GLOO_WORKER_THREAD_NAME = "pt_renamed_loop"
+    return _train_destroy_free(rank, world_size, port, iterations, False)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["no-op finalizer", "threads not found"])
+def test_without_waiting_for_the_threads_it_found_the_sequence_hangs(how):
+    """The test above can fail: the same sequence, without distamp's wait acting, hangs (8 iterations take ~3 s)."""
+    with pytest.raises(TimeoutError, match="did not finish within 30"):
+        run_workers(_without_the_wait, 2, free_port(), 8, how, timeout=30)
+
+
+# A fleet script that never calls destroy_process_group(): a DDP model with distamp's comm hook (O1
+# BF16: the 16-bit all-reduce), one step, then exit with the model alive. An exit handler registered
+# before fleet.init runs after distamp's (atexit is last-in, first-out) and reports what it left.
+_EXITS_WITHOUT_DESTROY = """
+    import atexit, sys, torch, torch.distributed as dist
+    from torch import nn
+    from distamp import fleet
+
+    atexit.register(lambda: print("group left at exit:", dist.is_initialized(), flush=True))
+    fleet.init()
+    strategy = fleet.DistributedStrategy(amp=True)
+    strategy.amp_configs = {"dtype": "bfloat16"}
+    module = nn.Linear(64, 64)
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(module.parameters(), lr=0.1), strategy)
+    model = fleet.distributed_model(module)
+    with fleet.auto_cast():
+        loss = model(torch.ones(4, 64)).float().sum()
+    optimizer.backward(loss)
+    optimizer.step()
+    print("trained", flush=True)
+    if sys.argv[1] == "raise":
+        raise RuntimeError("the script fails after training")
+"""
+
+
+def _run_ranks(tmp_path, world_size: int, mode: str) -> list[tuple[int, str, str, float]]:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(_EXITS_WITHOUT_DESTROY))
+    port = free_port()
+    procs = []
+    start = time.monotonic()
+    for rank in range(world_size):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(script), mode], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            results.append((p.returncode, out, err, time.monotonic() - start))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_the_group_fleet_init_created_is_destroyed_at_exit_promptly(tmp_path):
+    for code, out, err, seconds in _run_ranks(tmp_path, 2, "exit"):
+        assert code == 0, err[-3000:]
+        assert out.splitlines() == ["trained", "group left at exit: False"], (out, err[-3000:])
+        assert "terminate called" not in err
+        assert seconds < 45
+
+
+@pytest.mark.timeout(120)
+def test_after_an_uncaught_exception_the_group_is_left_to_torch(tmp_path):
+    """NCCL's shutdown would flush work that peers of a failed rank may never join; torch's destructor aborts it."""
+    [(code, out, err, _)] = _run_ranks(tmp_path, 1, "raise")
+    assert code == 1
+    assert "RuntimeError: the script fails after training" in err
+    assert out.splitlines() == ["trained", "group left at exit: True"], (out, err[-3000:])

@@ -334,3 +334,50 @@ def test_two_nodes_restart_together(tmp_path):
     for rank in (0, 1):
         assert re.search(rf"attempt \d rank {rank} finished with 4.0", logs), logs
     assert "all nodes restart together" in results[0][1]
+
+
+# A job that prints its own lines, the second half once the file "release" exists (when
+# that is asked for: it keeps the job running meanwhile).
+PRINTS_ITS_NAME = """
+    import os, sys, time
+    name, lines, wait = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "wait"
+    for i in range(lines):
+        if wait and i == lines // 2:
+            deadline = time.monotonic() + 60
+            while not os.path.exists("release") and time.monotonic() < deadline:
+                time.sleep(0.1)
+        print(f"{name} line {i}", flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_second_job_on_a_log_dir_in_use_is_refused_and_lines_never_mix(tmp_path):
+    script = write(tmp_path, "job.py", PRINTS_ITS_NAME)
+    first = subprocess.Popen(distrun_cmd(script, "JOB-A", "6", "wait"), cwd=tmp_path, env=worker_env(), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        log = tmp_path / "log" / "workerlog.0"
+        assert wait_until(lambda: log.exists() and "JOB-A line 2" in log.read_text(), 60), "job A did not start"
+        second = distrun(tmp_path, script, "JOB-B", "4", "go")  # while job A runs
+        (tmp_path / "release").touch()
+        a_out, a_err = first.communicate(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert first.returncode == 0, a_err
+    assert [line for line in a_out.splitlines() if "JOB-" in line] == [f"[rank0]: JOB-A line {i}" for i in range(6)]
+    a_log = log.read_text()
+    assert "JOB-B" not in a_log
+    assert all(f"JOB-A line {i}" in a_log for i in range(6))
+    assert second.returncode == 2, second.stderr
+    assert "JOB-" not in second.stdout + second.stderr
+    assert re.search(r"--log_dir 'log' is in use by another distrun job \(pid \d+ on .*, started .*\)",
+                     second.stderr), second.stderr
+    assert second.stderr.splitlines()[0].startswith("distrun: error: --log_dir 'log' is in use")
+    # Once the first job has ended, the directory is free again.
+    third = distrun(tmp_path, script, "JOB-C", "2", "go")
+    assert third.returncode == 0, third.stderr
+    assert [line for line in third.stdout.splitlines() if "JOB-" in line] == ["[rank0]: JOB-C line 0",
+                                                                              "[rank0]: JOB-C line 1"]
+    assert "JOB-A" not in log.read_text()
