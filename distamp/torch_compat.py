@@ -37,9 +37,11 @@ __all__ = [
     "DisableTorchFunction",
     "NormBase",
     "amp_foreach_non_finite_check_and_unscale_",
+    "aot_autograd_cache_keys_autocast_dtype",
     "current_function_mode_stack",
     "ddp_has_rebuilt_buckets",
     "default_store",
+    "disable_aot_autograd_cache",
     "dtensor_local",
     "foreach_add_",
     "foreach_copy_",
@@ -116,6 +118,25 @@ def dtensor_local(tensor: DTensor) -> torch.Tensor:
     """
     with torch.no_grad():
         return tensor.to_local()
+
+
+# --------------------------------------------------------------------------- torch.compile
+def aot_autograd_cache_keys_autocast_dtype() -> bool:
+    """Whether AOTAutograd's compiled-graph cache key holds the autocast dtype, not only whether autocast
+    is on: from torch 2.13 (2.13.0, 2.14.1 checked; 2.11.0 lacks it; 2.12 unchecked, treated as 2.11)."""
+    return bool(torch.__version__ >= "2.13")
+
+
+def disable_aot_autograd_cache() -> None:
+    """Switch AOTAutograd's local and remote compiled-graph caches off for this process.
+
+    ``torch._functorch.config`` has no public switch read after import (2.11-2.14:
+    ``enable_autograd_cache``, ``enable_remote_autograd_cache``).
+    """
+    import torch._functorch.config as aot_autograd_config
+
+    aot_autograd_config.enable_autograd_cache = False
+    aot_autograd_config.enable_remote_autograd_cache = False
 
 
 # --------------------------------------------------------------------------- process groups and DDP

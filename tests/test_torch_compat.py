@@ -200,3 +200,15 @@ def test_a_renamed_fsdp_attribute_fails_loudly():
 
     with pytest.raises(RuntimeError, match=r"neither _fsdp_param_groups nor _fsdp_param_group.*2\.11-2\.15"):
         tc._fsdp_param_groups(State())
+
+
+def test_aot_autograd_cache_switch_and_the_version_whose_key_has_the_autocast_dtype():
+    import torch._functorch.config as aot_config
+
+    assert tc.aot_autograd_cache_keys_autocast_dtype() == (_release() >= (2, 13))
+    saved = aot_config.enable_autograd_cache, aot_config.enable_remote_autograd_cache
+    try:
+        tc.disable_aot_autograd_cache()
+        assert (aot_config.enable_autograd_cache, aot_config.enable_remote_autograd_cache) == (False, False)
+    finally:
+        aot_config.enable_autograd_cache, aot_config.enable_remote_autograd_cache = saved

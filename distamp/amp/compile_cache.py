@@ -23,16 +23,17 @@ import logging
 
 import torch
 
+from distamp.torch_compat import aot_autograd_cache_keys_autocast_dtype, disable_aot_autograd_cache
+
 __all__ = ["cache_key_has_autocast_dtype", "keep_autocast_dtypes_apart"]
 
-_FIXED_IN = "2.13"  # the first release whose AOTAutograd cache key has the autocast dtype (2.12 unchecked)
 _logger = logging.getLogger(__name__)
 _switched_off = False
 
 
 def cache_key_has_autocast_dtype() -> bool:
     """True when this torch's AOTAutograd cache tells autocast dtypes apart (torch >= 2.13)."""
-    return bool(torch.__version__ >= _FIXED_IN)
+    return aot_autograd_cache_keys_autocast_dtype()
 
 
 def keep_autocast_dtypes_apart() -> None:
@@ -45,13 +46,8 @@ def keep_autocast_dtypes_apart() -> None:
     global _switched_off
     if _switched_off or cache_key_has_autocast_dtype():
         return
-    # The one private torch name here: the cache has no public switch read after import
-    # (TORCHINDUCTOR_AUTOGRAD_CACHE is read when torch._functorch.config is imported; a user who set
-    # it to 1 keeps the cache on, as torch lets that variable override this assignment).
-    import torch._functorch.config as aot_autograd_config
-
-    aot_autograd_config.enable_autograd_cache = False
-    aot_autograd_config.enable_remote_autograd_cache = False
+    # TORCHINDUCTOR_AUTOGRAD_CACHE=1, set by a user, keeps the cache on: torch lets it override this.
+    disable_aot_autograd_cache()
     _switched_off = True
     _logger.info(
         "torch %s keys AOTAutograd's compiled-graph cache on whether autocast is on, not on its dtype, so a "
