@@ -163,6 +163,36 @@ def test_the_product_is_the_rank_ordered_sum_of_fp32_outer_products():
     torch.testing.assert_close(out.double(), p.double() @ qt.double(), rtol=1e-5, atol=1e-9)
 
 
+def _row_block_worker(rank, world_size, block_rows, dtype):
+    import distamp.distributed.powersgd as powersgd
+    from distamp.strategy import PowerSGDConfig
+
+    os.environ[KERNELS_ENV] = "torch"
+    rows, cols = 203, 150
+    powersgd._CACHE_BLOCK_ELEMENTS = block_rows * cols
+    compressor = powersgd.PowerSGD(PowerSGDConfig(rank=4, start_step=0), {}, dtype)
+    g = torch.Generator().manual_seed(5)
+    grads = []
+    for _ in range(3):  # warm-started Q and error feedback carried between steps
+        grad = (torch.randn(rows * cols, generator=g) * 1e-3).to(dtype) * 1024
+        compressor.compress([("w", grad, rows, cols)], 1024.0)
+        compressor.resolve(True)
+        grads.append(grad)
+    return grads, compressor.state_dict()["error"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_torch_op_write_back_in_row_blocks_gives_the_whole_matrix_bits(dtype):
+    (whole,) = run_workers(_row_block_worker, 1, 10**6, dtype, timeout=100)
+    (blocks,) = run_workers(_row_block_worker, 1, 4, dtype, timeout=100)  # 4-row blocks, a 3-row tail
+    for a, b in zip(whole[0], blocks[0], strict=True):
+        assert torch.equal(a, b)
+    assert whole[1].keys() == blocks[1].keys() == {"w"}
+    for name, error in whole[1].items():
+        assert torch.equal(error, blocks[1][name]), name
+
+
 def _gram_schmidt_64(a: torch.Tensor) -> torch.Tensor:
     """Textbook Gram-Schmidt in float64 (a zero column left zero)."""
     a = a.double().clone()
