@@ -41,7 +41,8 @@ def _strategy(stage: int, amp: bool = True, k_steps: int = 1, overlap: bool = Fa
     if k_steps > 1:
         strategy.gradient_merge = True
         strategy.gradient_merge_configs = {"k_steps": k_steps}
-    strategy.fuse_grad_size_in_MB = 0.0005  # several buckets, some cut by the slice boundary
+    if stage != 3:  # stage 3 sends one FSDP2 unit at a time and refuses a bucket size
+        strategy.fuse_grad_size_in_MB = 0.0005  # several buckets, some cut by the slice boundary
     return strategy
 
 
