@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 __all__ = ["check_applicable"]
 
-_DEFAULT_BUCKET_MB = 25  # DistributedStrategy's default fuse_grad_size_in_MB
 
 
 def check_applicable(strategy: DistributedStrategy, world_size: int) -> None:
@@ -39,6 +38,9 @@ def check_applicable(strategy: DistributedStrategy, world_size: int) -> None:
             above ``world_size``; ``find_unused_parameters=True`` or a
             ``fuse_grad_size_in_MB`` other than 25 with sharding stage 3.
     """
+    from distamp.strategy.distributed_strategy import _DEFAULTS
+
+    default_bucket_mb = _DEFAULTS["fuse_grad_size_in_MB"]  # the one place defaults live
     stage = strategy.sharding_config.stage if strategy.sharding else 0
     factor = strategy.amp_config.gradient_predivide_factor
     if strategy.amp and factor is not None:
@@ -63,9 +65,9 @@ def check_applicable(strategy: DistributedStrategy, world_size: int) -> None:
             "stage 3 uses no DDP (torch's FSDP2 reduce-scatters each unit's gradients after its backward). "
             "Set it to False"
         )
-    if strategy.fuse_grad_size_in_MB != _DEFAULT_BUCKET_MB:
+    if strategy.fuse_grad_size_in_MB != default_bucket_mb:
         raise ValueError(
             f"strategy.fuse_grad_size_in_MB={strategy.fuse_grad_size_in_MB!r} has no effect with sharding stage "
             "3: FSDP2 all-gathers and reduce-scatters one unit at a time, so sharding_configs['units'] decides "
-            f"what travels together. Leave it at its default {_DEFAULT_BUCKET_MB}, or choose the units instead"
+            f"what travels together. Leave it at its default {default_bucket_mb}, or choose the units instead"
         )
