@@ -154,3 +154,12 @@ def run_workers(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+
+
+def names_distamp(reason: str) -> bool:
+    """Whether a torch.compile graph-break reason points at distamp's code (its package directory or a
+    ``distamp.`` module), not merely at a path that contains the word (a venv under ~/.cache/distamp-ci)."""
+    import distamp
+
+    package = os.path.dirname(os.path.abspath(distamp.__file__))
+    return package in reason or "module: distamp" in reason or "`distamp." in reason

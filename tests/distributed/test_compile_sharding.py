@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.multiprocess import run_workers
+from tests.multiprocess import names_distamp, run_workers
 
 
 def _model() -> nn.Module:
@@ -48,7 +48,7 @@ def _eager_and_compiled(rank, world, stage):
     torch._dynamo.reset()
     counters.clear()
     compiled = _train(rank, stage, compiled=True)
-    return eager, compiled, [reason for reason in counters["graph_break"] if "distamp" in reason]
+    return eager, compiled, [reason for reason in counters["graph_break"] if names_distamp(reason)]
 
 
 @pytest.mark.timeout(300)
