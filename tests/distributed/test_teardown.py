@@ -26,6 +26,8 @@ from distamp import fleet
 from distamp.distributed import comm_threads, ddp_preparation
 from tests.multiprocess import free_port, run_workers
 
+_TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+
 
 def _train_destroy_free(rank: int, world_size: int, port: int, iterations: int, pure: bool) -> int:
     # The main thread keeps the GIL for up to 0.1 s of Python work (the default is 5 ms), as a busy
@@ -71,8 +73,13 @@ def _without_the_wait(rank: int, world_size: int, port: int, iterations: int, ho
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["no-op finalizer", "threads not found"])
 def test_without_waiting_for_the_threads_it_found_the_sequence_hangs(how):
-    """The test above can fail: the same sequence, without distamp's wait acting, hangs (30 iterations
-    take ~10 s when nothing hangs; on a loaded host an iteration sometimes gets through, so several run)."""
+    """The test above can fail: the same sequence, without distamp's wait acting, hangs on torch 2.11 and
+    2.13 (30 iterations take ~10 s when nothing hangs; on a loaded host an iteration sometimes gets
+    through, so several run). torch 2.14.1 no longer hangs here (measured): its gloo group is freed
+    without waiting for the GIL, and distamp's wait is then only a short look at idle threads."""
+    if _TORCH_RELEASE >= (2, 14):
+        assert run_workers(_without_the_wait, 2, free_port(), 30, how, timeout=45) == [30, 30]
+        return
     with pytest.raises(TimeoutError, match="did not finish within 45"):
         run_workers(_without_the_wait, 2, free_port(), 30, how, timeout=45)
 
