@@ -47,6 +47,7 @@ GLOO_WORKER_THREAD_NAME = "pt_gloo_runloop"
 """The name torch gives ``ProcessGroupGloo``'s worker threads (``c10::setThreadName``)."""
 
 _EXIT_WAIT = 2.0  # seconds at most
+_NAMING_WAIT = 2.0  # seconds new gloo threads get to name themselves before distamp warns
 _TASKS = "/proc/self/task"
 _SWITCH_COUNTS = ("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")
 
@@ -77,7 +78,7 @@ def check_gloo_workers_found(group: dist.ProcessGroup | None = None) -> None:
     """
     if not sys.platform.startswith("linux") or "gloo" not in str(dist.get_backend(group)):
         return
-    if not gloo_worker_threads():
+    if not _named_workers_appear(_NAMING_WAIT):
         warnings.warn(
             f"distamp cannot find torch's gloo worker threads (named {GLOO_WORKER_THREAD_NAME!r}) in {_TASKS}, "
             "so it cannot wait for them before a process group is freed or the process exits; with DDP comm "
@@ -86,6 +87,20 @@ def check_gloo_workers_found(group: dist.ProcessGroup | None = None) -> None:
             RuntimeWarning,
             stacklevel=2,
         )
+
+
+def _named_workers_appear(timeout: float) -> bool:
+    """Whether gloo worker threads show up within ``timeout`` seconds.
+
+    Each thread names itself once it runs, which on a loaded host can come
+    after ``new_group`` has returned: one look right away can miss them.
+    """
+    deadline = time.monotonic() + timeout
+    while not gloo_worker_threads():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _snapshot(tids: list[int]) -> dict[int, tuple[str, int]]:

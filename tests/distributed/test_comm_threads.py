@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import warnings
 
 import pytest
@@ -28,7 +29,12 @@ def gloo_world() -> None:
 def test_a_new_gloo_group_adds_threads_with_the_name_distamp_looks_for(gloo_world):
     before = set(comm_threads.gloo_worker_threads() or ())
     group = dist.new_group(backend="gloo")
+    # Each thread names itself once it runs, which on a loaded host can come after new_group returned.
+    deadline = time.monotonic() + 10
     added = set(comm_threads.gloo_worker_threads() or ()) - before
+    while not added and time.monotonic() < deadline:
+        time.sleep(0.01)
+        added = set(comm_threads.gloo_worker_threads() or ()) - before
     assert added, f"no new thread named {comm_threads.GLOO_WORKER_THREAD_NAME!r}: did torch rename gloo's workers?"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
