@@ -72,14 +72,14 @@ def _without_the_wait(rank: int, world_size: int, port: int, iterations: int, ho
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["no-op finalizer", "threads not found"])
+@pytest.mark.skipif(_TORCH_RELEASE >= (2, 14), reason=(
+    "on torch 2.14.1 the sequence without the wait hangs only sometimes (seen both ways on this host, "
+    "depending on load), so it cannot show the wait is needed; the wait itself is tested above and in "
+    "test_comm_threads.py"))
 def test_without_waiting_for_the_threads_it_found_the_sequence_hangs(how):
     """The test above can fail: the same sequence, without distamp's wait acting, hangs on torch 2.11 and
     2.13 (30 iterations take ~10 s when nothing hangs; on a loaded host an iteration sometimes gets
-    through, so several run). torch 2.14.1 no longer hangs here (measured): its gloo group is freed
-    without waiting for the GIL, and distamp's wait is then only a short look at idle threads."""
-    if _TORCH_RELEASE >= (2, 14):
-        assert run_workers(_without_the_wait, 2, free_port(), 30, how, timeout=45) == [30, 30]
-        return
+    through, so several run)."""
     with pytest.raises(TimeoutError, match="did not finish within 45"):
         run_workers(_without_the_wait, 2, free_port(), 30, how, timeout=45)
 
