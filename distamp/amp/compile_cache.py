@@ -25,15 +25,10 @@ import torch
 
 from distamp.torch_compat import aot_autograd_cache_keys_autocast_dtype, disable_aot_autograd_cache
 
-__all__ = ["cache_key_has_autocast_dtype", "keep_autocast_dtypes_apart"]
+__all__ = ["keep_autocast_dtypes_apart"]
 
 _logger = logging.getLogger(__name__)
 _switched_off = False
-
-
-def cache_key_has_autocast_dtype() -> bool:
-    """True when this torch's AOTAutograd cache tells autocast dtypes apart (torch >= 2.13)."""
-    return aot_autograd_cache_keys_autocast_dtype()
 
 
 def keep_autocast_dtypes_apart() -> None:
@@ -44,7 +39,7 @@ def keep_autocast_dtypes_apart() -> None:
     A no-op on torch >= 2.13.
     """
     global _switched_off
-    if _switched_off or cache_key_has_autocast_dtype():
+    if _switched_off or aot_autograd_cache_keys_autocast_dtype():
         return
     # TORCHINDUCTOR_AUTOGRAD_CACHE=1, set by a user, keeps the cache on: torch lets it override this.
     disable_aot_autograd_cache()
