@@ -8,9 +8,12 @@ original FP32 values, stores the model parameters in the low dtype
 same, so modules, hooks and DDP still see them), moves gradients to the
 masters and copies updated masters back.
 
-Masters live in one flat FP32 buffer per device, their gradients in
-another, so broadcasting, checkpointing and copying are a few large
-operations instead of one per parameter.
+Masters live in one flat FP32 buffer per device, so broadcasting,
+checkpointing and copying are a few large operations instead of one per
+parameter. Their FP32 gradients are not kept: the step builds them chunk by
+chunk (:mod:`distamp.optim.chunked_update`), and
+:meth:`MasterWeights.copy_grads_to_masters` makes whole ones only on request
+(``unscale_()``, clipping), freed with the masters' gradients.
 """
 
 from __future__ import annotations
@@ -58,10 +61,9 @@ class MasterWeightsSurface(Protocol):
 
 @dataclass
 class _FlatBuffers:
-    """Flat FP32 storage of the masters (and their gradients) on one device."""
+    """Flat FP32 storage of the masters on one device."""
 
     values: torch.Tensor
-    grads: torch.Tensor
 
 
 class MasterWeights:
@@ -98,8 +100,9 @@ class MasterWeights:
                 seen.add(id(p))
                 self.model_params.append(p)
         self._flat: list[_FlatBuffers] = []
-        # (model param, master param, master grad view) for separate masters
-        self._pairs: list[tuple[nn.Parameter, nn.Parameter, torch.Tensor]] = []
+        # (model param, master param) for separate masters
+        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []
+        self._grad_buffers: list[torch.Tensor] = []  # whole FP32 master gradients, only between a request and zero
         self._master_of: dict[int, nn.Parameter] = {}
         self._keep_fp32: set[int] = set()
         if low_dtype is None:
@@ -117,10 +120,7 @@ class MasterWeights:
             by_device.setdefault(p.device, []).append(p)
         for device, group in by_device.items():
             total = sum(p.numel() for p in group)
-            flat = _FlatBuffers(
-                values=torch.empty(total, dtype=torch.float32, device=device),
-                grads=torch.zeros(total, dtype=torch.float32, device=device),
-            )
+            flat = _FlatBuffers(values=torch.empty(total, dtype=torch.float32, device=device))
             self._flat.append(flat)
             offset = 0
             for p in group:
@@ -129,8 +129,7 @@ class MasterWeights:
                     view = flat.values[offset : offset + n].view_as(p)
                     view.copy_(p.detach())
                 master = nn.Parameter(view, requires_grad=p.requires_grad)
-                grad_view = flat.grads[offset : offset + n].view_as(p)
-                self._pairs.append((p, master, grad_view))
+                self._pairs.append((p, master))
                 self._master_of[id(p)] = master
                 offset += n
 
@@ -204,7 +203,7 @@ class MasterWeights:
         self._keep_fp32 |= {id(p) for p in keep_fp32}
         changed = 0
         with torch.no_grad():
-            for model_p, master, _ in self._pairs:
+            for model_p, master in self._pairs:
                 dtype = torch.float32 if id(model_p) in self._keep_fp32 else self.low_dtype
                 if model_p.dtype != dtype:
                     model_p.data = master.detach().to(dtype, copy=True)
@@ -212,27 +211,52 @@ class MasterWeights:
         return changed
 
     def copy_grads_to_masters(self) -> None:
-        """Point master gradients at the FP32 buffer and fill them from the model.
+        """Give the masters whole FP32 gradients, filled from the model's (4 bytes per parameter until zeroed).
 
         Masters of parameters without a gradient get ``grad = None`` so the
         inner optimizer skips them, exactly as it would skip the parameter.
+        ``step()`` does not need this (it builds them chunk by chunk);
+        ``unscale_()`` and clipping do, to show and change whole gradients.
         """
         if not self._pairs:
             return
-        dst, src = [], []
-        for model_p, master, grad_view in self._pairs:
-            if model_p.grad is None:
-                master.grad = None
-            else:
-                master.grad = grad_view
-                dst.append(grad_view)
-                src.append(model_p.grad)
+        self.zero_master_grads()
+        by_device: dict[torch.device, list[tuple[torch.Tensor, nn.Parameter]]] = {}
+        for model_p, master in self._pairs:
+            if model_p.grad is not None:
+                by_device.setdefault(master.device, []).append((model_p.grad, master))
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for device, pairs in by_device.items():
+            buffer = torch.empty(sum(m.numel() for _, m in pairs), dtype=torch.float32, device=device)
+            self._grad_buffers.append(buffer)
+            offset = 0
+            for grad, master in pairs:
+                view = buffer[offset : offset + master.numel()].view_as(master)
+                master.grad = view
+                offset += master.numel()
+                dst.append(view)
+                src.append(grad)
         if dst:
             foreach_copy_(dst, src)
 
+    def pairs_with_grads(self) -> list[tuple[nn.Parameter, nn.Parameter]]:
+        """``(model parameter, FP32 master)`` for each separate master whose parameter has a gradient."""
+        return [(model_p, master) for model_p, master in self._pairs if model_p.grad is not None]
+
+    def own_grads(self) -> list[torch.Tensor]:
+        """Gradients of the parameters that are their own masters (no separate FP32 copy: float64, ...)."""
+        paired = {id(model_p) for model_p, _ in self._pairs}
+        return [p.grad for p in self.model_params if id(p) not in paired and p.grad is not None]
+
+    @property
+    def has_master_grads(self) -> bool:
+        """Whether :meth:`copy_grads_to_masters` made whole FP32 gradients not yet zeroed."""
+        return bool(self._grad_buffers)
+
     def add_to_master_grads(self, extra: dict[int, torch.Tensor]) -> None:
         """Add ``extra[id(param)]`` (FP32) to the master gradient of each param that has one."""
-        pairs = [(master.grad, extra[id(model_p)]) for model_p, master, _ in self._pairs
+        pairs = [(master.grad, extra[id(model_p)]) for model_p, master in self._pairs
                  if master.grad is not None and id(model_p) in extra]
         if pairs:
             foreach_add_([g for g, _ in pairs], [e.view_as(g) for g, e in pairs])
@@ -245,7 +269,7 @@ class MasterWeights:
         """``(model grad, master grad)`` for each separate master whose parameter has a gradient."""
         return [
             (model_p.grad, master.grad)
-            for model_p, master, _ in self._pairs
+            for model_p, master in self._pairs
             if model_p.grad is not None and master.grad is not None
         ]
 
@@ -255,14 +279,15 @@ class MasterWeights:
             return
         with torch.no_grad():
             foreach_copy_(
-                [model_p.data for model_p, _, _ in self._pairs],
-                [master.detach() for _, master, _ in self._pairs],
+                [model_p.data for model_p, _ in self._pairs],
+                [master.detach() for _, master in self._pairs],
             )
 
     def zero_master_grads(self) -> None:
-        """Drop the masters' gradients (the model's are the source of truth)."""
-        for _, master, _ in self._pairs:
+        """Drop the masters' gradients (the model's are the source of truth) and free their buffers."""
+        for _, master in self._pairs:
             master.grad = None
+        self._grad_buffers = []
 
     def reduced_grads(self) -> list[tuple[int, torch.Tensor]]:
         """Where this rank's reduced gradients are: each model parameter's ``.grad``, by index."""

@@ -10,8 +10,8 @@ as Lightning's precision plugins do:
 * :class:`MixedPrecision` (O1): FP32 parameters, a loss scaler, and the
   fused unscale + inf/NaN check on the parameters' gradients.
 * :class:`PureLowPrecision` (O2): 16-bit model parameters with FP32 masters;
-  gradients are copied into the masters before the same check, and applied
-  masters are copied back.
+  gradients are copied into FP32 chunk by chunk for the same check and for
+  the masters' update, and updated masters are copied back.
 
 :func:`~distamp.optim.precision_choice.precision_for` picks one from a
 strategy (with ``strategy.sharding``,
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.distributed.flag_sync import all_reduce_max
+from distamp.optim.chunked_update import check_in_chunks, chunk_numel, step_in_chunks, step_only, steps_in_chunks
 from distamp.optim.grad_accumulator import Fp32GradAccumulator
 from distamp.optim.loss_scaler import LossScaler, build_loss_scaler
 from distamp.optim.master_weights import MasterWeights, MasterWeightsSurface
@@ -89,6 +90,11 @@ class FullPrecision:
 
     def after_applied_step(self) -> None:
         """After the inner optimizer stepped."""
+
+    def apply_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.step()`` on the unscaled gradients (the verdict was finite), then :meth:`after_applied_step`."""
+        optimizer.step()
+        self.after_applied_step()
 
     def update(self, found_inf: bool, grad_max: float | None) -> None:
         """Advance the loss scale by one optimizer step."""
@@ -203,11 +209,15 @@ class MixedPrecision(FullPrecision):
 class PureLowPrecision(MixedPrecision):
     """O2: the model is stored in 16 bits; the inner optimizer updates FP32 masters.
 
-    Gradients are copied (exactly, 16 to 32 bits) into the masters' flat FP32
-    buffer and unscaled and checked there with the same fused kernel as O1,
-    so the check never needs a 16-bit kernel (torch has had none for BF16 on
-    CUDA in several releases, pytorch issue 127176). After an applied step
-    the masters are rounded into the model.
+    The step never holds a whole-model FP32 gradient
+    (:mod:`distamp.optim.chunked_update`): the 16-bit gradients are copied
+    (exactly, 16 to 32 bits) into one chunk-sized FP32 buffer at a time and
+    unscaled and checked there with the same fused kernel as O1, so the
+    check never needs a 16-bit kernel (torch has had none for BF16 on CUDA
+    in several releases, pytorch issue 127176); once every rank agreed to
+    apply, each chunk is rebuilt the same way, its masters are updated and
+    rounded into the model. ``unscale_()`` and clipping, which show and
+    change whole gradients, make whole FP32 master gradients for that step.
 
     The model parameters are converted to the low dtype right away; those
     that must stay FP32 (normalization layers, ``custom_black_varnames``)
@@ -228,6 +238,8 @@ class PureLowPrecision(MixedPrecision):
         self.scaler = build_loss_scaler(config)
         self._exposed_versions: list[tuple[torch.Tensor, int]] | None = None
         self.grad_accumulator: Fp32GradAccumulator | None = None
+        self._merge_sum: dict[int, torch.Tensor] | None = None  # taken at the check, added again at the step
+        self._inv_scale = 1.0
 
     def after_backward(self, window_open: bool) -> None:
         """Inside a gradient-merge window: move the 16-bit gradients into the FP32 sum."""
@@ -236,22 +248,69 @@ class PureLowPrecision(MixedPrecision):
                 self.grad_accumulator = Fp32GradAccumulator(self.master_weights.model_params)
             self.grad_accumulator.add_and_zero()
 
-    def _grads_to_check(self) -> list[torch.Tensor]:
-        self.master_weights.copy_grads_to_masters()
+    def unscale_and_check(self, group: dist.ProcessGroup | None) -> tuple[bool, float | None]:
+        """Check the unscaled FP32 gradients chunk by chunk, all-reduce the verdict; one host sync.
+
+        The model's 16-bit gradients are left as they are (parameters that
+        are their own masters, float64 ones, are unscaled in place).
+
+        Raises:
+            TypeError: a gradient is sparse.
+        """
+        masters = self.master_weights
+        masters.zero_master_grads()
+        if any(p.grad is not None and p.grad.is_sparse for p in masters.model_params):
+            raise TypeError("sparse gradients are not supported by the AMP optimizer; use dense gradients")
+        self._merge_sum = None
         if self.grad_accumulator is not None:
-            extra = self.grad_accumulator.take()  # None when the comm hook already added it
+            self._merge_sum = self.grad_accumulator.take()  # None when the comm hook already added it
             self.grad_accumulator.reset()
-            if extra:
-                self.master_weights.add_to_master_grads(extra)
-        return super()._grads_to_check()
+        # Like GradScaler: the reciprocal in double, rounded once to float32 (in the kernels).
+        self._inv_scale = 1.0 / self._amp_scaler.scale
+        needs_max = self._amp_scaler.needs_grad_max
+        device = self._any_device()
+        flags = torch.zeros(2, dtype=torch.float32, device=device)
+        maxima = []
+        for pairs in _pairs_by_device(masters.pairs_with_grads()):
+            found, grad_max = check_in_chunks(pairs, self._merge_sum, self._inv_scale, needs_max, _limit(pairs))
+            flags[0] += found.to(device)[0]
+            if grad_max is not None:
+                maxima.append(grad_max.to(device))
+        own = masters.own_grads()
+        for (dev, _), group_grads in _by_device_and_dtype(own).items():
+            found = torch.zeros(1, dtype=torch.float32, device=dev)
+            factor = torch.full((1,), self._inv_scale, dtype=torch.float32, device=dev)
+            amp_foreach_non_finite_check_and_unscale_(group_grads, found, factor)
+            flags[0] += found.to(device)[0]
+        if needs_max and own:
+            maxima.append(_max_abs(own).to(device))
+        if maxima:
+            flags[1] = torch.stack(maxima).max()
+        all_reduce_max(flags, group)
+        found_inf, grad_max = flags.tolist()
+        return found_inf > 0, (grad_max if needs_max else None)
+
+    def _whole_master_grads(self) -> None:
+        """Whole unscaled FP32 master gradients, built as the chunks build them (same kernels, same bits)."""
+        masters = self.master_weights
+        masters.copy_grads_to_masters()
+        if self._merge_sum:
+            masters.add_to_master_grads(self._merge_sum)
+        grads = [master_grad for _, master_grad in masters.grad_pairs()]
+        for (dev, _), group_grads in _by_device_and_dtype(grads).items():
+            found = torch.zeros(1, dtype=torch.float32, device=dev)
+            factor = torch.full((1,), self._inv_scale, dtype=torch.float32, device=dev)
+            amp_foreach_non_finite_check_and_unscale_(group_grads, found, factor)
 
     def expose_unscaled_grads(self) -> None:
         """Round the unscaled master gradients into the model's 16-bit ``.grad``.
 
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` after
         ``optimizer.unscale_()`` then sees true gradients; what it changes is
-        taken back by :meth:`take_user_grad_changes`.
+        taken back by :meth:`take_user_grad_changes`. The whole FP32 master
+        gradients this needs live until the step is applied.
         """
+        self._whole_master_grads()
         pairs = self.master_weights.grad_pairs()
         if pairs:
             foreach_copy_([g for g, _ in pairs], [m for _, m in pairs])
@@ -271,9 +330,42 @@ class PureLowPrecision(MixedPrecision):
         """Round the updated masters into the model."""
         self.master_weights.copy_masters_to_model()
 
+    def apply_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step the inner optimizer on the unscaled gradients and round the masters into the model.
+
+        Chunk by chunk when the inner optimizer allows it and no whole
+        gradients were asked for; otherwise one step on whole FP32 master
+        gradients, freed right after it.
+        """
+        masters = self.master_weights
+        if not masters.has_master_grads and steps_in_chunks(optimizer):
+            for pairs in _pairs_by_device(masters.pairs_with_grads()):
+                step_in_chunks(optimizer, pairs, self._merge_sum, self._inv_scale, _limit(pairs))
+            own = [p for p in masters.model_params if masters.master_for(p) is p and p.grad is not None]
+            if own:
+                step_only(optimizer, own)
+        else:
+            if not masters.has_master_grads:
+                self._whole_master_grads()
+            optimizer.step()
+            self.after_applied_step()
+        masters.zero_master_grads()
+        self._merge_sum = None
+
     def state_dict(self) -> dict:
         """Scaler state plus the FP32 masters."""
         return {**super().state_dict(), "master_weights": self.master_weights.state_dict()}
+
+
+def _pairs_by_device(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> list[list[tuple[nn.Parameter, nn.Parameter]]]:
+    groups: dict[torch.device, list[tuple[nn.Parameter, nn.Parameter]]] = {}
+    for pair in pairs:
+        groups.setdefault(pair[1].device, []).append(pair)
+    return list(groups.values())
+
+
+def _limit(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> int:
+    return chunk_numel(sum(master.numel() for _, master in pairs))
 
 
 def _check_scaler_type(saved: str, scaler: LossScaler | None) -> None:

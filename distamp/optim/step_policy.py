@@ -152,8 +152,7 @@ class StepPolicy:
             self.attribute_overflow(retrying=False)
         else:
             self.precision.take_user_grad_changes()
-            self.inner_opt.step()
-            self.precision.after_applied_step()
+            self.precision.apply_update(self.inner_opt)
         self.resolve_compressor(applied=not found_inf)
         self.unscaled = False
         self.merge.reset()

@@ -32,6 +32,7 @@ def _one_step(model, opt) -> None:
 def test_o2_never_gives_the_fused_check_16_bit_tensors(monkeypatch):
     """torch has had no BF16 CUDA kernel for the fused check in several releases (pytorch issue 127176)."""
     seen: list[torch.dtype] = []
+    import distamp.optim.chunked_update as chunked_update
     import distamp.optim.precision as precision
 
     original = precision.amp_foreach_non_finite_check_and_unscale_
@@ -40,8 +41,9 @@ def test_o2_never_gives_the_fused_check_16_bit_tensors(monkeypatch):
         seen.extend(g.dtype for g in grads)
         return original(grads, found_inf, inv_scale)
 
-    # Where the O2 precision plugin looks the fused check up (distamp.torch_compat's name for torch's).
+    # Where the O2 precision plugin and its chunked check look the fused check up (distamp.torch_compat's name).
     monkeypatch.setattr(precision, "amp_foreach_non_finite_check_and_unscale_", recording)
+    monkeypatch.setattr(chunked_update, "amp_foreach_non_finite_check_and_unscale_", recording)
     for dtype in ("bfloat16", "float16"):
         model = _model()
         _one_step(model, AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),

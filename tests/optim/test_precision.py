@@ -149,7 +149,7 @@ def test_lower_scale_now_and_state_round_trip():
         other.load_state_dict({"loss_scaler_type": "", "loss_scaler": {}})
 
 
-def test_o2_unscales_fp32_copies_of_the_16_bit_grads():
+def test_o2_unscales_fp32_copies_of_the_16_bit_grads_when_asked_to_show_them():
     params = _params(2)
     originals = [p.detach().clone() for p in params]
     plugin = PureLowPrecision(params, AmpConfig.from_dict({"use_pure_fp16": True, "init_loss_scaling": 3.0}))
@@ -159,12 +159,13 @@ def test_o2_unscales_fp32_copies_of_the_16_bit_grads():
     model_grads = [p.grad.clone() for p in params]
     expected, _ = _reference_unscale([g.float() for g in model_grads], 3.0)
     assert plugin.unscale_and_check(None) == (False, None)
-    for m, e in zip(plugin.master_weights.masters, expected, strict=True):
-        assert torch.equal(m.grad, e)
+    assert all(m.grad is None for m in plugin.master_weights.masters)  # the check keeps no FP32 gradient
     for p, g in zip(params, model_grads, strict=True):
         assert torch.equal(p.grad, g)  # the 16-bit gradients are not touched by the check
 
-    plugin.expose_unscaled_grads()
+    plugin.expose_unscaled_grads()  # unscale_(): whole FP32 master gradients, then shown in 16 bits
+    for m, e in zip(plugin.master_weights.masters, expected, strict=True):
+        assert torch.equal(m.grad, e)
     for p, e in zip(params, expected, strict=True):
         assert torch.equal(p.grad, e.half())
     params[0].grad.mul_(0.5)  # the user clips one of them

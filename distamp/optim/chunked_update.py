@@ -1,0 +1,297 @@
+"""O2's unscale, inf/NaN check and master update, chunk by chunk: no whole-model FP32 gradient.
+
+The inner optimizer updates FP32 masters from FP32 gradients, and O2's
+gradients arrive in 16 bits. Holding an FP32 copy of every gradient costs
+4 bytes per parameter, as much as the 16-bit weights and gradients
+together. Here the copy only ever exists for one chunk of at most
+:func:`chunk_numel` elements, in one scratch buffer, as Apex's FusedAdam
+and Megatron-LM's distributed optimizer update their masters chunk by chunk:
+
+1. :func:`check_in_chunks`: copy a chunk of 16-bit gradients into the
+   scratch buffer (adding the gradient-merge sum, if any), unscale and check
+   it with the fused kernel of torch's ``GradScaler``, keep the flag and the
+   maximum; repeat. Nothing is kept but two numbers.
+2. :func:`step_in_chunks` (only when every rank agreed to apply): rebuild
+   each chunk's FP32 gradients the same way (the same kernels, so the same
+   bits), run the inner optimizer on that chunk's masters only, and round
+   the updated masters into the model.
+
+A parameter larger than a chunk is cut into slices of the flat master
+buffer, each given to the inner optimizer as a parameter of its own with
+the matching slices of its state. That is only right for optimizers whose
+update is elementwise, so only the torch optimizers listed in
+:data:`SLICEABLE_OPTIMIZERS` (exact types) are cut; any other optimizer is
+stepped once on whole FP32 gradients made for the step and freed after it
+(:func:`steps_in_chunks` tells which). Each element sees the same
+arithmetic as in one whole step, so the masters are bitwise what one step
+on a whole-model FP32 gradient gives; slice boundaries sit at multiples of
+:data:`SLICE_ALIGN` elements from the parameter's start, so every slice
+begins where a vectorized loop over the whole parameter would.
+
+Cost: the inner optimizer's ``step()`` runs once per chunk (its step hooks
+too), about 16 calls for a model of any size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from distamp.torch_compat import amp_foreach_non_finite_check_and_unscale_, foreach_add_, foreach_copy_, foreach_norm
+
+__all__ = ["SLICEABLE_OPTIMIZERS", "SLICE_ALIGN", "Piece", "check_in_chunks", "chunk_numel", "plan_chunks",
+           "step_in_chunks", "step_only", "steps_in_chunks"]
+
+SLICEABLE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+"""Optimizers whose update of an element depends on that element's gradient and state only."""
+
+SLICE_ALIGN = 4096
+"""Slices of a parameter start at multiples of this many elements (a multiple of every SIMD width)."""
+
+_MIN_CHUNK = 1 << 16  # 256 KB of FP32: below this, per-chunk overhead outweighs the memory saved
+_CHUNKS = 16  # about this many chunks per model: at most 1/16 of its FP32 gradient exists at once
+
+
+def chunk_numel(total: int) -> int:
+    """Elements per chunk for a model of ``total`` gradient elements: about 1/16 of it, at least 2**16."""
+    per_chunk = max(_MIN_CHUNK, math.ceil(total / _CHUNKS))
+    return math.ceil(per_chunk / SLICE_ALIGN) * SLICE_ALIGN
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``[lo, hi)`` of the flattened pair ``index``; ``whole`` when that is all of it."""
+
+    index: int
+    lo: int
+    hi: int
+    whole: bool
+
+
+def plan_chunks(numels: Sequence[int], limit: int, sliceable: Sequence[bool]) -> list[list[Piece]]:
+    """Cut parameters of ``numels`` elements into chunks of at most ``limit`` elements, in order.
+
+    Parameters that fit share a chunk; a larger one, where ``sliceable``,
+    is cut into slices of ``limit`` elements (``limit`` is a multiple of
+    :data:`SLICE_ALIGN`), each in a chunk of its own; one that may not be
+    cut is a chunk of its own, whatever its size.
+    """
+    chunks: list[list[Piece]] = []
+    current: list[Piece] = []
+    room = 0
+    for index, (n, cut) in enumerate(zip(numels, sliceable, strict=True)):
+        if n <= room:
+            current.append(Piece(index, 0, n, True))
+            room -= n
+            continue
+        if current:
+            chunks.append(current)
+        current, room = [], 0
+        if n <= limit:
+            current, room = [Piece(index, 0, n, True)], limit - n
+        elif not cut:
+            chunks.append([Piece(index, 0, n, True)])
+        else:
+            chunks.extend([Piece(index, lo, min(lo + limit, n), False)] for lo in range(0, n, limit))
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+class _Filler:
+    """Builds a chunk's unscaled FP32 gradients in one scratch buffer: copy, add the merge sum, unscale."""
+
+    def __init__(self, pairs: Sequence[tuple[nn.Parameter, nn.Parameter]], extra: dict[int, torch.Tensor] | None,
+                 inv_scale: float, limit: int) -> None:
+        self.pairs, self.extra = pairs, extra or {}
+        device = pairs[0][1].device
+        self.scratch = torch.empty(min(limit, sum(m.numel() for _, m in pairs)), dtype=torch.float32, device=device)
+        self.found = torch.zeros(1, dtype=torch.float32, device=device)
+        # Like GradScaler: the reciprocal in double, rounded once to float32.
+        self.factor = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
+
+    def fill(self, chunk: list[Piece]) -> list[torch.Tensor]:
+        """The chunk's unscaled FP32 gradients, one per piece (scratch views, valid until the next call)."""
+        needed = sum(p.hi - p.lo for p in chunk)
+        if needed > self.scratch.numel():  # a parameter that may not be cut, larger than a chunk
+            self.scratch = torch.empty(needed, dtype=torch.float32, device=self.scratch.device)
+        dst, src, add_dst, add_src = [], [], [], []
+        offset = 0
+        for piece in chunk:
+            model_p, master = self.pairs[piece.index]
+            grad = model_p.grad
+            if grad is None:
+                raise RuntimeError("a gradient disappeared between the inf/NaN check and the step")
+            view = self.scratch[offset : offset + piece.hi - piece.lo]
+            offset += piece.hi - piece.lo
+            if piece.whole:
+                view, source = view.view(master.shape), grad
+            else:
+                source = grad.view(-1)[piece.lo : piece.hi]
+            dst.append(view)
+            src.append(source)
+            extra = self.extra.get(id(model_p))
+            if extra is not None:
+                add_dst.append(view)
+                add_src.append(extra.view(master.shape) if piece.whole else extra.view(-1)[piece.lo : piece.hi])
+        foreach_copy_(dst, src)
+        if add_dst:
+            foreach_add_(add_dst, add_src)
+        amp_foreach_non_finite_check_and_unscale_(dst, self.found, self.factor)
+        return dst
+
+
+def check_in_chunks(pairs: Sequence[tuple[nn.Parameter, nn.Parameter]], extra: dict[int, torch.Tensor] | None,
+                    inv_scale: float, needs_max: bool, limit: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(found, max)`` over the unscaled FP32 gradients of ``pairs``, one chunk at a time.
+
+    ``pairs`` are ``(model parameter, FP32 master)`` on one device, each
+    with a gradient; ``extra`` maps ``id(model parameter)`` to an FP32
+    gradient-merge sum to add first. ``found`` is a one-element FP32 tensor,
+    nonzero when a gradient is inf or NaN; ``max`` is ``max |g|`` (a
+    zero-dim FP32 tensor) when ``needs_max``. The model's gradients are not
+    changed.
+    """
+    filler = _Filler(pairs, extra, inv_scale, limit)
+    maxima = []
+    for chunk in plan_chunks([m.numel() for _, m in pairs], limit, [_contiguous(p) for p, _ in pairs]):
+        grads = filler.fill(chunk)
+        if needs_max:
+            maxima.append(torch.stack(foreach_norm(grads, math.inf)).max())
+    grad_max = torch.stack(maxima).max() if maxima else None
+    return filler.found, grad_max
+
+
+def steps_in_chunks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` may be stepped on slices of its parameters (elementwise, not differentiable)."""
+    return type(optimizer) in SLICEABLE_OPTIMIZERS and not any(
+        g.get("differentiable", False) for g in optimizer.param_groups)
+
+
+def step_in_chunks(optimizer: torch.optim.Optimizer, pairs: Sequence[tuple[nn.Parameter, nn.Parameter]],
+                   extra: dict[int, torch.Tensor] | None, inv_scale: float, limit: int) -> None:
+    """Step ``optimizer`` on the masters of ``pairs`` chunk by chunk and round each chunk into the model.
+
+    Each chunk's FP32 gradients are rebuilt as :func:`check_in_chunks`
+    built them; the inner optimizer's param groups hold only that chunk's
+    masters (or slices of them) while it steps, and are restored after.
+    ``optimizer`` must satisfy :func:`steps_in_chunks`.
+    """
+    group_of = {id(p): gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    saved = [list(group["params"]) for group in optimizer.param_groups]
+    # Masters the optimizer has no state for yet: each of their slices starts from nothing, as the whole would.
+    fresh = {id(m) for _, m in pairs if not optimizer.state.get(m)}
+    # Per-parameter scalars (Adam's step) as they were before the step: every slice advances its own copy.
+    before: dict[int, dict[str, object]] = {}
+    filler = _Filler(pairs, extra, inv_scale, limit)
+    chunks = plan_chunks([m.numel() for _, m in pairs], limit, [_contiguous(p) for p, _ in pairs])
+    try:
+        for chunk in chunks:
+            pieces = [p for p in chunk if id(pairs[p.index][1]) in group_of]
+            if not pieces:
+                continue
+            grads = filler.fill(pieces)
+            members: list[list[nn.Parameter]] = [[] for _ in saved]
+            slices: list[tuple[Piece, nn.Parameter]] = []
+            for piece, grad in zip(pieces, grads, strict=True):
+                master = pairs[piece.index][1]
+                target = master if piece.whole else _slice_param(optimizer, master, piece, id(master) in fresh, before)
+                target.grad = grad
+                members[group_of[id(master)]].append(target)
+                if not piece.whole:
+                    slices.append((piece, target))
+            for group, params in zip(optimizer.param_groups, members, strict=True):
+                group["params"][:] = params
+            optimizer.step()
+            for piece, target in slices:
+                _merge_slice_state(optimizer, pairs[piece.index][1], piece, target)
+            _round_into_model(pairs, pieces)
+            for chunk_params in members:
+                for target in chunk_params:
+                    target.grad = None
+    finally:
+        for group, params in zip(optimizer.param_groups, saved, strict=True):
+            group["params"][:] = params
+
+
+def step_only(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> None:
+    """``optimizer.step()`` with its param groups holding only those of ``params`` they hold (restored after)."""
+    wanted = {id(p) for p in params}
+    saved = [list(group["params"]) for group in optimizer.param_groups]
+    try:
+        for group, members in zip(optimizer.param_groups, saved, strict=True):
+            group["params"][:] = [p for p in members if id(p) in wanted]
+        optimizer.step()
+    finally:
+        for group, members in zip(optimizer.param_groups, saved, strict=True):
+            group["params"][:] = members
+
+
+def _contiguous(param: nn.Parameter) -> bool:
+    grad = param.grad
+    return grad is not None and grad.is_contiguous()
+
+
+def _slice_param(optimizer: torch.optim.Optimizer, master: nn.Parameter, piece: Piece, fresh: bool,
+                 before: dict[int, dict[str, object]]) -> nn.Parameter:
+    """A parameter viewing ``master``'s elements ``[lo, hi)`` with its state's slices (none if ``fresh``).
+
+    ``before`` keeps, per master, its state's other values as they were
+    before its first slice stepped, so that every slice starts from them.
+    """
+    target = nn.Parameter(master.detach().view(-1)[piece.lo : piece.hi], requires_grad=master.requires_grad)
+    whole = optimizer.state.get(master)
+    if whole and not fresh:
+        kept = before.setdefault(id(master), {k: v.clone() if torch.is_tensor(v) else v
+                                              for k, v in whole.items() if not _elementwise(v, master)})
+        optimizer.state[target] = {
+            k: v.view(-1)[piece.lo : piece.hi] if _elementwise(v, master) else _copy(kept[k])
+            for k, v in whole.items()
+        }
+    return target
+
+
+def _elementwise(value: object, master: nn.Parameter) -> bool:
+    return torch.is_tensor(value) and value.shape == master.shape
+
+
+def _copy(value: object) -> object:
+    return value.clone() if torch.is_tensor(value) else value
+
+
+def _merge_slice_state(optimizer: torch.optim.Optimizer, master: nn.Parameter, piece: Piece,
+                       target: nn.Parameter) -> None:
+    """Move a slice's state into ``master``'s: new elementwise tensors into place, scalars as they are."""
+    sliced = optimizer.state.pop(target, {})
+    whole = optimizer.state[master]
+    n = piece.hi - piece.lo
+    for key, value in sliced.items():
+        if torch.is_tensor(value) and value.dim() == 1 and value.numel() == n and value.numel() != 1:
+            if key not in whole or not torch.is_tensor(whole[key]) or whole[key].shape != master.shape:
+                # The first step made this state for the slice: the whole tensor is assembled slice by slice.
+                whole[key] = torch.empty(master.shape, dtype=value.dtype, device=value.device)
+            dest = whole[key].view(-1)[piece.lo : piece.hi]
+            if dest.data_ptr() != value.data_ptr():
+                dest.copy_(value)
+        elif torch.is_tensor(value) and torch.is_tensor(whole.get(key)) and whole[key].shape == value.shape:
+            whole[key].copy_(value)
+        else:
+            whole[key] = value
+
+
+def _round_into_model(pairs: Sequence[tuple[nn.Parameter, nn.Parameter]], pieces: list[Piece]) -> None:
+    dst, src = [], []
+    for piece in pieces:
+        model_p, master = pairs[piece.index]
+        if piece.whole:
+            dst.append(model_p.data)
+            src.append(master.detach())
+        else:
+            dst.append(model_p.data.view(-1)[piece.lo : piece.hi])
+            src.append(master.detach().view(-1)[piece.lo : piece.hi])
+    with torch.no_grad():
+        foreach_copy_(dst, src)

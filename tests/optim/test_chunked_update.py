@@ -1,0 +1,133 @@
+"""optim.chunked_update: O2's chunked check and update give today's whole-gradient results bit for bit.
+
+The reference below is the algorithm O2 ran before chunking, written out
+here: the 16-bit gradients copied whole into FP32, multiplied by the
+float32 reciprocal of the scale, checked for inf/NaN, and one step of a
+separate torch optimizer on separate FP32 masters, rounded into a 16-bit
+copy. Chunks are made small so that every large parameter is cut.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import distamp.optim.chunked_update as chunked_update
+from distamp.amp import auto_cast
+from distamp.optim import AmpOptimizer
+from distamp.optim.chunked_update import SLICE_ALIGN, chunk_numel, plan_chunks, steps_in_chunks
+from distamp.strategy import DistributedStrategy
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=True),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "adam_amsgrad_foreach": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, foreach=True),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3),  # not cut: one step on whole gradients
+}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(600, 64), nn.Linear(64, 96), nn.LayerNorm(96), nn.Linear(96, 10))
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 3 * SLICE_ALIGN elements: the 38400-element embedding is cut into 4 slices."""
+    monkeypatch.setattr(chunked_update, "_MIN_CHUNK", 3 * SLICE_ALIGN)
+    monkeypatch.setattr(chunked_update, "_CHUNKS", 10_000)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_o2_masters_state_and_skips_are_bitwise_the_whole_gradient_algorithm(small_chunks, name, dtype):
+    low = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    model = _model()
+    ref_masters = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    ref_opt = OPTIMIZERS[name](ref_masters)
+    strategy = DistributedStrategy(amp=True)
+    strategy.amp_configs = {"use_pure_fp16": True, "dtype": dtype,
+                            **({"init_loss_scaling": 1024.0, "incr_every_n_steps": 2} if dtype == "float16" else {})}
+    opt = AmpOptimizer(OPTIMIZERS[name](model.parameters()), strategy)
+    masters = opt.master_weights.masters
+    g = torch.Generator().manual_seed(1)
+    decisions, ref_decisions = [], []
+    for step in range(6):
+        x, y = torch.randint(0, 600, (4, 3), generator=g), torch.randint(0, 10, (4, 3), generator=g)
+        with auto_cast(dtype=dtype):
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        opt.backward(loss)
+        if step == 3:
+            model[0].weight.grad[5, 7] = float("inf")
+        grads16 = [p.grad.clone() for p in model.parameters()]
+        scale = opt.get_loss_scaling()
+        decisions.append(opt.step())
+
+        # The reference: whole FP32 gradients, unscaled by GradScaler's float32 reciprocal, checked, one step.
+        inv = torch.tensor(1.0 / scale, dtype=torch.float32)
+        ref_grads = [g16.float() * inv for g16 in grads16]
+        finite = all(bool(torch.isfinite(gr).all()) for gr in ref_grads)
+        ref_decisions.append(finite)
+        if finite:
+            for m, gr in zip(ref_masters, ref_grads, strict=True):
+                m.grad = gr
+            ref_opt.step()
+        for p, m, ref in zip(model.parameters(), masters, ref_masters, strict=True):
+            assert torch.equal(m.detach(), ref.detach()), (step, tuple(m.shape))
+            expected_model = ref.detach() if p.dtype == torch.float32 else ref.detach().to(low)
+            assert torch.equal(p.detach(), expected_model)
+    assert decisions == ref_decisions == [True, True, True, False, True, True]
+    for m, ref in zip(masters, ref_masters, strict=True):
+        state, ref_state = opt.inner_opt.state[m], ref_opt.state[ref]
+        assert state.keys() == ref_state.keys()
+        for key, value in ref_state.items():
+            assert torch.equal(state[key], value) if torch.is_tensor(value) else state[key] == value, key
+    assert opt.inner_opt.param_groups[0]["params"] == masters  # the groups are restored after each chunk
+    assert all(m.grad is None for m in masters)  # no FP32 gradient outlives the step
+
+
+def test_the_update_steps_per_chunk_only_sliceable_optimizers(small_chunks):
+    model = _model()
+    assert steps_in_chunks(torch.optim.AdamW(model.parameters()))
+    assert not steps_in_chunks(torch.optim.RMSprop(model.parameters()))
+    assert not steps_in_chunks(torch.optim.Adam(model.parameters(), differentiable=True))
+
+    class Custom(torch.optim.SGD):
+        pass
+
+    assert not steps_in_chunks(Custom(model.parameters(), lr=0.1))  # a subclass may couple elements
+
+
+@pytest.mark.parametrize("numels", [[10, 20, 30], [5, 100_000, 7, 7, 40_000], [70_000], [1, 12_288, 12_289]])
+def test_plan_covers_every_element_once_within_the_limit(numels):
+    limit = 3 * SLICE_ALIGN
+    chunks = plan_chunks(numels, limit, [True] * len(numels))
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for chunk in chunks:
+        assert sum(p.hi - p.lo for p in chunk) <= limit
+        for piece in chunk:
+            covered.setdefault(piece.index, []).append((piece.lo, piece.hi))
+            assert piece.whole == (piece.lo == 0 and piece.hi == numels[piece.index])
+            assert piece.lo % SLICE_ALIGN == 0
+    for index, n in enumerate(numels):
+        ranges = sorted(covered[index])
+        assert ranges[0][0] == 0
+        assert ranges[-1][1] == n
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    assert [p.index for chunk in chunks for p in chunk] == sorted(p.index for chunk in chunks for p in chunk)
+
+
+def test_a_parameter_that_may_not_be_cut_is_a_chunk_of_its_own():
+    chunks = plan_chunks([5, 50_000, 5], 3 * SLICE_ALIGN, [True, False, True])
+    assert [[(p.index, p.lo, p.hi) for p in c] for c in chunks] == [[(0, 0, 5)], [(1, 0, 50_000)], [(2, 0, 5)]]
+
+
+def test_chunk_size_is_a_sixteenth_of_the_model_at_least_64k_and_aligned():
+    assert chunk_numel(1000) == 1 << 16
+    assert chunk_numel(160_000_000) == 10_002_432  # 10**7 rounded up to a multiple of 4096
+    assert chunk_numel(160_000_000) % SLICE_ALIGN == 0
