@@ -16,6 +16,7 @@ __all__ = ["markdown", "summarize"]
 def summarize(args: argparse.Namespace, times: dict[str, list[float]], losses: dict[str, float],
               probes: dict[str, list[dict]], device: torch.device) -> dict:
     """Everything the table shows, as plain numbers (seconds, bytes); ``device`` is where the ranks trained."""
+    n_params = sum(p.numel() for p in args.family.build(0).parameters())
     rows = {}
     for mode, samples in times.items():
         q1, _, q3 = statistics.quantiles(samples, n=4) if len(samples) > 1 else (samples[0],) * 3
@@ -25,6 +26,7 @@ def summarize(args: argparse.Namespace, times: dict[str, list[float]], losses: d
             rows[mode]["wire_bytes_per_step"] = probes[mode][0]["wire_bytes_per_step"]
             rows[mode]["collective_calls_per_step"] = probes[mode][0]["collective_calls_per_step"]
             rows[mode]["peak_bytes_per_rank"] = [p["peak_bytes"] for p in probes[mode]]
+            rows[mode]["peak_bytes_per_param"] = max(p["peak_bytes"] for p in probes[mode]) / n_params
     for mode, row in rows.items():
         if "fp32" in rows:
             row["vs_fp32"] = row["median_s"] / rows["fp32"]["median_s"]
@@ -36,7 +38,6 @@ def summarize(args: argparse.Namespace, times: dict[str, list[float]], losses: d
         for key, ref in (("peak_vs_fp32", "fp32"), ("peak_vs_torch_native", native)):
             if ref in rows and "peak_bytes_per_rank" in row and "peak_bytes_per_rank" in rows[ref]:
                 row[key] = max(row["peak_bytes_per_rank"]) / max(rows[ref]["peak_bytes_per_rank"])
-    n_params = sum(p.numel() for p in args.family.build(0).parameters())
     sizes = {k: v for k, v in dataclasses.asdict(args.family).items() if k != "default_batch"}
     return {"config": {"model": args.model, "family": args.family.describe(), "sizes": sizes,
                        "parameters": n_params, "batch_per_rank": args.batch, "compile": args.compile,
@@ -65,14 +66,15 @@ def markdown(summary: dict) -> str:
     lines = [title,
              "",
              ("| mode | step ms (median) | IQR ms | x FP32 | x torch-native | wire MB/step "
-              "| peak tensor MB per rank | peak x FP32 | peak x torch-native | last loss |"),
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| peak tensor MB per rank | peak bytes/param | peak x FP32 | peak x torch-native | last loss |"),
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for mode, r in summary["modes"].items():
         peaks = r.get("peak_bytes_per_rank")
         peak = " / ".join(_megabytes(p) for p in peaks) if peaks else "-"
         wire = r.get("wire_bytes_per_step")
         lines.append(f"| {mode} | {r['median_s'] * 1e3:.1f} | {r['iqr_s'] * 1e3:.1f} | {fmt(r.get('vs_fp32'), '.2f')} "
                      f"| {fmt(r.get('vs_torch_native'), '.2f')} | {fmt(None if wire is None else wire / 1e6, '.2f')} "
-                     f"| {peak} | {fmt(r.get('peak_vs_fp32'), '.2f')} | {fmt(r.get('peak_vs_torch_native'), '.2f')} "
+                     f"| {peak} | {fmt(r.get('peak_bytes_per_param'), '.2f')} | {fmt(r.get('peak_vs_fp32'), '.2f')} "
+                     f"| {fmt(r.get('peak_vs_torch_native'), '.2f')} "
                      f"| {r['last_loss']:.4f} |")
     return "\n".join(lines)

@@ -20,8 +20,8 @@ Repetitions interleave the modes (in a rotated order), so machine drift
 lands on every mode alike. Per mode it reports the median and interquartile
 range of the step time (each step's time is the slowest rank's), the ratio
 to FP32 DDP and to the torch-native counterpart, the bytes each rank sends
-per step (see ``bench_modes.WireCounter``), and the peak tensor memory per rank (also as ratios to FP32
-and to the torch-native counterpart). Bytes and memory come
+per step (see ``bench_modes.WireCounter``), and the peak tensor memory per rank (also in bytes per
+parameter, and as ratios to FP32 and to the torch-native counterpart). Bytes and memory come
 from a probe run in a fresh process per mode and rank, so one mode's
 allocations cannot inflate another's: it counts every ``ProcessGroup``
 collective (see ``bench_modes.WireCounter``) and takes the peak of live

@@ -144,8 +144,13 @@ def test_benchmark_cnn_in_one_process(tmp_path):
     assert cfg["sizes"]["image_size"] == 16
     assert f"({family.describe()};" in out
     assert "batch 2 per rank, eager, 1 ranks" in out
-    assert "| peak x FP32 | peak x torch-native |" in out
+    assert "| peak bytes/param | peak x FP32 | peak x torch-native |" in out
     assert list(rows) == BF16_MODES.split(",")
+    n_params = sum(p.numel() for p in family.build(0).parameters())
+    assert cfg["parameters"] == n_params
+    for mode, row in rows.items():
+        assert row["peak_bytes_per_param"] == pytest.approx(max(row["peak_bytes_per_rank"]) / n_params), mode
+        assert f"| {row['peak_bytes_per_param']:.2f} |" in out, mode
     for mode, row in rows.items():
         # One process: no DDP on either side, so nothing at all goes through a collective.
         assert row["wire_bytes_per_step"] == 0, mode
