@@ -25,7 +25,9 @@ from distamp.strategy import DistributedStrategy
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=True),
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "sgd_no_momentum": lambda p: torch.optim.SGD(p, lr=0.1),
     "adam_amsgrad_foreach": lambda p: torch.optim.Adam(p, lr=1e-2, amsgrad=True, foreach=True),
+    "adamw_fused_maximize": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True, maximize=True),
     "rmsprop": lambda p: torch.optim.RMSprop(p, lr=1e-3),  # not cut: one step on whole gradients
 }
 
@@ -131,3 +133,24 @@ def test_chunk_size_is_a_sixteenth_of_the_model_at_least_64k_and_aligned():
     assert chunk_numel(1000) == 1 << 16
     assert chunk_numel(160_000_000) == 10_002_432  # 10**7 rounded up to a multiple of 4096
     assert chunk_numel(160_000_000) % SLICE_ALIGN == 0
+
+
+def test_parameters_that_are_their_own_masters_step_and_unused_ones_stay(small_chunks):
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 4)
+    own = nn.Parameter(torch.randn(3, dtype=torch.float64))  # float64: no separate FP32 master
+    unused = nn.Parameter(torch.randn(5))
+    ref_own = nn.Parameter(own.detach().clone())
+    unused_before = unused.detach().clone()
+    strategy = DistributedStrategy(amp=True)
+    strategy.amp_configs = {"use_pure_fp16": True, "dtype": "bfloat16"}
+    opt = AmpOptimizer(torch.optim.AdamW([*linear.parameters(), own, unused], lr=0.1), strategy)
+    with auto_cast(dtype="bfloat16"):
+        loss = linear(torch.ones(2, 4)).float().sum() + (own**2).sum().float()
+    opt.backward(loss)
+    ref_own.grad = own.grad.clone()
+    assert opt.step()
+    torch.optim.AdamW([ref_own], lr=0.1).step()
+    assert torch.equal(own.detach(), ref_own.detach())
+    assert torch.equal(opt.master_weights.master_for(unused).detach(), unused_before)
+    assert opt.master_weights.master_for(unused) not in opt.inner_opt.state
