@@ -293,6 +293,20 @@ def checkpoint_markdown(table: dict[tuple[int, int], list[dict]], written: dict[
     return "\n".join(lines)
 
 
+def checkpoint_peaks(world: int, stage: int, args: argparse.Namespace, directory: str) -> tuple[list[dict], list[int]]:
+    """Train and save into ``directory`` on ``world`` fresh processes, then load it on ``world`` others; per rank
+    the peaks (``"train"``, ``"save"``, ``"build"``, ``"load"``, bytes), and the bytes each rank wrote."""
+    args.checkpoint_dir = directory
+    args.phase = "save"
+    saved = run(world, stage, args)
+    written = written_by_rank(directory, world)
+    args.phase = "load"  # in fresh processes, as a restart
+    loaded = run(world, stage, args)
+    peaks = [{"train": s["before"], "save": s["save"], "build": r["before"], "load": r["load"], "params": s["params"]}
+             for s, r in zip(saved, loaded, strict=True)]
+    return peaks, written
+
+
 def main_checkpoint(args: argparse.Namespace, worlds: list[int], stages: list[int]) -> None:
     """``--checkpoint``: measure save and load against training for every (world size, stage)."""
     import tempfile
@@ -301,14 +315,7 @@ def main_checkpoint(args: argparse.Namespace, worlds: list[int], stages: list[in
     for world in worlds:
         for stage in stages:
             with tempfile.TemporaryDirectory() as directory:
-                args.checkpoint_dir = directory
-                args.phase = "save"
-                saved = run(world, stage, args)
-                written[world, stage] = written_by_rank(directory, world)
-                args.phase = "load"  # in fresh processes, as a restart
-                loaded = run(world, stage, args)
-            table[world, stage] = [{"train": s["before"], "save": s["save"], "build": r["before"], "load": r["load"],
-                                    "params": s["params"]} for s, r in zip(saved, loaded, strict=True)]
+                table[world, stage], written[world, stage] = checkpoint_peaks(world, stage, args, directory)
     params = table[worlds[0], stages[0]][0]["params"]
     print(f"O2 BF16 AdamW, MLP {args.layers}x{args.hidden} ({params / 1e6:.2f}M parameters), batch {args.batch} "
           f"per rank, {args.steps} steps; peak live tensors per rank (max over ranks)")
