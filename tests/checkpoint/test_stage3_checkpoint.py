@@ -87,6 +87,16 @@ def test_stage3_checkpoint_resumes_bitwise_at_two_ranks_and_within_bf16_on_one_a
         assert_within_bf16_rounding(r[3, 2], saved[0][3][0])  # stage 3 -> stage 2
 
 
+@pytest.mark.timeout(300)
+def test_a_four_rank_stage3_checkpoint_resumes_bitwise_on_four_and_within_bf16_on_two(tmp_path):
+    four = run_workers(_save_and_resume_at_the_same_size, 4, str(tmp_path), (3,), _exported, timeout=200)
+    uninterrupted = four[0][3][0]
+    assert all(torch.equal(r[3][1], uninterrupted) for r in four)  # same world size: bitwise
+    assert _dcp_files(tmp_path / "stage3") == [".metadata", *[f"__{r}_0.distcp" for r in range(4)]]
+    for r in run_workers(_resume, 2, str(tmp_path), [(3, 3)], timeout=150):
+        assert_within_bf16_rounding(r[3, 3], uninterrupted)  # 4-rank stage 3 -> 2 ranks at stage 3
+
+
 @contextlib.contextmanager
 def _counting_gathers():
     """Yields a Counter of the calls that make whole tensors out of shards: DTensor gathers and all-gathers."""
