@@ -19,8 +19,10 @@ whole parameter; a load into stages 0-2 or an unsharded model reads whole
 tensors, as those hold them whole anyway.
 
 The DCP calls (``save``/``load`` with ``storage_writer``/``storage_reader``
-and ``no_dist``, ``FileSystemWriter``/``FileSystemReader``) are public API
-with the same signatures on torch 2.11 to 2.15.
+and ``no_dist``, ``FileSystemWriter(path, sync_files=...)``,
+``FileSystemReader(path)``) are public API with the same signatures on
+torch 2.11.0, 2.13.0 and 2.14.1 (checked; no 2.15 build was installable
+here), so nothing goes through :mod:`distamp.torch_compat`.
 """
 
 from __future__ import annotations
