@@ -27,7 +27,6 @@ here), so nothing goes through :mod:`distamp.torch_compat`.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -130,20 +129,36 @@ def write(tensors: dict[str, DTensor], directory: str) -> None:
     """``dcp.save`` of ``tensors`` into ``directory``: each rank writes its local shards, rank 0 the metadata.
 
     Collective over the default process group, like ``dcp.save``; every
-    rank raises when any rank failed to write.
+    rank raises ``RuntimeError`` when any rank failed to write (DCP's writer also makes
+    ``directory`` inside that protocol, so a rank that cannot still reaches
+    every collective of the others).
     """
-    os.makedirs(directory, exist_ok=True)
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory, sync_files=True),
-             no_dist=not (dist.is_available() and dist.is_initialized()))
+    try:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(directory, sync_files=True),
+                 no_dist=not (dist.is_available() and dist.is_initialized()))
+    except dcp.CheckpointException as exc:
+        raise _failure("write", exc) from exc
 
 
 def read(tensors: dict[str, torch.Tensor], directory: str) -> None:
     """``dcp.load`` into ``tensors`` (in place) from ``directory``: each rank reads what its tensors hold.
 
-    Collective over the default process group, like ``dcp.load``.
+    Collective over the default process group, like ``dcp.load``; every rank raises ``RuntimeError`` when any
+    rank failed to read.
     """
-    dcp.load(tensors, storage_reader=dcp.FileSystemReader(directory),
-             no_dist=not (dist.is_available() and dist.is_initialized()))
+    try:
+        dcp.load(tensors, storage_reader=dcp.FileSystemReader(directory),
+                 no_dist=not (dist.is_available() and dist.is_initialized()))
+    except dcp.CheckpointException as exc:
+        raise _failure("read", exc) from exc
+
+
+def _failure(what: str, exc: dcp.CheckpointException) -> RuntimeError:
+    """DCP's error (a ``BaseException``, the same on every rank) as a ``RuntimeError`` naming each failed rank's
+    error in one line, so the checkpoint layer reports it like any other."""
+    failures = getattr(exc, "failures", {}) or {}
+    found = "; ".join(f"rank {rank}: {type(error).__name__}: {error}" for rank, error in sorted(failures.items()))
+    return RuntimeError(f"torch.distributed.checkpoint could not {what}: {found or exc}")
 
 
 def targets(model_state: Mapping[str, Any], optimizer_state: Mapping[str, Any], module: nn.Module,

@@ -150,12 +150,12 @@ def save_checkpoint(
             outcome = ("saved", _write(path, step, payload, keep, parts))
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             outcome, failure = ("failed", f"{type(exc).__name__}: {exc}"), exc
+            if dcp_directory is not None:  # before any rank hears of the failure: none sees the files after
+                storage.discard(path, step, [dcp_directory])
     kind, detail = coordinator.broadcast(outcome)
     coordinator.finish()
     if kind == "failed":
-        if dcp_directory is not None and coordinator.rank == 0:
-            storage.discard(path, step, [dcp_directory])
-        elif part is not None and part[0] == "ok" and dcp_directory is None:
+        if part is not None and part[0] == "ok" and dcp_directory is None:
             storage.discard(path, step, [part[1][1]])
         raise RuntimeError(f"rank 0 could not save checkpoint {step} in {path!r}: {detail}") from failure
     return os.path.join(path, detail)

@@ -97,6 +97,37 @@ def test_a_four_rank_stage3_checkpoint_resumes_bitwise_on_four_and_within_bf16_o
         assert_within_bf16_rounding(r[3, 3], uninterrupted)  # 4-rank stage 3 -> 2 ranks at stage 3
 
 
+def _save_fails_on_rank_1(rank, world, root):
+    import torch.distributed.checkpoint as dcp
+
+    from distamp.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
+
+    _, wrapped, opt, scheduler = _build(3)
+    _train(rank, world, wrapped, opt, scheduler, 0, SAVE_AT)
+    save_checkpoint(root, SAVE_AT, model=wrapped, optimizer=opt, scheduler=scheduler)
+    _train(rank, world, wrapped, opt, scheduler, SAVE_AT, SAVE_AT + 1)
+    if rank == 1:  # rank 1's disk is full: its DCP write fails, rank 0's succeeds
+        def full(self, plan, planner):
+            raise OSError(28, "No space left on device")
+        dcp.FileSystemWriter.write_data = full
+    with pytest.raises(RuntimeError) as failed:
+        save_checkpoint(root, SAVE_AT + 1, model=wrapped, optimizer=opt, scheduler=scheduler)
+    left = sorted(os.listdir(root))
+    _, wrapped, opt, scheduler = _build(3)
+    info = load_latest_checkpoint(root, model=wrapped, optimizer=opt, scheduler=scheduler)
+    return str(failed.value), left, list_checkpoints(root), info.step
+
+
+@pytest.mark.timeout(150)
+def test_a_stage3_save_that_fails_on_one_rank_raises_everywhere_and_leaves_the_previous_checkpoint(tmp_path):
+    for message, left, steps, resumed in run_workers(_save_fails_on_rank_1, 2, str(tmp_path), timeout=120):
+        assert f"could not save checkpoint {SAVE_AT + 1}" in message
+        assert "No space left on device" in message
+        assert not [n for n in left if n.startswith(f"step-{SAVE_AT + 1:08d}")]  # the failed save's DCP files gone
+        assert steps == [SAVE_AT]
+        assert resumed == SAVE_AT
+
+
 @contextlib.contextmanager
 def _counting_gathers():
     """Yields a Counter of the calls that make whole tensors out of shards: DTensor gathers and all-gathers."""
