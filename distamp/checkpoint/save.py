@@ -131,7 +131,7 @@ def save_checkpoint(
 
     coordinator = Coordinator(f"save step {step}", wait)
     dcp_directory = None
-    part: tuple[str, Any] | None
+    part: tuple[Any, ...] | None
     if fully_sharded is not None:
         nonce = coordinator.broadcast(secrets.token_hex(8) if coordinator.rank == 0 else None)
         dcp_directory = dcp_directory_name(step, nonce)
@@ -172,9 +172,9 @@ def _write_part(path: str, step: int, rank: int, shard: dict) -> tuple[str, Any]
     return "ok", (written.part, written.name, written.size, written.sha256)
 
 
-def _write_dcp(path: str, directory: str, tensors: dict, rank: int, world_size: int) -> tuple[str, Any]:
+def _write_dcp(path: str, directory: str, tensors: dict, rank: int, world_size: int) -> tuple[Any, ...]:
     """Write the stage-3 tensors through DCP into ``directory`` (collective), then hash this rank's share of the
-    files there; ``("dcp", [(name, size, sha256), ...])`` or ``("failed", why)``.
+    files there; ``("dcp", [(name, size, sha256), ...], every name it sees)`` or ``("failed", why)``.
 
     The files are hashed by every rank in turn (file ``i`` by rank ``i % world_size``), so no rank reads the
     whole checkpoint back.
@@ -189,7 +189,7 @@ def _write_dcp(path: str, directory: str, tensors: dict, rank: int, world_size: 
             hashed.append((f"{directory}/{name}", size, sha))
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the save everywhere
         return "failed", f"rank {rank} could not write its DCP shards: {type(exc).__name__}: {exc}"
-    return "dcp", hashed
+    return "dcp", hashed, names  # what it saw: every rank must see the same files
 
 
 def _part_files(gathered: list[tuple[dict, Any]]) -> list[PayloadFile]:
@@ -203,6 +203,13 @@ def _part_files(gathered: list[tuple[dict, Any]]) -> list[PayloadFile]:
         sharded = [r for r, p in enumerate(parts) if p is not None]
         raise RuntimeError(f"only ranks {sharded} have sharded state; every rank must use the same strategy")
     if parts and parts[0] is not None and parts[0][0] == "dcp":
+        seen = [p[2] for p in parts]
+        if any(names != seen[0] for names in seen):
+            differ = next(r for r, names in enumerate(seen) if names != seen[0])
+            raise RuntimeError(
+                f"rank {differ} sees the DCP files {seen[differ]}, rank 0 {seen[0]}: the ranks do not write into one "
+                "directory. On several nodes the checkpoint directory must be on a file system shared by every node"
+            )
         files = sorted(f for p in parts for f in p[1])
         return [PayloadFile(dcp_part(i), name, size, sha) for i, (name, size, sha) in enumerate(files)]
     return [PayloadFile(*p[1]) for p in parts if p is not None]

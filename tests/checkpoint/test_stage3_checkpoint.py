@@ -128,6 +128,24 @@ def test_a_stage3_save_that_fails_on_one_rank_raises_everywhere_and_leaves_the_p
         assert resumed == SAVE_AT
 
 
+def _save_into_unshared_directories(rank, world, root):
+    from distamp.checkpoint import save_checkpoint
+
+    _, wrapped, opt, scheduler = _build(3)
+    _train(rank, world, wrapped, opt, scheduler, 0, 1)
+    with pytest.raises(RuntimeError) as failed:  # each rank its own directory, as on nodes that share none
+        save_checkpoint(os.path.join(root, f"node{rank}"), 1, model=wrapped, optimizer=opt, scheduler=scheduler)
+    return str(failed.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_stage3_save_into_directories_the_ranks_do_not_share_is_refused_on_every_rank(tmp_path):
+    for message in run_workers(_save_into_unshared_directories, 2, str(tmp_path), timeout=100):
+        assert "rank 1 sees the DCP files ['__1_0.distcp'], rank 0 ['.metadata', '__0_0.distcp']" in message
+        assert "must be on a file system shared by every node" in message
+    assert not list((tmp_path / "node0").glob("*.json"))  # nothing committed
+
+
 @contextlib.contextmanager
 def _counting_gathers():
     """Yields a Counter of the calls that make whole tensors out of shards: DTensor gathers and all-gathers."""
