@@ -101,7 +101,10 @@ def load_latest_checkpoint(
     shards when loading at stage 3, at any world size, so no rank holds a
     whole parameter; as whole tensors when loading at stages 0-2 or
     unsharded, which hold them whole anyway. So a checkpoint saved at any
-    stage and world size loads at any stage and world size.
+    stage and world size loads at any stage and world size. DCP reads the
+    tensors with ``weights_only=True`` but unpickles its ``.metadata`` file
+    (after distamp checked its SHA-256 against the manifest): load stage-3
+    checkpoints only from directories you trust.
 
     Different world size: model, optimizer, scheduler and ``extra`` are
     restored exactly (data parallelism keeps them identical on every rank),
