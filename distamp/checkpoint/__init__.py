@@ -67,7 +67,9 @@ Manifests of format ``distamp.checkpoint/1`` (``step-<N>.pt`` payloads) are
 still read.
 
 Loading reads the manifest and checks its checksum, the payload's size and
-SHA-256, then ``torch.load(..., weights_only=True)``. A checkpoint that
+SHA-256, then ``torch.load(..., weights_only=True)`` (a stage-3 checkpoint's
+DCP files: their sizes and SHA-256, then ``dcp.load``, which unpickles
+``.metadata``: load those only from directories you trust). A checkpoint that
 cannot be read is skipped, on every rank, with a warning naming the file,
 the reason and the step, in favour of the next older one; one that reads but does
 not fit the model or optimizer raises on every rank.
