@@ -21,8 +21,8 @@ tensors, as those hold them whole anyway.
 The DCP calls (``save``/``load`` with ``storage_writer``/``storage_reader``
 and ``no_dist``, ``FileSystemWriter(path, sync_files=...)``,
 ``FileSystemReader(path)``) are public API with the same signatures on
-torch 2.11.0, 2.13.0 and 2.14.1 (checked; no 2.15 build was installable
-here), so nothing goes through :mod:`distamp.torch_compat`.
+torch 2.11.0, 2.13.0 and 2.14.1 (checked on those builds; 2.15 was not
+available to check), so nothing goes through :mod:`distamp.torch_compat`.
 """
 
 from __future__ import annotations
