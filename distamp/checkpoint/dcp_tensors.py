@@ -36,8 +36,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distamp.distributed.shard_rows import like_local_rows
-from distamp.optim.fully_sharded_precision import FullyShardedPrecision
+from distamp.sharding.fully_sharded_precision import FullyShardedPrecision
+from distamp.sharding.shard_rows import like_local_rows
 
 __all__ = ["fill", "is_slot", "read", "slots", "split", "targets", "write"]
 

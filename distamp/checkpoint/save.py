@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from distamp.distributed.process_group import validate_timeout
-from distamp.optim import flat_state
 from distamp.optim.optimizer import AmpOptimizer
+from distamp.sharding import flat_state
 
 from . import dcp_tensors, rng, storage
 from .atomic import sha256_of

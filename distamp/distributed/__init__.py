@@ -11,7 +11,6 @@ from distamp.distributed.comm_hooks import (
     LowPrecisionAllReduce,
     low_precision_allreduce_hook,
 )
-from distamp.distributed.data_parallel import DataParallel, strategy_fp32_parameters
 from distamp.distributed.process_group import (
     WorldInfo,
     default_backend,
@@ -19,6 +18,7 @@ from distamp.distributed.process_group import (
     init_process_group,
     world_info_from_env,
 )
+from distamp.model.data_parallel import DataParallel, strategy_fp32_parameters
 
 __all__ = [
     "CommStats",

@@ -24,7 +24,7 @@ import torch
 
 from tests.checkpoint.test_checkpoint import corrupt_flip_byte, corrupt_truncate
 from tests.checkpoint.test_sharded_checkpoint import _build, _train
-from tests.distributed.test_sharding import _flat
+from tests.sharding.test_sharding import _flat
 from tests.multiprocess import run_workers
 
 ROOT = Path(__file__).resolve().parents[2]

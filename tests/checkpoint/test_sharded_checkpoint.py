@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.distributed.test_sharding import (
+from tests.sharding.test_sharding import (
     _flat,
     _model,
     _strategy,

@@ -1,0 +1,433 @@
+"""Sharding stage 3 (FSDP2) on real gloo groups: unsharded numbers, one verdict, the policy's dtypes.
+
+Each worker trains the same model from the same data unsharded (stage 0)
+and with stage 3, and returns what the tests compare. An inf is put into
+one gradient on one rank *before* communication: under FSDP2 autograd
+computes gradients on the unsharded parameters, so the hook goes there.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.sharding.test_sharding import assert_within_bf16_rounding
+from tests.multiprocess import run_workers
+
+STEPS, PER_RANK = 5, 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _strategy(stage: int, amp: bool = True, k_steps: int = 1, units=(), **configs):
+    from distamp import fleet
+
+    strategy = fleet.DistributedStrategy(amp=amp, sharding=stage > 0)
+    strategy.amp_configs = configs
+    if stage:
+        strategy.sharding_configs = {"stage": stage, "units": list(units)}
+    if k_steps > 1:
+        strategy.gradient_merge = True
+        strategy.gradient_merge_configs = {"k_steps": k_steps}
+    return strategy
+
+
+def _batches(world: int, count: int):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(PER_RANK * world, 6, generator=g), torch.randn(PER_RANK * world, 3, generator=g))
+            for _ in range(count)]
+
+
+def _poison(grad: torch.Tensor) -> torch.Tensor:
+    grad = grad.clone()
+    grad[0] = float("inf")
+    return grad
+
+
+def _local_param(wrapped, name: str) -> torch.Tensor:
+    """The tensor autograd computes ``name``'s local gradient for: the unsharded parameter under stage 3."""
+    if getattr(wrapped, "ddp", None) is None and hasattr(wrapped, "_unsharded_parameters"):
+        return dict(wrapped._unsharded_parameters())[name]
+    return dict(wrapped.module.named_parameters())[name]
+
+
+def _train(rank, world, strategy, inject_at=None, inject_rank=0, clip=True, closure=False):
+    """Train STEPS optimizer steps; returns losses, verdicts, scales, attribution and the final FP32 model."""
+    from distamp import fleet
+
+    fleet.init()
+    model = _model()
+    opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    k = opt.merge.k_steps
+    out = {"losses": [], "applied": [], "scales": [], "norms": [], "params": []}
+    for i, (x, y) in enumerate(_batches(world, STEPS * k)):
+        x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+        poisoned = [inject_at is not None and i // k == inject_at and rank == inject_rank]
+
+        def forward_backward(x=x, y=y, poisoned=poisoned):
+            with fleet.auto_cast():
+                loss = F.mse_loss(wrapped(x).float(), y)
+            # Once per batch: a retried closure computes clean gradients.
+            handle = _local_param(wrapped, "3.bias").register_hook(_poison) if poisoned.pop() else None
+            poisoned.append(False)
+            opt.zero_grad()
+            opt.backward(loss)
+            if handle is not None:
+                handle.remove()
+            return loss
+
+        if closure:
+            loss = opt.step(forward_backward)
+            done = not opt.step_was_skipped
+        else:
+            loss = forward_backward()
+            if (i + 1) % k:
+                assert opt.step() is False  # inside the merge window
+                continue
+            if clip:
+                out["norms"].append(float(opt.clip_grad_norm_(0.5)))
+            done = opt.step()
+        out["losses"].append(float(loss.detach()))
+        out["applied"].append(done)
+        out["scales"].append(opt.get_loss_scaling())
+        out["params"].append(_flat(opt.fp32_state_dict(wrapped)))
+    out["last_overflow"] = opt.stats()["last_overflow"]
+    out["retries"] = opt.stats().get("retries")
+    return out
+
+
+def _flat(state: dict) -> torch.Tensor:
+    return torch.cat([v.detach().float().reshape(-1) for k, v in state.items() if "running" not in k])
+
+
+def _both(rank, world, make_strategy, inject_at=None):
+    """The same training unsharded, then with stage 3, in the same processes."""
+    return {stage: _train(rank, world, make_strategy(stage), inject_at=inject_at) for stage in (0, 3)}
+
+
+def _o2_bf16(stage):
+    return _strategy(stage, use_pure_fp16=True, dtype="bfloat16")
+
+
+def _o1_bf16(stage):
+    return _strategy(stage, dtype="bfloat16")
+
+
+def _amp_off(stage):
+    return _strategy(stage, amp=False)
+
+
+def _o2_fp16(stage):
+    return _strategy(stage, use_pure_fp16=True, dtype="float16", init_loss_scaling=1024.0, decr_every_n_nan_or_inf=1)
+
+
+def _closure_with_retry(rank, world):
+    strategy = _strategy(3, use_pure_fp16=True, dtype="float16", init_loss_scaling=1024.0, overflow_retries=1)
+    return _train(rank, world, strategy, inject_at=1, inject_rank=1, closure=True)
+
+
+def _o2_bf16_merge(stage):
+    return _strategy(stage, k_steps=2, use_pure_fp16=True, dtype="bfloat16")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("make_strategy", [_o2_bf16, _o1_bf16, _amp_off, _o2_bf16_merge],
+                         ids=["O2-bf16", "O1-bf16", "amp-off", "O2-bf16-merge2"])
+def test_stage3_trains_like_unsharded_with_one_global_clip_norm(make_strategy):
+    ranks = run_workers(_both, 2, make_strategy, timeout=200)
+    for run in ranks:
+        unsharded, sharded = run[0], run[3]
+        assert sharded["applied"] == [True] * STEPS
+        # One global norm: the same on every rank, and the unsharded run's up to BF16 rounding.
+        assert sharded["norms"] == ranks[0][3]["norms"]
+        for a, b in zip(sharded["norms"], unsharded["norms"], strict=True):
+            assert a == pytest.approx(b, rel=2e-2)
+        if make_strategy is _amp_off:
+            torch.testing.assert_close(sharded["params"][-1], unsharded["params"][-1], rtol=1e-5, atol=1e-6)
+        else:
+            assert_within_bf16_rounding(sharded["params"][-1], unsharded["params"][-1], ulps=8)
+
+
+@pytest.mark.timeout(240)
+def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank_and_names_the_parameter():
+    ranks = run_workers(_both, 2, _o2_fp16, 2, timeout=200)
+    for run in ranks:
+        sharded, unsharded = run[3], run[0]
+        assert sharded["applied"] == [True, True, False, True, True]
+        assert sharded["scales"] == [1024.0, 1024.0, 512.0, 512.0, 512.0]
+        assert sharded["last_overflow"] == {"step": 3, "params": ["3.bias"]}
+        assert torch.equal(sharded["params"][2], sharded["params"][1])  # skipped: nothing moved
+        assert unsharded["applied"] == sharded["applied"]
+        assert sharded["losses"][-1] == pytest.approx(unsharded["losses"][-1], rel=2e-2)
+    for step in range(STEPS):  # the full model gathered on each rank: bitwise the same
+        assert torch.equal(ranks[0][3]["params"][step], ranks[1][3]["params"][step])
+
+
+@pytest.mark.timeout(180)
+def test_closure_overflow_retries_the_batch_at_a_lower_scale_on_every_rank():
+    ranks = run_workers(_closure_with_retry, 2, timeout=150)
+    for out in ranks:
+        assert out["applied"] == [True] * STEPS  # the poisoned batch was retried, not dropped
+        assert out["scales"][1] == 512.0
+        assert out["last_overflow"] == {"step": 2, "params": ["3.bias"]}
+    assert torch.equal(ranks[0]["params"][-1], ranks[1]["params"][-1])
+
+
+def _dtypes(rank, world, configs):
+    """What stage 3 stores, gathers, reduces and accumulates, per the policy."""
+    from distamp import fleet
+    from distamp.sharding.fsdp_comms import WireReduceScatter
+
+    fleet.init()
+    model = _model()
+    strategy = _strategy(3, **configs)
+    opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    seen = {}
+
+    def record(module, args, index):
+        seen.setdefault(f"gathered {index}", module.weight.dtype)
+
+    for index in (0, 1):
+        model[index].register_forward_pre_hook(lambda m, args, index=index: record(m, args, index))
+    wire = []
+    original = WireReduceScatter.__call__
+
+    def spy(self, output_tensor, input_tensor, group, op, async_op=False):
+        wire.append((input_tensor.dtype, output_tensor.dtype))
+        return original(self, output_tensor, input_tensor, group, op, async_op)
+
+    WireReduceScatter.__call__ = spy
+    try:
+        x, y = _batches(world, 1)[0]
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(x[:PER_RANK]).float(), y[:PER_RANK])
+        opt.backward(loss)
+    finally:
+        WireReduceScatter.__call__ = original
+    seen["shards"] = sorted({str(p.to_local().dtype) for p in model.parameters()})
+    seen["grads"] = sorted({str(p.grad.to_local().dtype) for p in model.parameters()})
+    seen["wire"] = sorted({str(d) for pair in wire for d in pair})
+    seen["policy"] = model[0]._get_fsdp_state()._mp_policy
+    seen["local rows"] = model[0].weight.to_local().shape[0]
+    assert opt.step()
+    return seen
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("configs", "gathered", "wire"), [
+    ({"use_pure_fp16": True, "dtype": "bfloat16"}, torch.bfloat16, "torch.bfloat16"),
+    ({"use_pure_fp16": True, "dtype": "float16", "comm_dtype": "float32"}, torch.float16, "torch.float32"),
+    ({"dtype": "bfloat16"}, torch.float32, "torch.bfloat16"),
+], ids=["O2-bf16", "O2-fp16-fp32-wire", "O1-bf16"])
+def test_shards_gathered_parameters_and_reduction_have_the_policys_dtypes(configs, gathered, wire):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    for seen in run_workers(_dtypes, 2, configs, timeout=150):
+        assert seen["shards"] == ["torch.float32"]  # the FP32 shard is the master
+        assert seen["grads"] == ["torch.float32"]  # reduced gradients accumulate in FP32
+        assert seen["gathered 0"] == gathered  # what forward computes with
+        assert seen["gathered 1"] == torch.float32  # LayerNorm: kept FP32 in O2 too
+        assert seen["wire"] == [wire]
+        pure = configs.get("use_pure_fp16", False)
+        assert seen["policy"] == MixedPrecisionPolicy(param_dtype=gathered if pure else None,
+                                                      reduce_dtype=getattr(torch, wire[6:]),
+                                                      cast_forward_inputs=pure)
+        assert seen["local rows"] == 8  # Linear(6, 16): 16 rows over 2 ranks
+
+
+def _check_nan_inf(rank, world, where):
+    from distamp import fleet
+
+    fleet.init()
+    model = _model()
+    strategy = _strategy(3, use_pure_fp16=True, dtype="bfloat16", check_nan_inf=True)
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    x, y = _batches(world, 1)[0]
+    with fleet.auto_cast():
+        loss = F.mse_loss(wrapped(x).float(), y)
+    opt.minimize(loss)  # the first step is clean
+    if where == "forward":
+        model[1].register_forward_pre_hook(lambda m, args: (args[0] * float("inf"),))
+    else:
+        def poison_output_grad(module, args, out):
+            # On the layer's output: its parameters' gradients are computed from it after this hook ran.
+            out.register_hook(lambda g: g * float("inf"))
+
+        model[3].register_forward_hook(poison_output_grad)
+    try:
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(x).float(), y)
+        opt.minimize(loss)
+    except FloatingPointError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("where", "named"), [
+    ("forward", "in the forward output of module '1' (LayerNorm) on rank 0 at step 2"),
+    ("gradient", "in the local gradient of parameter '3."),
+])
+def test_check_nan_inf_names_the_module_or_the_parameter_under_stage3(where, named):
+    (message,) = run_workers(_check_nan_inf, 1, where, timeout=100)
+    assert message is not None
+    assert named in message
+
+
+def _misuse(rank, world):
+    from distamp import fleet
+
+    fleet.init()
+    errors = {}
+    try:
+        fleet.distributed_model(_model(), _strategy(3, units=["blocks.*"]))
+    except ValueError as exc:
+        errors["units"] = str(exc)
+    try:
+        fleet.distributed_model(_model(), _strategy(3), find_unused_parameters=True)
+    except ValueError as exc:
+        errors["kwargs"] = str(exc)
+    model = _model()
+    wrapped = fleet.distributed_model(model, _strategy(3))
+    try:
+        fleet.distributed_optimizer(torch.optim.SGD(wrapped.parameters(), lr=0.1),
+                                    _strategy(2, use_pure_fp16=True, dtype="bfloat16"))
+    except RuntimeError as exc:
+        errors["stage"] = str(exc)
+    lone_model = _model()
+    lone = fleet.distributed_optimizer(torch.optim.SGD(lone_model.parameters(), lr=0.1), _strategy(3))
+    lone.backward(lone_model(torch.ones(2, 6)).sum())
+    try:
+        lone.step()
+    except RuntimeError as exc:
+        errors["unsharded"] = str(exc)
+    return errors
+
+
+@pytest.mark.timeout(120)
+def test_stage3_misuse_fails_with_the_fix():
+    (errors,) = run_workers(_misuse, 1, timeout=100)
+    assert re.match(r"sharding_configs\['units'\] pattern 'blocks\.\*' matches no submodule of Sequential\..*"
+                    r"the model's modules: '0', '1', '2', '3'\.", errors["units"])
+    assert "find_unused_parameters=...): keyword arguments go to DDP" in errors["kwargs"]
+    assert "the optimizer's strategy is not stage 3" in errors["stage"]
+    assert "call model = fleet.distributed_model(model)" in errors["unsharded"]
+
+
+def _units_and_fp32_modules(rank, world):
+    from torch.distributed.fsdp import FSDPModule
+
+    from distamp import fleet
+
+    fleet.init()
+    out = {}
+    for name, configs, units in (
+        ("black", {"use_pure_fp16": True, "dtype": "bfloat16", "custom_black_varnames": ["3"]}, ()),
+        ("norm_low", {"use_pure_fp16": True, "dtype": "bfloat16", "keep_norm_fp32": False}, ("0",)),
+        ("o1", {"dtype": "bfloat16"}, ("3",)),
+    ):
+        model = _model()
+        strategy = _strategy(3, units=units, **configs)
+        opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+        wrapped = fleet.distributed_model(model, strategy)
+        gathered = {}
+        for index in (0, 1, 3):
+            model[index].register_forward_pre_hook(
+                lambda m, args, index=index, seen=gathered: seen.__setitem__(index, m.weight.dtype))
+        x, y = _batches(world, 1)[0]
+        with fleet.auto_cast():
+            output = wrapped(x[:PER_RANK])
+            loss = F.mse_loss(output.float(), y[:PER_RANK])
+        out[name] = {"units": [i for i in range(4) if isinstance(model[i], FSDPModule)], "gathered": gathered,
+                     "output": output.dtype, "applied": opt.minimize(loss)}
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_units_patterns_and_o2_fp32_modules_decide_what_is_gathered_in_which_dtype():
+    (out,) = run_workers(_units_and_fp32_modules, 1, timeout=100)
+    f32, bf16 = torch.float32, torch.bfloat16
+    # Default units; the black module and the LayerNorm are FP32 units; the black module's output stays FP32.
+    assert out["black"] == {"units": [0, 1, 3], "gathered": {0: bf16, 1: f32, 3: f32}, "output": f32, "applied": True}
+    # Only the named unit (no FP32 norm unit without keep_norm_fp32): the rest is gathered with the root.
+    assert out["norm_low"] == {"units": [0], "gathered": {0: bf16, 1: bf16, 3: bf16}, "output": bf16,
+                               "applied": True}
+    # O1: FP32 parameters, computed in BF16 under auto_cast.
+    assert out["o1"] == {"units": [3], "gathered": {0: f32, 1: f32, 3: f32}, "output": bf16, "applied": True}
+
+
+def _step(wrapped, opt, x, y):
+    from distamp import fleet
+
+    with fleet.auto_cast():
+        loss = F.mse_loss(wrapped(x).float(), y)
+    opt.zero_grad()
+    opt.backward(loss)
+    return opt.step()
+
+
+def _move_after_a_step(rank, world, o2):
+    from distamp import fleet
+
+    fleet.init()
+    model = _model()
+    opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      _strategy(3, use_pure_fp16=o2, dtype="bfloat16"))
+    wrapped = fleet.distributed_model(model)
+    (x, y), (x2, y2) = [(a[rank * PER_RANK:(rank + 1) * PER_RANK], b[rank * PER_RANK:(rank + 1) * PER_RANK])
+                        for a, b in _batches(world, 2)]
+    applied = [_step(wrapped, opt, x, y)]
+    moved = wrapped.to("cpu")  # the gradients of the step are still there
+    applied.append(_step(wrapped, opt, x2, y2))
+    return moved is wrapped, applied
+
+
+@pytest.mark.parametrize("o2", [False, True])
+def test_stage3_model_moves_after_a_training_step(o2):
+    for same, applied in run_workers(_move_after_a_step, 2, o2, timeout=120):
+        assert same
+        assert applied == [True, True]
+
+
+def _cast_after_sharding(rank, world, names):
+    from distamp import fleet
+
+    fleet.init()
+    model = _model()
+    fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), _strategy(3, dtype="bfloat16"))
+    wrapped = fleet.distributed_model(model)
+    casts = {"half": wrapped.half, "double": wrapped.double, "to": lambda: wrapped.to("cpu", torch.float16),
+             "type": lambda: wrapped.type(torch.bfloat16)}
+    messages = []
+    for name in names:
+        try:
+            casts[name]()
+        except RuntimeError as exc:
+            messages.append(str(exc))
+        else:
+            messages.append(None)
+    # What keeps the FP32 shards' dtype is no cast and works.
+    same = [wrapped.float() is wrapped, wrapped.to(torch.float32) is wrapped, wrapped.to("cpu") is wrapped]
+    return messages, same
+
+
+def test_stage3_refuses_a_cast_after_sharding_with_what_to_do():
+    names = ["half", "double", "to", "type"]
+    for messages, same in run_workers(_cast_after_sharding, 2, names, timeout=120):
+        assert same == [True, True, True]
+        for name, message in zip(names, messages, strict=True):
+            assert message is not None, name
+            assert "FSDP2 cannot cast sharded parameters" in message
+            assert "Cast the model before fleet.distributed_model" in message
+        assert messages[0].startswith("model.half() after fleet.distributed_model would cast the sharded "
+                                      "torch.float32 parameters to torch.float16")
