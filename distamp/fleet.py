@@ -34,7 +34,6 @@ from torch import nn
 
 from distamp.amp.auto_cast import auto_cast as _auto_cast
 from distamp.amp.deferred_autocast import DeferredAutocast
-from distamp.distributed.data_parallel import DataParallel
 from distamp.distributed.process_group import (
     SELECTED_GPUS_VAR,
     WorldInfo,
@@ -44,12 +43,13 @@ from distamp.distributed.process_group import (
     world_info_from_env,
     world_info_from_group,
 )
+from distamp.model.data_parallel import DataParallel
 from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
 from distamp.strategy.applicability import check_applicable
 
 if TYPE_CHECKING:
-    from distamp.distributed.fully_sharded import FullyShardedModel
+    from distamp.sharding.fully_sharded import FullyShardedModel
 
 __all__ = [
     "DistributedStrategy",
@@ -271,7 +271,7 @@ def distributed_model(
 ) -> DataParallel | FullyShardedModel:
     """Make ``model`` data parallel over the group created by ``init``.
 
-    Returns a :class:`~distamp.distributed.data_parallel.DataParallel` (DDP
+    Returns a :class:`~distamp.model.data_parallel.DataParallel` (DDP
     underneath, built at the first forward); ``model.module`` is the
     original model. ``strategy`` (default: the latest one) decides the wire
     dtype and the FP32 modules; other keyword arguments go to DDP
@@ -280,7 +280,7 @@ def distributed_model(
     parameter or buffer elsewhere raises ``ValueError`` naming it.
 
     With ``sharding_configs = {"stage": 3}`` it returns a
-    :class:`~distamp.distributed.fully_sharded.FullyShardedModel` instead:
+    :class:`~distamp.sharding.fully_sharded.FullyShardedModel` instead:
     the model is sharded now with torch's FSDP2 (collective: every rank
     calls it), on the units ``sharding_configs["units"]`` names (default:
     the model's repeated blocks); no DDP, so DDP's keyword arguments are
@@ -296,7 +296,7 @@ def distributed_model(
                 "DDP, which sharding stage 3 does not use (it shards with torch's FSDP2); remove them"
             )
         # Imported here: FSDP2's private communication interfaces load only when stage 3 is used.
-        from distamp.distributed.fully_sharded import FullyShardedModel
+        from distamp.sharding.fully_sharded import FullyShardedModel
 
         sharded = FullyShardedModel(model, strategy, device=device())
         for opt in list(_state.optimizers):

@@ -179,7 +179,7 @@ def _torch_runner(mode: str, model: nn.Module, loss_fn: LossFn, device: torch.de
 
 def _fully_shard_like_stage3(model: nn.Module, device: torch.device) -> None:
     """torch's ``fully_shard`` on stage 3's default units, then the root: BF16 parameters and reduction."""
-    from distamp.distributed.shard_units import choose_units
+    from distamp.sharding.shard_units import choose_units
 
     if not dist.is_initialized():
         raise RuntimeError("torch_bf16_fsdp2 shards over the process group: initialise it first")

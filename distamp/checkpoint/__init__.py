@@ -50,7 +50,7 @@ parameter space; rank 0 commits one manifest listing every part once all
 are written, and nothing is gathered to rank 0. A reader verifies and
 loads only the parts it needs: the common one and the saved slices that
 overlap its own, so any world size, sharded or not, can resume any
-checkpoint (:mod:`distamp.optim.flat_state` re-slices). Sharding stage 3
+checkpoint (:mod:`distamp.sharding.flat_state` re-slices). Sharding stage 3
 (FSDP2) writes per rank too, gathering nothing: each rank's part holds its
 local DTensor shards, the rows of each parameter's dim 0 it holds (the
 model's FP32 parameters, :mod:`~distamp.checkpoint.model_shards`) and the

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from distamp.distributed.process_group import validate_timeout
-from distamp.optim import flat_state
+from distamp.sharding import flat_state
 from distamp.user_warning import warn_user
 
 from . import model_shards, rng, storage

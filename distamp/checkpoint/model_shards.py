@@ -1,7 +1,7 @@
 """The model's state at sharding stage 3: each rank writes the rows of every sharded entry it holds.
 
 Under stage 3 ``model.state_dict()`` holds DTensors for the parameters
-(each rank's FP32 shard: dim-0 rows, :mod:`distamp.distributed.shard_rows`)
+(each rank's FP32 shard: dim-0 rows, :mod:`distamp.sharding.shard_rows`)
 and plain tensors for the buffers, which are replicated. :func:`split`
 keeps the plain entries for the common part, and for the DTensor entries an
 *index* (global shape and every rank's rows) for the common part and this
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distamp.distributed.shard_rows import like_local_rows, local_rows, rows_of_every_rank
+from distamp.sharding.shard_rows import like_local_rows, local_rows, rows_of_every_rank
 
 __all__ = ["assemble", "parts_needed", "rows_needed", "split"]
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from distamp.distributed.process_group import validate_timeout
-from distamp.optim import flat_state
 from distamp.optim.optimizer import AmpOptimizer
+from distamp.sharding import flat_state
 
 from . import model_shards, rng, storage
 from .collective import Coordinator

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distamp.optim import flat_state
+from distamp.sharding import flat_state
 
 from . import model_shards
 from .manifest import FORMAT, LEGACY_FORMAT
@@ -153,7 +153,7 @@ def build_payload(
 
 
 def build_shard_payload(step: int, rank: int, shard: dict | None, model_shard: dict | None = None) -> dict[str, Any]:
-    """A rank's part: its share of the sharded optimizer state (see :mod:`distamp.optim.flat_state`) and, at
+    """A rank's part: its share of the sharded optimizer state (see :mod:`distamp.sharding.flat_state`) and, at
     stage 3, its rows of the model's sharded entries (``"model_shard"``, see :mod:`distamp.checkpoint.model_shards`)."""
     model = {} if model_shard is None else {"model_shard": model_shard}
     return {"format": FORMAT, "step": step, "rank": rank, "optimizer_shard": shard, **model}

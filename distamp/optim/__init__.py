@@ -6,7 +6,9 @@ usable alone::
     from distamp.optim import AmpOptimizer, MasterWeights, build_loss_scaler
 """
 
-from distamp.optim.loss_scaler import (
+from distamp.core.master_weights import MasterWeights
+from distamp.optim.optimizer import AmpOptimizer
+from distamp.scaling.loss_scaler import (
     BackoffLossScaler,
     LogNormalLossScaler,
     LossScaler,
@@ -14,8 +16,6 @@ from distamp.optim.loss_scaler import (
     UnitLossScaler,
     build_loss_scaler,
 )
-from distamp.optim.master_weights import MasterWeights
-from distamp.optim.optimizer import AmpOptimizer
 
 __all__ = [
     "AmpOptimizer",

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from distamp.core.master_weights import MasterWeightsSurface
+from distamp.core.precision import FullPrecision
 from distamp.optim.accumulation import GradientMerge
 from distamp.optim.grad_clipping import GradClipper
-from distamp.optim.master_weights import MasterWeightsSurface
-from distamp.optim.precision import FullPrecision
 from distamp.optim.step_policy import StepPolicy
 
 __all__ = ["AmpStatus"]

@@ -7,9 +7,9 @@ import math
 import torch
 import torch.distributed as dist
 
+from distamp.core.precision import FullPrecision
 from distamp.distributed.groups import group_size
 from distamp.optim.accumulation import GradientMerge
-from distamp.optim.precision import FullPrecision
 from distamp.optim.step_policy import StepPolicy
 
 __all__ = ["GradClipper", "global_clip"]

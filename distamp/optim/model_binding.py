@@ -31,8 +31,8 @@ from torch import nn
 from distamp.amp.black_modules import BlackModulesHandle
 from distamp.amp.fp32_parameters import NORM_LAYER_TYPES, unrecognised_norms, unrecognised_norms_message
 from distamp.amp.nan_inf_check import NanInfChecker
+from distamp.core.master_weights import MasterWeightsSurface
 from distamp.distributed.groups import group_rank, group_size
-from distamp.optim.master_weights import MasterWeightsSurface
 from distamp.strategy import AmpConfig
 from distamp.user_warning import warn_user
 

@@ -3,11 +3,11 @@
 :class:`AmpOptimizer` wraps any ``torch.optim.Optimizer`` the way Paddle
 Fleet's AMP meta-optimizer wraps an inner optimizer; it is what
 ``fleet.distributed_optimizer`` returns. What differs between the precision
-modes lives in :mod:`distamp.optim.precision`, gradient merge in
+modes lives in :mod:`distamp.core.precision`, gradient merge in
 :mod:`distamp.optim.accumulation`, misuse detection in
 :mod:`distamp.optim.grad_watch`, what is learnt from the model in
 :mod:`distamp.optim.model_binding`, overflow attribution in
-:mod:`distamp.optim.overflow`, checkpoint state in :mod:`distamp.optim.state`,
+:mod:`distamp.scaling.overflow`, checkpoint state in :mod:`distamp.optim.state`,
 unscaling and clipping on request in :mod:`distamp.optim.grad_clipping`, and
 the read-only status API (loss scale, counters, ``stats()``) in
 :mod:`distamp.optim.amp_status`.
@@ -23,8 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.amp.black_modules import BlackModulesHandle
+from distamp.compression.powersgd import GradCompressor
+from distamp.core.precision import FullPrecision
 from distamp.distributed.groups import data_parallel_group
-from distamp.distributed.powersgd import GradCompressor
 from distamp.distributed.timeouts import named_collective
 from distamp.model_views import fp32_model_state_dict, unwrap_model
 from distamp.optim.accumulation import GradientMerge
@@ -32,16 +33,15 @@ from distamp.optim.amp_status import AmpStatus
 from distamp.optim.autocast_watch import AutocastWatch
 from distamp.optim.delegating import DelegatingOptimizer
 from distamp.optim.first_forward import FirstForwardFinder
-from distamp.optim.fully_sharded_precision import FullyShardedPrecision
 from distamp.optim.grad_clipping import GradClipper
 from distamp.optim.grad_watch import GradWatch
 from distamp.optim.model_binding import ModelBinding
-from distamp.optim.precision import FullPrecision
 from distamp.optim.precision_choice import precision_for
 from distamp.optim.replica_watch import ReplicaWatch
-from distamp.optim.sharded_precision import ShardedPrecision
 from distamp.optim.state import load_optimizer_state, optimizer_state
 from distamp.optim.step_policy import StepPolicy
+from distamp.sharding.fully_sharded_precision import FullyShardedPrecision
+from distamp.sharding.sharded_precision import ShardedPrecision
 from distamp.strategy import DistributedStrategy
 from distamp.user_warning import warn_user
 

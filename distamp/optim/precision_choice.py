@@ -1,7 +1,7 @@
 """Choosing the precision plugin a strategy asks for.
 
-Apart from :mod:`distamp.optim.precision` because the sharded plugin
-(:mod:`distamp.optim.sharded_precision`) builds on that module's classes.
+Apart from :mod:`distamp.core.precision` because the sharded plugin
+(:mod:`distamp.sharding.sharded_precision`) builds on that module's classes.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import nn
 
-from distamp.optim.fully_sharded_precision import FullyShardedPrecision
-from distamp.optim.precision import FullPrecision, MixedPrecision, PureLowPrecision
-from distamp.optim.sharded_precision import ShardedPrecision
+from distamp.core.precision import FullPrecision, MixedPrecision, PureLowPrecision
+from distamp.sharding.fully_sharded_precision import FullyShardedPrecision
+from distamp.sharding.sharded_precision import ShardedPrecision
 from distamp.strategy import DistributedStrategy
 
 __all__ = ["precision_for"]

@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.core.precision import FullPrecision
 from distamp.distributed.groups import group_size
 from distamp.distributed.replica_check import GatheredParameterHashes, compare_replicas, tensor_hash
-from distamp.optim.fully_sharded_precision import FullyShardedPrecision
 from distamp.optim.model_binding import ModelBinding
-from distamp.optim.precision import FullPrecision
-from distamp.optim.sharded_precision import ShardedPrecision
+from distamp.sharding.fully_sharded_precision import FullyShardedPrecision
+from distamp.sharding.sharded_precision import ShardedPrecision
 
 __all__ = ["ReplicaWatch"]
 

@@ -9,17 +9,17 @@ continues bitwise like an uninterrupted one.
 At sharding stage 3 ``state_dict()`` gathers the DTensor state whole
 (collective); ``local_state_dict()`` (``optimizer_state(opt, local=True)``)
 holds this rank's shards instead, with their layout under ``"sharding"``,
-and is what checkpoints save (see :mod:`distamp.optim.dtensor_state`).
+and is what checkpoints save (see :mod:`distamp.sharding.dtensor_state`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from distamp.compression.powersgd import fit_state_to_world
 from distamp.distributed.groups import group_rank, group_size
-from distamp.distributed.powersgd import fit_state_to_world
-from distamp.optim.dtensor_state import gather_full, local_inner, reshard_loaded, wrap_loaded
-from distamp.optim.fully_sharded_precision import FullyShardedPrecision
+from distamp.sharding.dtensor_state import gather_full, local_inner, reshard_loaded, wrap_loaded
+from distamp.sharding.fully_sharded_precision import FullyShardedPrecision
 
 if TYPE_CHECKING:
     from distamp.optim.optimizer import AmpOptimizer

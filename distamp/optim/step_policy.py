@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from distamp.compression.powersgd import GradCompressor
+from distamp.core.precision import FullPrecision
 from distamp.distributed.groups import data_parallel_group
-from distamp.distributed.powersgd import GradCompressor
 from distamp.distributed.timeouts import named_collective
 from distamp.optim.accumulation import GradientMerge
 from distamp.optim.grad_watch import GradWatch
 from distamp.optim.model_binding import ModelBinding
-from distamp.optim.overflow import OverflowLog, nonfinite_parameters
-from distamp.optim.precision import FullPrecision
+from distamp.scaling.overflow import OverflowLog, nonfinite_parameters
 
 if TYPE_CHECKING:  # replica_watch imports the precision plugins, which import this module's users
     from distamp.optim.replica_watch import ReplicaWatch

@@ -40,7 +40,7 @@ class ShardingConfig(Config):
     """Leave the all-gather of updated parameters running when ``step()`` returns and finish it, round by
     round, in the next forward of the ``fleet.distributed_model`` (as Megatron-LM's ``overlap_param_gather``):
     before each module runs for its own parameters, and before any torch function that forward calls reads a
-    parameter or an alias of it (see :mod:`distamp.distributed.param_gather_hooks`). Parameters read outside
+    parameter or an alias of it (see :mod:`distamp.sharding.param_gather_hooks`). Parameters read outside
     a forward of the ``fleet.distributed_model`` before then are stale; ``optimizer.finish_param_gather()``
     completes it."""
 

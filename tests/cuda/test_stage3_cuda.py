@@ -3,7 +3,7 @@
 Read against torch's FSDP2 source (``torch/distributed/fsdp/_fully_shard``):
 on CUDA, FSDP2 all-gathers and reduce-scatters on streams of its own
 (``_fsdp_collectives.foreach_all_gather`` / ``foreach_reduce``); distamp's
-reduce-scatter (:class:`~distamp.distributed.fsdp_comms.WireReduceScatter`)
+reduce-scatter (:class:`~distamp.sharding.fsdp_comms.WireReduceScatter`)
 is called inside FSDP's reduce-scatter stream, so its temporaries are
 allocated and freed on that stream, and FSDP's root post-backward makes the
 default stream wait for the reduce before ``step()`` reads the sharded
@@ -43,7 +43,7 @@ def _model() -> nn.Module:
 
 def test_one_gpu_stage3_o2_bf16_stores_fp32_shards_gathers_bf16_and_keeps_fsdp_all_gather():
     from distamp import fleet
-    from distamp.distributed.fsdp_comms import InPlaceAllGather, WireReduceScatter
+    from distamp.sharding.fsdp_comms import InPlaceAllGather, WireReduceScatter
 
     fleet.init()
     model = _model().to(fleet.device())

@@ -54,7 +54,7 @@ SCENARIOS = {
 
 
 def _mismatches(rank, world_size):
-    from distamp.distributed.data_parallel import DataParallel
+    from distamp.model.data_parallel import DataParallel
     from distamp.optim import AmpOptimizer
 
     messages = {}

@@ -158,7 +158,7 @@ def _job(rank, world, stage, every, target, perturb_after, dtype="bfloat16", pow
     Returns the step that raised and the message, the checks run and the final parameters.
     """
     from distamp import fleet
-    from distamp.optim.fully_sharded_precision import local_shard
+    from distamp.sharding.fully_sharded_precision import local_shard
 
     fleet.init()
     model = _model()

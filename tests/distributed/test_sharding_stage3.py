@@ -184,7 +184,7 @@ def test_closure_overflow_retries_the_batch_at_a_lower_scale_on_every_rank():
 def _dtypes(rank, world, configs):
     """What stage 3 stores, gathers, reduces and accumulates, per the policy."""
     from distamp import fleet
-    from distamp.distributed.fsdp_comms import WireReduceScatter
+    from distamp.sharding.fsdp_comms import WireReduceScatter
 
     fleet.init()
     model = _model()

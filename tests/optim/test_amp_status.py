@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from distamp.core.precision import FullPrecision, MixedPrecision
 from distamp.optim.accumulation import GradientMerge
 from distamp.optim.amp_status import AmpStatus
 from distamp.optim.grad_clipping import GradClipper
 from distamp.optim.grad_watch import GradWatch
-from distamp.optim.precision import FullPrecision, MixedPrecision
 from distamp.optim.step_policy import StepPolicy
 from distamp.strategy import AmpConfig
 

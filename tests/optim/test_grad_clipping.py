@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from distamp.core.precision import MixedPrecision, PureLowPrecision
 from distamp.optim.accumulation import GradientMerge
 from distamp.optim.grad_clipping import GradClipper
-from distamp.optim.precision import MixedPrecision, PureLowPrecision
 from distamp.strategy import AmpConfig
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distamp.optim.master_weights import MasterWeights
+from distamp.core.master_weights import MasterWeights
 from distamp.optim.model_binding import ModelBinding
 from distamp.strategy import AmpConfig
 

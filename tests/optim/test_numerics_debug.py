@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distamp.optim import AmpOptimizer
-from distamp.optim.overflow import SUGGEST_AFTER
+from distamp.scaling.overflow import SUGGEST_AFTER
 from distamp.strategy import DistributedStrategy
 from tests.multiprocess import run_workers
 

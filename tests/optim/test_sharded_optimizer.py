@@ -18,7 +18,7 @@ from torch import nn
 
 from distamp.amp.auto_cast import auto_cast
 from distamp.optim.optimizer import AmpOptimizer
-from distamp.optim.sharded_precision import ShardedPrecision
+from distamp.sharding.sharded_precision import ShardedPrecision
 from distamp.strategy import DistributedStrategy
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+from distamp.core.precision import MixedPrecision
 from distamp.optim.accumulation import GradientMerge
 from distamp.optim.grad_watch import GradWatch
 from distamp.optim.model_binding import ModelBinding
-from distamp.optim.precision import MixedPrecision
 from distamp.optim.step_policy import StepPolicy
 from distamp.strategy import AmpConfig
 

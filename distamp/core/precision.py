@@ -1,0 +1,314 @@
+"""Precision plugins: what the meta-optimizer does with AMP off, in O1 and in O2.
+
+:class:`~distamp.optim.optimizer.AmpOptimizer` runs the same loop in every
+mode (scale the loss, backward, unscale and check, agree on the verdict,
+step or skip, update the scale); a plugin supplies the parts that differ,
+as Lightning's precision plugins do:
+
+* :class:`FullPrecision` (``amp=False``): nothing is scaled, checked or
+  skipped: a pass-through.
+* :class:`MixedPrecision` (O1): FP32 parameters, a loss scaler, and the
+  fused unscale + inf/NaN check on the parameters' gradients.
+* :class:`PureLowPrecision` (O2): 16-bit model parameters with FP32 masters;
+  gradients are copied into the masters before the same check, and applied
+  masters are copied back.
+
+:func:`~distamp.optim.precision_choice.precision_for` picks one from a
+strategy (with ``strategy.sharding``,
+:class:`~distamp.sharding.sharded_precision.ShardedPrecision`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distamp.core.grad_accumulator import Fp32GradAccumulator
+from distamp.core.master_weights import MasterWeights, MasterWeightsSurface
+from distamp.distributed.flag_sync import all_reduce_max
+from distamp.scaling.loss_scaler import LossScaler, build_loss_scaler
+from distamp.strategy import AmpConfig
+from distamp.torch_compat import amp_foreach_non_finite_check_and_unscale_, foreach_copy_, foreach_norm, tensor_version
+
+__all__ = ["FullPrecision", "MixedPrecision", "PureLowPrecision"]
+
+logger = logging.getLogger("distamp")
+
+
+class FullPrecision:
+    """AMP off: gradients are applied as they are, every step.
+
+    Args:
+        params: the parameters the inner optimizer was built on.
+        config: the strategy's AMP settings (unused here).
+    """
+
+    mode = "off"
+    scaler: LossScaler | None = None
+
+    def __init__(self, params: Sequence[nn.Parameter], config: AmpConfig) -> None:
+        self.config = config
+        self.master_weights: MasterWeightsSurface = MasterWeights(params, None)
+        self.consecutive_stuck = 0
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale (1.0: nothing is scaled)."""
+        return 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The tensor to call ``backward`` on."""
+        return loss
+
+    def unscale_and_check(self, group: dist.ProcessGroup | None) -> tuple[bool, float | None]:
+        """Unscale the gradients the inner optimizer sees; returns (found_inf on any rank, grad max).
+
+        ``group`` is the group to agree over; ``None``: decide locally.
+        """
+        return False, None
+
+    def after_backward(self, window_open: bool) -> None:
+        """After each ``backward``; ``window_open``: a gradient-merge window continues after it."""
+
+    def clip_grad_norm_(self, grads: Sequence[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the unscaled ``grads`` the inner optimizer applies; returns their total norm."""
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type,
+                                              error_if_nonfinite=error_if_nonfinite)
+
+    def expose_unscaled_grads(self) -> None:
+        """After ``unscale_()``: make the model's ``.grad`` hold what ``step()`` will apply."""
+
+    def take_user_grad_changes(self) -> None:
+        """Before the inner step: adopt changes the user made to the exposed gradients."""
+
+    def after_applied_step(self) -> None:
+        """After the inner optimizer stepped."""
+
+    def update(self, found_inf: bool, grad_max: float | None) -> None:
+        """Advance the loss scale by one optimizer step."""
+
+    def lower_scale_now(self) -> bool:
+        """Lower the loss scale at once (an overflow retry); False when it cannot go lower."""
+        return False
+
+    def state_dict(self) -> dict:
+        """Scaler type and state as plain numbers."""
+        return {"loss_scaler_type": "", "loss_scaler": {}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output (checked against this plugin's scaler)."""
+        _check_scaler_type(state["loss_scaler_type"], self.scaler)
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
+
+
+class MixedPrecision(FullPrecision):
+    """O1: FP32 parameters, scaled loss, fused unscale and inf/NaN check.
+
+    The check is torch's ``_amp_foreach_non_finite_check_and_unscale_``, one
+    kernel per device and dtype, exactly as ``torch.amp.GradScaler.unscale_``
+    runs it, so O1 is bitwise ``torch.autocast`` + ``GradScaler``. The
+    verdict (and, for the log-normal scaler, the gradient maximum) is then
+    all-reduced with MAX over the data-parallel group.
+    """
+
+    mode = "O1"
+
+    def __init__(self, params: Sequence[nn.Parameter], config: AmpConfig) -> None:
+        super().__init__(params, config)
+        self.scaler = build_loss_scaler(config)
+
+    @property
+    def _amp_scaler(self) -> LossScaler:
+        """The loss scaler, which O1 and O2 always have (ShardedPrecision with AMP off never gets here)."""
+        scaler = self.scaler
+        if scaler is None:
+            raise RuntimeError("no loss scaler: AMP is off")
+        return scaler
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale."""
+        return self._amp_scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale`` in FP32 (as ``GradScaler.scale``)."""
+        return loss.float() * self._amp_scaler.scale
+
+    def _grads_to_check(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.master_weights.masters if p.grad is not None]
+
+    def unscale_and_check(self, group: dist.ProcessGroup | None) -> tuple[bool, float | None]:
+        """Unscale in place, check for inf/NaN, all-reduce the verdict; one host sync.
+
+        Raises:
+            TypeError: a gradient is sparse.
+        """
+        grads = self._grads_to_check()
+        if any(g.is_sparse for g in grads):
+            raise TypeError("sparse gradients are not supported by the AMP optimizer; use dense gradients")
+        device = grads[0].device if grads else self._any_device()
+        flags = torch.zeros(2, dtype=torch.float32, device=device)
+        # Like GradScaler: the reciprocal in double, rounded once to float32.
+        inv_scale = 1.0 / self._amp_scaler.scale
+        for (dev, _), group_grads in _by_device_and_dtype(grads).items():
+            found = torch.zeros(1, dtype=torch.float32, device=dev)
+            factor = torch.full((1,), inv_scale, dtype=torch.float32, device=dev)
+            amp_foreach_non_finite_check_and_unscale_(group_grads, found, factor)
+            flags[0] += found.to(device)[0]
+        if self._amp_scaler.needs_grad_max and grads:
+            flags[1] = _max_abs(grads).to(device)
+        all_reduce_max(flags, group)
+        found_inf, grad_max = flags.tolist()
+        return found_inf > 0, (grad_max if self._amp_scaler.needs_grad_max else None)
+
+    def _any_device(self) -> torch.device:
+        params = self.master_weights.model_params
+        return params[0].device if params else torch.device("cpu")
+
+    def update(self, found_inf: bool, grad_max: float | None) -> None:
+        """Update the scale; raise when it is stuck at its minimum while steps keep overflowing.
+
+        Raises:
+            RuntimeError: ``stuck_scale_patience`` consecutive steps overflowed
+                with the scale unable to go lower.
+        """
+        before, could_decrease = self._amp_scaler.scale, self._amp_scaler.can_decrease
+        self._amp_scaler.update(found_inf, grad_max)
+        if self._amp_scaler.scale != before:
+            logger.info("loss scale %g -> %g", before, self._amp_scaler.scale)
+        self.consecutive_stuck = self.consecutive_stuck + 1 if found_inf and not could_decrease else 0
+        if self.consecutive_stuck >= self.config.stuck_scale_patience:
+            raise RuntimeError(_stuck_message(self.config, self._amp_scaler.scale, self.consecutive_stuck))
+
+    def lower_scale_now(self) -> bool:
+        """Lower the loss scale at once (an overflow retry); False when it cannot go lower."""
+        before = self._amp_scaler.scale
+        if not self._amp_scaler.decrease_now():
+            return False
+        logger.info("loss scale %g -> %g (retrying the step)", before, self._amp_scaler.scale)
+        return True
+
+    def state_dict(self) -> dict:
+        """Scaler type and state as plain numbers."""
+        return {"loss_scaler_type": type(self.scaler).__name__, "loss_scaler": self._amp_scaler.state_dict()}
+
+
+class PureLowPrecision(MixedPrecision):
+    """O2: the model is stored in 16 bits; the inner optimizer updates FP32 masters.
+
+    Gradients are copied (exactly, 16 to 32 bits) into the masters' flat FP32
+    buffer and unscaled and checked there with the same fused kernel as O1,
+    so the check never needs a 16-bit kernel (torch has had none for BF16 on
+    CUDA in several releases, pytorch issue 127176). After an applied step
+    the masters are rounded into the model.
+
+    The model parameters are converted to the low dtype right away; those
+    that must stay FP32 (normalization layers, ``custom_black_varnames``)
+    are given back their exact FP32 values once the model is known.
+
+    Gradient merge sums the micro-batches in FP32
+    (:mod:`distamp.core.grad_accumulator`), not in the 16-bit ``.grad``.
+    """
+
+    master_weights: MasterWeights  # whole FP32 masters (narrows the base's MasterWeightsSurface)
+
+    mode = "O2"
+
+    def __init__(self, params: Sequence[nn.Parameter], config: AmpConfig) -> None:
+        FullPrecision.__init__(self, params, config)
+        self.master_weights = MasterWeights(params, config.torch_dtype)
+        self.master_weights.convert_model()
+        self.scaler = build_loss_scaler(config)
+        self._exposed_versions: list[tuple[torch.Tensor, int]] | None = None
+        self.grad_accumulator: Fp32GradAccumulator | None = None
+
+    def after_backward(self, window_open: bool) -> None:
+        """Inside a gradient-merge window: move the 16-bit gradients into the FP32 sum."""
+        if window_open:
+            if self.grad_accumulator is None:
+                self.grad_accumulator = Fp32GradAccumulator(self.master_weights.model_params)
+            self.grad_accumulator.add_and_zero()
+
+    def _grads_to_check(self) -> list[torch.Tensor]:
+        self.master_weights.copy_grads_to_masters()
+        if self.grad_accumulator is not None:
+            extra = self.grad_accumulator.take()  # None when the comm hook already added it
+            self.grad_accumulator.reset()
+            if extra:
+                self.master_weights.add_to_master_grads(extra)
+        return super()._grads_to_check()
+
+    def expose_unscaled_grads(self) -> None:
+        """Round the unscaled master gradients into the model's 16-bit ``.grad``.
+
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` after
+        ``optimizer.unscale_()`` then sees true gradients; what it changes is
+        taken back by :meth:`take_user_grad_changes`.
+        """
+        pairs = self.master_weights.grad_pairs()
+        if pairs:
+            foreach_copy_([g for g, _ in pairs], [m for _, m in pairs])
+        self._exposed_versions = [(g, tensor_version(g)) for g, _ in pairs]
+
+    def take_user_grad_changes(self) -> None:
+        """Copy model gradients changed since :meth:`expose_unscaled_grads` (e.g. clipped) into the masters."""
+        if self._exposed_versions is None:
+            return
+        changed = {id(g) for g, version in self._exposed_versions if tensor_version(g) != version}
+        self._exposed_versions = None
+        if changed:
+            pairs = [(g, m) for g, m in self.master_weights.grad_pairs() if id(g) in changed]
+            foreach_copy_([m for _, m in pairs], [g for g, _ in pairs])
+
+    def after_applied_step(self) -> None:
+        """Round the updated masters into the model."""
+        self.master_weights.copy_masters_to_model()
+
+    def state_dict(self) -> dict:
+        """Scaler state plus the FP32 masters."""
+        return {**super().state_dict(), "master_weights": self.master_weights.state_dict()}
+
+
+def _check_scaler_type(saved: str, scaler: LossScaler | None) -> None:
+    own = type(scaler).__name__ if scaler is not None else ""
+    if saved != own:
+        raise ValueError(
+            f"checkpoint was saved with loss scaler {saved or 'none'!r} but this optimizer uses "
+            f"{own or 'none'!r}; build it with the same amp_configs"
+        )
+
+
+def _stuck_message(config: AmpConfig, scale: float, count: int) -> str:
+    hint = (
+        "Use strategy.amp_configs = {..., 'dtype': 'bfloat16'} (BF16 has FP32's range), or lower min_loss_scaling"
+        if config.dtype == "float16"
+        else "The model produces inf/NaN even in BF16: check the data, the learning rate and the loss"
+    )
+    return (
+        f"the loss scale is stuck at {scale:g}: {count} consecutive steps overflowed while the scale could not "
+        f"go lower (min_loss_scaling={config.min_loss_scaling:g}), so training is not making progress. {hint}"
+    )
+
+
+def _max_abs(grads: list[torch.Tensor]) -> torch.Tensor:
+    """max |g| over all gradients: one fused norm kernel per device and dtype."""
+    maxima = [
+        torch.stack(foreach_norm(group, math.inf)).max().float()
+        for group in _by_device_and_dtype(grads).values()
+    ]
+    return torch.stack([m.to(maxima[0].device) for m in maxima]).max()
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """Group tensors for the foreach kernels, which need one device and dtype per call."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups

@@ -1,0 +1,347 @@
+"""Data parallelism for AMP training on torch's DDP reducer.
+
+:class:`DataParallel` is what ``fleet.distributed_model`` returns. It wraps
+``torch.nn.parallel.DistributedDataParallel`` (bucketed, overlapped
+all-reduce) and adds what AMP needs around it: modules named in
+``custom_black_varnames`` run in FP32, O2 parameters that stay FP32 get
+their exact values back, FP32 masters are broadcast from rank 0, a comm hook
+puts gradients on the wire in 16 bits, and only the last micro-batch of a
+gradient-merge window communicates.
+
+The model is prepared once, in :meth:`DataParallel.prepare`
+(:mod:`distamp.model.ddp_preparation`: the checks, the start-up
+broadcast, DDP and its comm hook): when the first optimizer is attached
+(whichever of ``fleet.distributed_optimizer`` and
+``fleet.distributed_model`` comes second), or at the first forward if no
+optimizer comes. By then parameter dtypes are final, so DDP (whose buckets
+are per dtype) is built exactly once, and outside any ``torch.compile``d
+region.
+
+With ``strategy.sharding`` stage 1 the comm hook reduce-scatters instead of
+all-reducing (:mod:`distamp.sharding.reduce_scatter`); stage 2 replaces
+DDP by :class:`~distamp.sharding.slice_reducer.SliceReducer`, which
+reduce-scatters the same way from small 16-bit buckets and frees each
+``.grad`` as soon as it is in one. In both, every backward communicates,
+gradient merge's micro-batches included: each is summed into the owners'
+FP32 gradient slices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from distamp.amp.black_modules import keep_in_fp32
+from distamp.amp.fp32_parameters import fp32_parameters
+from distamp.compression.powersgd import PowerSGD
+from distamp.core.attached import AttachedOptimizer
+from distamp.distributed.comm_hooks import CommStats, LowPrecisionAllReduce
+from distamp.distributed.groups import group_size
+from distamp.model.ddp_preparation import STAGE2_DDP_KWARGS, DDPPreparation, check_device
+from distamp.model_views import fp32_model_state_dict
+from distamp.sharding.param_gather_hooks import ForwardParamGather
+from distamp.sharding.reduce_scatter import ShardedGradReduce
+from distamp.sharding.slice_reducer import SliceReducer
+from distamp.strategy import DistributedStrategy
+from distamp.torch_compat import ddp_has_rebuilt_buckets
+
+__all__ = ["DataParallel", "strategy_fp32_parameters"]
+
+_SET_BY_DISTAMP = ("device_ids", "output_device", "gradient_as_bucket_view", "bucket_cap_mb")
+
+
+def strategy_fp32_parameters(module: nn.Module, strategy: DistributedStrategy) -> list[nn.Parameter]:
+    """Parameters of ``module`` that O2 keeps in FP32 under ``strategy``.
+
+    Raises ``ValueError`` naming a ``custom_black_varnames`` pattern that
+    matches no submodule.
+    """
+    if not strategy.amp:
+        return []
+    cfg = strategy.amp_config
+    return fp32_parameters(module, cfg.custom_black_varnames, cfg.keep_norm_fp32)
+
+
+class _Runtime:
+    """DataParallel's plain (non-Module) state, so DDP is not registered as a submodule."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.ddp: DistributedDataParallel | None = None
+        self.comm_hook: LowPrecisionAllReduce | ShardedGradReduce | PowerSGD | None = None
+        self.reducer: SliceReducer | None = None  # sharding stage 2, instead of DDP
+        self.optimizers: list[AttachedOptimizer] = []
+        self.optimizer_sync: dict[int, bool] = {}
+        self.merge_sync = True  # all(optimizer_sync): a plain bool for forward (torch.compile guards on it)
+        self.reduce_scatter = False  # sharding stage 1 or 2: every micro-batch communicates
+        self.sync_enabled = True
+        self.prepared = False
+        self.param_gather = ForwardParamGather(module)  # overlap_param_gather: finished in forward
+
+
+class DataParallel(nn.Module):
+    """Data-parallel wrapper for AMP training (``fleet.distributed_model``).
+
+    Example::
+
+        fleet.init()
+        optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+        model = fleet.distributed_model(model)   # either order of the two calls works
+        with fleet.auto_cast():
+            loss = F.cross_entropy(model(x), y)
+
+    At the first forward, every rank takes rank 0's parameters, buffers and
+    FP32 masters, so every rank starts identical. In a one-process world the
+    module is called directly (no DDP) and only the FP32 handling applies.
+    ``model.module`` is the original model; ``state_dict()`` keys are
+    ``module.<name>``, as with DDP.
+
+    Args:
+        module: the model, already on its device.
+        strategy: the strategy whose ``amp_configs`` decide the wire dtype,
+            the pre-division factor and the FP32 modules.
+        find_unused_parameters: passed to DDP; ``None`` takes the
+            strategy's ``find_unused_parameters``.
+        process_group: the data-parallel group; ``None`` is the world.
+        device: the device this process trains on (``fleet.device()``); every
+            parameter and buffer must be there (``ValueError`` naming the first
+            that is not). ``None``: not checked, DDP uses the parameters' device.
+        ddp_kwargs: further keyword arguments for DDP (e.g. ``static_graph``).
+            Sharding stage 2 uses no DDP and takes only ``broadcast_buffers``,
+            ``init_sync`` and ``static_graph`` (which it needs no hint for).
+
+    Raises:
+        ValueError: a DDP argument distamp sets itself, or one stage 2 cannot honour.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        strategy: DistributedStrategy,
+        *,
+        find_unused_parameters: bool | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
+        if isinstance(module, (DataParallel, DistributedDataParallel)):
+            raise TypeError(f"model is already wrapped in {type(module).__name__}; pass the bare model")
+        for name in _SET_BY_DISTAMP:
+            if name in ddp_kwargs:
+                raise ValueError(
+                    f"{name}={ddp_kwargs[name]!r} is set by distamp (device from LOCAL_RANK, "
+                    "bucket size from strategy.fuse_grad_size_in_MB); remove it"
+                )
+        if strategy.sharding and strategy.sharding_config.stage == 2:
+            refused = sorted(set(ddp_kwargs) - set(STAGE2_DDP_KWARGS))
+            if refused:
+                raise ValueError(
+                    f"{refused} are DDP options, but sharding stage 2 replaces DDP by distamp's reducer, which "
+                    f"takes only {list(STAGE2_DDP_KWARGS)} (and find_unused_parameters); remove the others"
+                )
+        self.module = module
+        self.strategy = strategy
+        self.find_unused_parameters = (
+            strategy.find_unused_parameters if find_unused_parameters is None else find_unused_parameters
+        )
+        self._process_group = process_group
+        self._device = None if device is None else check_device(module, torch.device(device))
+        self._ddp_kwargs = ddp_kwargs
+        self._fp32_params = strategy_fp32_parameters(module, strategy)
+        self._runtime = _Runtime(module)
+        self._runtime.prepared = not self.distributed  # one process: nothing to agree on or build
+        cfg = strategy.amp_config
+        self._black_modules = (
+            keep_in_fp32(module, cfg.custom_black_varnames) if strategy.amp and cfg.custom_black_varnames else None
+        )
+
+    # ------------------------------------------------------------------
+    @property
+    def distributed(self) -> bool:
+        """True when the data-parallel group has more than one rank (DDP is used)."""
+        return group_size(self._process_group) > 1
+
+    @property
+    def ddp(self) -> DistributedDataParallel | None:
+        """The underlying DDP module (``None`` before it is built, in a one-process run and under sharding stage 2)."""
+        return self._runtime.ddp
+
+    @property
+    def reducer(self) -> SliceReducer | None:
+        """Sharding stage 2's gradient reducer, which replaces DDP (``None`` otherwise and before it is built)."""
+        return self._runtime.reducer
+
+    @property
+    def comm_stats(self) -> CommStats | None:
+        """Calls and bytes of the gradient comm hook or stage 2's reducer (``None``: no DDP, or AMP off unsharded)."""
+        runtime = self._runtime
+        if runtime.reducer is not None:
+            return runtime.reducer.stats
+        return runtime.comm_hook.stats if runtime.comm_hook is not None else None
+
+    def owns_any(self, params: list[nn.Parameter]) -> bool:
+        """Whether any of ``params`` belongs to the wrapped module."""
+        own = {id(p) for p in self.module.parameters()}
+        return any(id(p) in own for p in params)
+
+    def check_attachable(self, changes_dtypes: bool) -> None:
+        """Raise before an optimizer that would change parameter dtypes is built too late.
+
+        Raises:
+            RuntimeError: the model was already prepared (an optimizer was
+                attached or it ran a forward: DDP is built on the parameters'
+                dtypes) and the optimizer is O2.
+        """
+        if self._runtime.prepared and changes_dtypes and self.distributed:
+            raise RuntimeError(
+                "fleet.distributed_optimizer(...) with use_pure_fp16 was called after the model's data-parallel "
+                "wrapper was built on the parameters' dtypes (when its first optimizer was attached, or at its "
+                "first forward). Build every optimizer of the model before its first forward, and, with several "
+                "optimizers on one model, before fleet.distributed_model."
+            )
+
+    def attach_optimizer(self, optimizer: AttachedOptimizer) -> None:
+        """Tie ``optimizer`` to this model (``fleet`` calls it for either order of the two calls).
+
+        Its FP32-kept parameters get their exact values back now; its masters
+        are broadcast from rank 0 when the model is prepared.
+
+        Raises:
+            RuntimeError: see :meth:`check_attachable`.
+        """
+        runtime = self._runtime
+        if optimizer in runtime.optimizers:
+            return
+        self.check_attachable(changes_dtypes=optimizer.master_weights.enabled)
+        optimizer.adopt_model(self.module, self._fp32_params)
+        runtime.optimizers.append(optimizer)
+        optimizer.add_sync_listener(self)
+        if self.distributed:
+            runtime.param_gather.attach(optimizer)
+            # The second of the two fleet calls prepares (collective: every rank makes both calls).
+            if runtime.prepared:
+                self._bind_compressor(optimizer)
+            self.prepare()
+
+    def set_grad_sync(self, optimizer: AttachedOptimizer, flag: bool) -> None:
+        """Called by an attached optimizer: whether its next backward closes a merge window."""
+        runtime = self._runtime
+        runtime.optimizer_sync[id(optimizer)] = flag
+        runtime.merge_sync = all(runtime.optimizer_sync.values())
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's attribute: whether the backward of the next forward communicates (default True).
+
+        Set it to ``False`` for the micro-batches of a gradient-accumulation
+        window and back to ``True`` before the last one's forward, as nanoGPT
+        and Accelerate do with torch's DDP: the backward of a forward run with
+        it ``False`` skips the all-reduce and ``.grad`` accumulates locally;
+        the next backward with it ``True`` reduces the accumulated sum. As
+        with DDP it is read at each forward, and :meth:`no_sync` is the same
+        switch (it sets ``False`` and restores the previous value).
+        """
+        return self._runtime.sync_enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self._runtime.sync_enabled = bool(value)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally: backward passes run inside skip the all-reduce."""
+        runtime = self._runtime
+        previous = runtime.sync_enabled
+        runtime.sync_enabled = False
+        try:
+            yield
+        finally:
+            runtime.sync_enabled = previous
+
+    @torch.compiler.disable
+    def prepare(self) -> None:
+        """Check the ranks agree, make them identical and build DDP; runs once (collective).
+
+        Called when the first optimizer is attached, else at the first
+        forward; never traced by ``torch.compile``. The work is
+        :class:`~distamp.model.ddp_preparation.DDPPreparation`'s.
+        """
+        runtime = self._runtime
+        if runtime.prepared:
+            return
+        runtime.prepared = True
+        if not self.distributed:
+            return
+        preparation = DDPPreparation(self.module, self.strategy, self._process_group, self._device,
+                                     self.find_unused_parameters, self._ddp_kwargs)
+        prepared = preparation.run(runtime.optimizers)
+        runtime.ddp, runtime.comm_hook, runtime.reduce_scatter, runtime.reducer = (
+            prepared.ddp, prepared.comm_hook, prepared.reduce_scatter, prepared.reducer
+        )
+        for optimizer in runtime.optimizers:
+            self._bind_compressor(optimizer)
+
+    def _bind_compressor(self, optimizer: AttachedOptimizer) -> None:
+        """PowerSGD: the optimizer reports each step's agreed verdict to the hook (keep or drop its state)."""
+        hook = self._runtime.comm_hook
+        if isinstance(hook, PowerSGD):
+            optimizer.bind_compressor(hook)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module (through DDP when distributed)."""
+        runtime = self._runtime
+        if not runtime.prepared:
+            self.prepare()
+        ddp = runtime.ddp
+        try:
+            if runtime.reducer is not None:
+                runtime.reducer.before_forward(runtime.sync_enabled)
+                args, kwargs = runtime.reducer.inputs_to_device(args, kwargs)
+                return runtime.reducer.watch(self.module(*args, **kwargs))
+            if ddp is None:
+                return self.module(*args, **kwargs)
+            # Stage 1 reduce-scatters every micro-batch: the owners sum them in FP32 slices.
+            ddp.require_backward_grad_sync = runtime.sync_enabled and (runtime.reduce_scatter or runtime.merge_sync)
+            ddp.training = self.training
+            rebuilt = ddp_has_rebuilt_buckets(ddp)
+            output = ddp(*args, **kwargs)
+        except RuntimeError as exc:
+            hint = self._outside_auto_cast_hint(exc)
+            if hint is None:
+                raise
+            raise RuntimeError(f"{exc}\n{hint}") from exc
+        if not rebuilt and ddp_has_rebuilt_buckets(ddp):
+            # The first forward after the first backward rebuilds DDP's buckets; with
+            # gradient_as_bucket_view each .grad becomes a view of a new bucket: same values, new tensor.
+            for optimizer in runtime.optimizers:
+                optimizer.grads_reseated()
+        return output
+
+    def _outside_auto_cast_hint(self, exc: RuntimeError) -> str | None:
+        """The fix for torch's bare dtype error when an O2 model runs outside ``fleet.auto_cast()``."""
+        cfg = self.strategy.amp_config
+        if not (self.strategy.amp and cfg.use_pure_fp16) or "type" not in str(exc).lower():
+            return None
+        if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda") if t == "cpu" or torch.cuda.is_available()):
+            return None
+        return (
+            f"distamp: with use_pure_fp16 the model's weights are {cfg.dtype} while its inputs are FP32; run the "
+            "forward under `with fleet.auto_cast():`, which casts the inputs of matmuls and convolutions."
+        )
+
+    def fp32_state_dict(self) -> dict[str, Any]:
+        """The wrapped model's ``state_dict()`` with every parameter in exact FP32 (from the masters).
+
+        In O2 the model holds 16-bit weights; this is what to export for
+        inference or fine-tuning in FP32. Keys are the module's own (no
+        ``module.`` prefix).
+        """
+        return fp32_model_state_dict(self.module, [opt.master_weights for opt in self._runtime.optimizers])

@@ -1,0 +1,226 @@
+"""Preparing a data-parallel model once: the checks, the start-up broadcast, DDP and its comm hook.
+
+:class:`DDPPreparation` is what ``DataParallel.prepare`` runs, once, when the
+first optimizer is attached or at the first forward: by then parameter
+dtypes are final, so DDP (whose buckets are per dtype) is built exactly once.
+Sharding stage 2 gets no DDP but distamp's own reducer
+(:mod:`distamp.sharding.slice_reducer`), which keeps no full-size gradient.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from distamp.compression.powersgd import PowerSGD
+from distamp.core.attached import AttachedOptimizer, SliceOwner
+from distamp.distributed.comm_hooks import LowPrecisionAllReduce, PendingFp32Grads
+from distamp.distributed.comm_threads import check_gloo_workers_found, wait_for_comm_threads
+from distamp.distributed.fingerprint import check_ranks_agree
+from distamp.distributed.timeouts import named_collective
+from distamp.model_views import parameters_device
+from distamp.sharding.reduce_scatter import ShardedGradReduce, reduce_bucket_bytes
+from distamp.sharding.slice_reducer import SliceReducer
+from distamp.strategy import DistributedStrategy
+from distamp.torch_compat import DEFAULT_FIRST_BUCKET_BYTES
+
+__all__ = ["STAGE2_DDP_KWARGS", "DDPPreparation", "PreparedDDP", "check_device"]
+
+STAGE2_DDP_KWARGS = ("broadcast_buffers", "init_sync", "static_graph")
+"""DDP keyword arguments sharding stage 2 (which replaces DDP) honours; ``static_graph`` needs nothing from it."""
+
+
+def check_device(module: nn.Module, device: torch.device) -> torch.device:
+    """Raise ``ValueError`` naming the first parameter or buffer not on ``device``; return ``device``.
+
+    DDP would otherwise fail later with an error that names neither the
+    tensor nor the fix, or, with a model on another GPU, train there.
+    """
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    tensors: list[tuple[str, str, torch.Tensor]] = [("parameter", n, t) for n, t in module.named_parameters()]
+    tensors += [("buffer", n, t) for n, t in module.named_buffers()]
+    for kind, name, tensor in tensors:
+        if tensor.device != device:
+            raise ValueError(
+                f"{kind} {name!r} is on {tensor.device}, but this process trains on {device} "
+                "(fleet.device()); move the model there before wrapping it: model.to(fleet.device())"
+            )
+    return device
+
+
+@dataclass
+class PreparedDDP:
+    """What a preparation built: DDP and its gradient comm hook (if any), or stage 2's reducer."""
+
+    ddp: DistributedDataParallel | None
+    comm_hook: LowPrecisionAllReduce | ShardedGradReduce | PowerSGD | None
+    reduce_scatter: bool
+    """Sharding stage 1 or 2: every backward communicates, gradient merge's micro-batches included."""
+    reducer: SliceReducer | None = None
+    """Sharding stage 2: distamp's reducer instead of DDP."""
+
+
+@dataclass
+class DDPPreparation:
+    """How ``DataParallel`` builds DDP around its module.
+
+    Args:
+        module: the wrapped model, parameter dtypes final.
+        strategy: the model's strategy (wire dtype, pre-division, bucket size, sharding).
+        process_group: the data-parallel group; ``None`` is the world.
+        device: the device this process trains on; ``None``: the parameters' device.
+        find_unused_parameters: passed to DDP.
+        ddp_kwargs: further keyword arguments for DDP.
+    """
+
+    module: nn.Module
+    strategy: DistributedStrategy
+    process_group: dist.ProcessGroup | None
+    device: torch.device | None
+    find_unused_parameters: bool
+    ddp_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def run(self, optimizers: list[AttachedOptimizer]) -> PreparedDDP:
+        """Check the ranks agree, make them identical and build DDP with its comm hook (collective)."""
+        stage = self.check_sharding(optimizers)
+        # 0. Ranks that disagree on the strategy or the model fail here, naming the difference,
+        #    instead of summing FP16 with BF16 bit patterns or hanging in mismatched collectives.
+        check_ranks_agree(self.strategy, self.module)
+        with named_collective("the start-up broadcast of parameters from rank 0"):
+            # 1. Every rank takes rank 0's FP32 masters; the 16-bit parameters follow from them.
+            for opt in optimizers:
+                if opt.master_weights.enabled:
+                    opt.master_weights.broadcast(src=0, group=self.process_group)
+            # 2. DDP (or stage 2's reducer) on the final dtypes; it broadcasts the rest.
+            if stage == 2:
+                reducer = self._build_reducer(optimizers)
+                return PreparedDDP(None, None, True, reducer)
+            # Stage 1's buckets are reduce-scattered: sized as stage 2's, so the exchanges stay small, but
+            # never below DDP's first bucket: torch.compile's DDPOptimizer refuses later buckets smaller than it.
+            cap = self.strategy.fuse_grad_size_in_MB
+            if stage == 1:
+                cap = max(self._bucket_bytes(), DEFAULT_FIRST_BUCKET_BYTES) / 2**20
+            ddp = self._build_ddp(cap)
+        comm_hook = self._comm_hook(optimizers, stage == 1)
+        if comm_hook is not None:
+            comm_hook.register(ddp)
+        return PreparedDDP(ddp, comm_hook, stage == 1)
+
+    def _training_device(self) -> torch.device:
+        """The device this process trains on: the given one, else the parameters'."""
+        return self.device or parameters_device(self.module)
+
+    def _wire_dtype(self) -> torch.dtype:
+        return self.strategy.amp_config.comm_torch_dtype if self.strategy.amp else torch.float32
+
+    def _bucket_bytes(self) -> int:
+        """The sharded stages' bucket size for this model's gradient (see ``reduce_bucket_bytes``)."""
+        numel = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
+        fuse = max(1, int(self.strategy.fuse_grad_size_in_MB * 2**20))
+        return reduce_bucket_bytes(numel * self._wire_dtype().itemsize, fuse)
+
+    def _build_reducer(self, optimizers: list[AttachedOptimizer]) -> SliceReducer:
+        """Stage 2: hooks that reduce-scatter 16-bit buckets as gradients arrive (no DDP, no full-size gradient)."""
+        # check_sharding made every optimizer stage 2, whose masters are sharded.
+        shards: list[SliceOwner] = [opt.master_weights for opt in optimizers]
+        reducer = SliceReducer(
+            self.module, shards, self._wire_dtype(), self.process_group, PendingFp32Grads(optimizers),
+            bucket_bytes=self._bucket_bytes(),
+            find_unused_parameters=self.find_unused_parameters,
+            broadcast_buffers=self.ddp_kwargs.get("broadcast_buffers", True),
+            device=self._training_device(),
+        )
+        if self.ddp_kwargs.get("init_sync", True):
+            reducer.broadcast_from_rank0()
+        return reducer
+
+    def _build_ddp(self, bucket_cap_mb: float) -> DistributedDataParallel:
+        device = self._training_device()
+        ddp = DistributedDataParallel(
+            self.module,
+            # A single-device CUDA module: DDP moves inputs to device_ids[0]
+            # and its reducer works on that device; CPU modules must pass None.
+            device_ids=[device] if device.type == "cuda" else None,
+            process_group=self.process_group,
+            find_unused_parameters=self.find_unused_parameters,
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=True,
+            **self.ddp_kwargs,
+        )
+        # torch.compile's DDPOptimizer cuts the forward graph every ddp.bucket_bytes_cap bytes and asserts that
+        # torch's default first bucket (1 MiB) is no larger, although DDP given a cap uses that cap for its
+        # first bucket too: below 1 MiB compiling would fail (torch-native DDP fails alike). The reducer's
+        # buckets were fixed above; this value only sets where the compiled graph is cut.
+        ddp.bucket_bytes_cap = max(ddp.bucket_bytes_cap, DEFAULT_FIRST_BUCKET_BYTES)
+        # Before the reducer (perhaps the process group's last owner) is freed, let gloo's threads
+        # release the comm hook's Python continuations: see wait_for_comm_threads.
+        check_gloo_workers_found(self.process_group)
+        weakref.finalize(ddp, wait_for_comm_threads)
+        return ddp
+
+    def _comm_hook(
+        self, optimizers: list[AttachedOptimizer], reduce_scatter: bool
+    ) -> LowPrecisionAllReduce | ShardedGradReduce | PowerSGD | None:
+        """Stage 1: reduce-scatter into the owners' FP32 slices; PowerSGD; AMP: a 16-bit all-reduce; else DDP's own."""
+        cfg = self.strategy.amp_config
+        pending = PendingFp32Grads(optimizers)
+        if reduce_scatter:
+            # check_sharding made every optimizer stage 1, whose masters are sharded.
+            shards: list[SliceOwner] = [opt.master_weights for opt in optimizers]
+            return ShardedGradReduce(shards, self._wire_dtype(), self.process_group, pending, self._bucket_bytes())
+        if self.strategy.powersgd:
+            # The optimizer binds itself (DataParallel.bind_compressor): it reports each step's verdict.
+            wire = cfg.comm_torch_dtype if self.strategy.amp else torch.float32
+            predivide = cfg.gradient_predivide_factor if self.strategy.amp else None
+            names = {id(p): name for name, p in self.module.named_parameters()}
+            device = self._training_device()
+            return PowerSGD(self.strategy.powersgd_config, names, wire, predivide, self.process_group, pending,
+                            device)
+        if self.strategy.amp:
+            return LowPrecisionAllReduce(
+                cfg.comm_torch_dtype, cfg.gradient_predivide_factor, self.process_group, pending
+            )
+        return None
+
+    def check_sharding(self, optimizers: list[AttachedOptimizer]) -> int:
+        """The sharding stage (0: off); raises before any collective on a mismatch.
+
+        Stages 1 and 2 reduce-scatter gradients into the optimizers' slices,
+        so model and optimizers must agree on the stage, and every parameter
+        that gets a gradient needs an owner.
+
+        Raises:
+            RuntimeError: the model's strategy and an attached optimizer's
+                disagree on the stage, or a parameter that gets a gradient
+                belongs to no sharded optimizer (nobody would own its sum).
+        """
+        strategy = self.strategy
+        model_stage = strategy.sharding_config.stage if strategy.sharding else 0
+        for opt in optimizers:
+            opt_stage = getattr(opt.precision, "stage", 0)
+            if opt_stage != model_stage:
+                raise RuntimeError(
+                    f"the optimizer's strategy has sharding stage {opt_stage or 'off'} but the model's "
+                    f"(fleet.distributed_model) has stage {model_stage or 'off'}; stages 1 and 2 change how the "
+                    "model communicates gradients (reduce-scattered to the optimizer's slices), so both must use "
+                    "the same stage. Pass the same strategy to both calls"
+                )
+        if model_stage == 0:
+            return 0
+        owned = {id(p) for opt in optimizers for p in opt.master_weights.model_params}
+        missing = [name for name, p in self.module.named_parameters() if p.requires_grad and id(p) not in owned]
+        if missing:
+            raise RuntimeError(
+                f"sharding stage {model_stage} reduce-scatters each gradient to the optimizer slice that owns it, "
+                f"but {missing[:5]} (of {len(missing)}) belong to no optimizer built with "
+                "fleet.distributed_optimizer for this model. Give every trainable parameter to such an optimizer, "
+                "or set requires_grad=False on the others"
+            )
+        return model_stage

@@ -1,0 +1,58 @@
+"""Stage 3's collectives on real gloo groups: the reduce-scatter sums in FP32, the all-gather fills in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.multiprocess import run_workers
+
+
+def _reduce_scatter(rank, world):
+    from distamp.sharding.fsdp_comms import WireReduceScatter
+
+    comm = WireReduceScatter()
+    # Each rank sends every rank a chunk of 3 BF16 values: 1 from rank 0, 2**-9 from the others.
+    value = 1.0 if rank == 0 else 2.0**-9
+    chunk = torch.tensor([value, 4 * value, -value], dtype=torch.bfloat16)
+    send = torch.cat([chunk * (r + 1) for r in range(world)])
+    summed = torch.empty(3, dtype=torch.bfloat16)
+    comm(summed, send, dist.group.WORLD, dist.ReduceOp.SUM)
+    averaged = torch.empty(3, dtype=torch.float32)
+    comm(averaged, send.float(), dist.group.WORLD, dist.ReduceOp.AVG)
+    return summed.float().tolist(), averaged.tolist(), comm.stats.calls, comm.stats.bytes
+
+
+@pytest.mark.timeout(120)
+def test_reduce_scatter_adds_the_chunks_in_fp32_and_rounds_once():
+    world = 4
+    for rank, (summed, averaged, calls, sent) in enumerate(run_workers(_reduce_scatter, world, timeout=100)):
+        exact = (rank + 1) * torch.tensor([1.0, 4.0, -1.0]) * (1 + 3 * 2.0**-9)
+        # BF16 sums 1 + 2**-9 three times to 1; the FP32 sum rounded once keeps the small addends.
+        assert summed == exact.to(torch.bfloat16).float().tolist()
+        assert summed != [(rank + 1) * 1.0, (rank + 1) * 4.0, -(rank + 1) * 1.0]
+        torch.testing.assert_close(torch.tensor(averaged), exact / world)
+        assert (calls, sent) == (2, 3 * world * 2 + 3 * world * 4)
+
+
+def _all_gather(rank, world):
+    from distamp.sharding.fsdp_comms import InPlaceAllGather
+
+    comm = InPlaceAllGather()
+    output = comm.allocate((2 * world,), dtype=torch.bfloat16, device=torch.device("cpu"))
+    own = output.view(world, -1)[rank]
+    own.copy_(torch.tensor([rank, -rank], dtype=torch.bfloat16))  # as FSDP's copy-in leaves it
+    assert comm(output, own, dist.group.WORLD) is None
+    separate = torch.empty(2 * world, dtype=torch.bfloat16)
+    comm(separate, torch.tensor([rank, -rank], dtype=torch.bfloat16), dist.group.WORLD, async_op=True)
+    return output.tolist(), separate.tolist()
+
+
+@pytest.mark.timeout(120)
+def test_all_gather_puts_every_ranks_chunk_in_its_place():
+    world = 3
+    expected = [float(v) for r in range(world) for v in (r, -r)]
+    for gathered, separate in run_workers(_all_gather, world, timeout=100):
+        assert gathered == expected
+        assert separate == expected

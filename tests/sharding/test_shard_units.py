@@ -1,0 +1,63 @@
+"""Stage 3's units: the default (repeated blocks, else parameter-holding modules) and named patterns."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from torch import nn
+
+from distamp.sharding.shard_units import choose_units
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.mlp = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 4))
+
+
+class _Gpt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.head = nn.Linear(4, 10)
+
+
+class _Flat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 4)
+        self.inner = nn.Module()
+        self.inner.fc2 = nn.Linear(4, 4)
+        self.act = nn.ReLU()
+
+
+def _names(units):
+    return [name for name, _ in units]
+
+
+def test_default_units_are_the_blocks_of_the_outermost_module_list():
+    assert _names(choose_units(_Gpt(), ())) == ["blocks.0", "blocks.1"]
+
+
+def test_default_units_of_a_sequential_mlp_are_its_parameter_holding_layers():
+    mlp = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 10))
+    assert _names(choose_units(mlp, ())) == ["0", "2", "3", "4"]
+
+
+def test_without_containers_every_module_holding_parameters_of_its_own_is_a_unit():
+    assert _names(choose_units(_Flat(), ())) == ["fc1", "inner.fc2"]
+
+
+def test_patterns_choose_the_matching_modules_that_hold_parameters():
+    assert _names(choose_units(_Gpt(), ["blocks.*.mlp", "head"])) == ["blocks.0.mlp", "blocks.1.mlp", "head"]
+    assert _names(choose_units(_Gpt(), ["blocks.0"])) == ["blocks.0"]
+
+
+def test_a_pattern_matching_nothing_names_the_valid_modules():
+    with pytest.raises(ValueError, match=re.escape(
+            "sharding_configs['units'] pattern 'block.*' matches no submodule of _Gpt.")) as info:
+        choose_units(_Gpt(), ["block.*"])
+    assert "'embed', 'blocks', 'blocks.0'" in str(info.value)
