@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.amp.black_modules import BlackModulesHandle
-from distamp.compression.powersgd import GradCompressor
+from distamp.core.attached import GradCompressor
 from distamp.core.precision import FullPrecision
 from distamp.distributed.groups import data_parallel_group
 from distamp.distributed.timeouts import named_collective

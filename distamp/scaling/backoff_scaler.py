@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from distamp.core.scaler_base import (
+from distamp.scaling.scaler_base import (
     LossScaler,
     _check_bounds,
     _check_init_in_bounds,

@@ -8,16 +8,16 @@ Algorithms:
 * :class:`LogNormalLossScaler`: OpenSeq2Seq's "LogMax".
 
 :func:`build_loss_scaler` picks one from an ``AmpConfig``; the interface is
-:class:`LossScaler` (:mod:`distamp.core.scaler_base`).
+:class:`LossScaler` (:mod:`distamp.scaling.scaler_base`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from distamp.core.scaler_base import LossScaler, StaticLossScaler, UnitLossScaler
 from distamp.scaling.backoff_scaler import BackoffLossScaler
 from distamp.scaling.lognormal_scaler import LogNormalLossScaler
+from distamp.scaling.scaler_base import LossScaler, StaticLossScaler, UnitLossScaler
 
 __all__ = [
     "BackoffLossScaler",

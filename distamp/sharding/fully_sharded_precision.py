@@ -38,9 +38,9 @@ from torch.distributed.tensor import DTensor
 
 from distamp.core.master_weights import check_saved_masters, clear_grads
 from distamp.core.precision import FullPrecision, MixedPrecision
-from distamp.optim.grad_clipping import global_clip
 from distamp.scaling.loss_scaler import build_loss_scaler
 from distamp.sharding.dtensor_state import shard_like, stage3_ranges
+from distamp.sharding.global_clip import global_clip
 from distamp.sharding.shard_rows import local_rows
 from distamp.strategy import DistributedStrategy
 from distamp.torch_compat import dtensor_local, foreach_mul_, foreach_norm

@@ -29,8 +29,8 @@ from distamp.core.grad_accumulator import Fp32GradAccumulator
 from distamp.core.precision import FullPrecision, MixedPrecision
 from distamp.distributed.flag_sync import all_reduce_max
 from distamp.distributed.groups import group_rank, group_size
-from distamp.optim.grad_clipping import global_clip
 from distamp.scaling.loss_scaler import build_loss_scaler
+from distamp.sharding.global_clip import global_clip
 from distamp.sharding.param_gather import GATHER_BYTES
 from distamp.sharding.reduce_scatter import reduce_bucket_bytes
 from distamp.sharding.sharded_masters import ShardedMasters

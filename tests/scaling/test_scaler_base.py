@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from distamp.core.scaler_base import (
+from distamp.scaling.scaler_base import (
     LossScaler,
     StaticLossScaler,
     UnitLossScaler,
