@@ -49,6 +49,7 @@ class FullPrecision:
     """
 
     mode = "off"
+    stage = 0  # sharding stage: 0 none, 1-2 flat slices (sharding.ShardedPrecision), 3 DTensor shards (FSDP2)
     scaler: LossScaler | None = None
 
     def __init__(self, params: Sequence[nn.Parameter], config: AmpConfig) -> None:
@@ -89,6 +90,31 @@ class FullPrecision:
 
     def after_applied_step(self) -> None:
         """After the inner optimizer stepped."""
+
+    @property
+    def grads_are_slices(self) -> bool:
+        """Whether the model's ``.grad`` holds only this rank's slice after unscaling (stages 1-2, several ranks)."""
+        return False
+
+    def follow_sharded_parameters(self, new_of: dict[int, nn.Parameter]) -> None:
+        """Stage 3's ``fully_shard`` replaced each parameter ``old`` by ``new_of[id(old)]``: hold the new ones.
+
+        Raises:
+            RuntimeError: this plugin does not shard parameters (the
+                optimizer's strategy is not stage 3).
+        """
+        raise RuntimeError(
+            "fleet.distributed_model sharded the parameters (sharding stage 3), but this optimizer was built "
+            "with another strategy; pass the same strategy (sharding_configs={'stage': 3}) to both calls"
+        )
+
+    def hook_param_gather(self, deferred: bool) -> bool:
+        """Whether the all-gather after a step may be left to the model's forward hooks (now: ``deferred``).
+
+        False unless the plugin overlaps its gather
+        (``sharding_configs["overlap_param_gather"]``, stages 1-2).
+        """
+        return False
 
     def update(self, found_inf: bool, grad_max: float | None) -> None:
         """Advance the loss scale by one optimizer step."""

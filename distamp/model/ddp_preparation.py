@@ -186,7 +186,7 @@ class DDPPreparation:
         strategy = self.strategy
         model_stage = strategy.sharding_config.stage if strategy.sharding else 0
         for opt in optimizers:
-            opt_stage = getattr(opt.precision, "stage", 0)
+            opt_stage = opt.precision.stage
             if opt_stage != model_stage:
                 raise RuntimeError(
                     f"the optimizer's strategy has sharding stage {opt_stage or 'off'} but the model's "

@@ -171,7 +171,7 @@ class FullyShardedModel(nn.Module):
         """
         if optimizer in self._optimizers:
             return
-        if getattr(optimizer.precision, "stage", 0) != 3:
+        if optimizer.precision.stage != 3:
             raise RuntimeError(_STRATEGY_MISMATCH)
         new_of = self._new_of(optimizer.master_weights.model_params)
         if new_of:

@@ -214,6 +214,10 @@ class FullyShardedPrecision(MixedPrecision):
         self.scaler = build_loss_scaler(config) if strategy.amp else None
         self.consecutive_stuck = 0
 
+    def follow_sharded_parameters(self, new_of: dict[int, nn.Parameter]) -> None:
+        """``fully_shard`` replaced each parameter ``old`` by the DTensor ``new_of[id(old)]``: hold those."""
+        self.master_weights.replace(new_of)
+
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 with AMP off)."""

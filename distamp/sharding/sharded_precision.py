@@ -148,6 +148,18 @@ class ShardedPrecision(MixedPrecision):
         if changed:
             self.master_weights.grads.take_changes(changed)
 
+    @property
+    def grads_are_slices(self) -> bool:
+        """On several ranks the model's ``.grad`` holds this rank's slice only (stage 2: no ``.grad`` at all)."""
+        return self.master_weights.world_size > 1
+
+    def hook_param_gather(self, deferred: bool) -> bool:
+        """With ``overlap_param_gather``: leave the gather after a step to the forward hooks while ``deferred``."""
+        if not self.overlap_param_gather:
+            return False
+        self.gather_hooked = deferred
+        return True
+
     def after_applied_step(self) -> None:
         """All-gather the updated slices into every rank's model (16-bit on the wire in O2).
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from distamp.compression.low_rank import effective_rank, fixed_order_product, matrix_shape, orthogonalize_, start_q
 from distamp.compression.low_rank_kernels import KERNELS_ENV
-from tests.distributed.test_low_rank_kernels import (
+from tests.compression.test_low_rank_kernels import (
     compiler_present,
     reference_orthogonalize,
     reference_product,
@@ -671,7 +671,7 @@ def test_ranks_on_different_instruction_sets_end_bitwise_equal_on_torch_ops(tmp_
         base.pop(name, None)
     portable = {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     envs = [{**base, "RANK": str(r), "LOCAL_RANK": str(r), **(portable if r == 0 else {})} for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.distributed.powersgd_isa_job", out], cwd=root, env=env,
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.compression.powersgd_isa_job", out], cwd=root, env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for env in envs]
     try:
         logs = [p.communicate(timeout=150)[0] for p in procs]

@@ -2,7 +2,7 @@
 
 Each worker trains the same model from the same data three times (sharding
 off, stage 1, stage 2) and returns what the test compares. See
-tests/optim/test_sharded_optimizer.py for one-process checks and
+tests/sharding/test_sharded_optimizer.py for one-process checks and
 tests/checkpoint/test_sharded_checkpoint.py for checkpoints across world sizes.
 """
 

@@ -1,6 +1,6 @@
 """One rank of a 2-rank PowerSGD job (O2 BF16, rank 2, torch ops) that saves its parameters and masters.
 
-Started as ``python -m tests.distributed.powersgd_isa_job OUT`` by
+Started as ``python -m tests.compression.powersgd_isa_job OUT`` by
 ``test_powersgd.py`` with RANK, WORLD_SIZE and MASTER_* set, each rank in its
 own interpreter so that each can be given another instruction set
 (``ATEN_CPU_CAPABILITY`` and oneDNN's ``ONEDNN_MAX_CPU_ISA`` are read once,

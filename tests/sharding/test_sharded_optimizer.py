@@ -4,7 +4,7 @@ With one rank the slice is the whole flat space, so every mode must match
 the unsharded optimizer bitwise (the same elementwise kernels on the same
 values); clipping sums the squared norm of one flat buffer instead of
 per-tensor norms, so it matches within FP32 rounding. Several ranks are
-tested with real processes in tests/distributed/test_sharding.py.
+tested with real processes in tests/sharding/test_sharding.py.
 """
 
 from __future__ import annotations
