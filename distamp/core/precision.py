@@ -108,6 +108,21 @@ class FullPrecision:
             "with another strategy; pass the same strategy (sharding_configs={'stage': 3}) to both calls"
         )
 
+    def checkpoint_state(self, inner_opt: torch.optim.Optimizer, local: bool) -> tuple[dict, dict]:
+        """``(this plugin's state, the inner optimizer's state)`` as an optimizer state dict holds them.
+
+        ``local`` asks for this rank's own part where the plugin shards state
+        (stage 3's ``local_state_dict``); unsharded plugins give the whole.
+        """
+        return self.state_dict(), inner_opt.state_dict()
+
+    def load_checkpoint_state(self, inner_opt: torch.optim.Optimizer, state: dict) -> None:
+        """Restore :meth:`checkpoint_state`'s output (an optimizer state dict): scaler, inner state, O2 masters."""
+        self.load_state_dict(state)
+        inner_opt.load_state_dict(state["inner"])
+        if state["master_weights"]:
+            self.master_weights.load_state_dict(state["master_weights"])
+
     def hook_param_gather(self, deferred: bool) -> bool:
         """Whether the all-gather after a step may be left to the model's forward hooks (now: ``deferred``).
 

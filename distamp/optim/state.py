@@ -23,8 +23,6 @@ from distamp.core.precision import FullPrecision
 from distamp.distributed.groups import group_rank, group_size
 from distamp.optim.accumulation import GradientMerge
 from distamp.optim.step_policy import StepPolicy
-from distamp.sharding.dtensor_state import gather_full, local_inner, reshard_loaded, wrap_loaded
-from distamp.sharding.fully_sharded_precision import FullyShardedPrecision
 from distamp.strategy import DistributedStrategy
 
 
@@ -55,18 +53,7 @@ STATE_FORMAT = "distamp.AmpOptimizer/1"
 def optimizer_state(opt: StatefulOptimizer, *, local: bool = False) -> dict:
     """``opt.state_dict()`` (``local``: ``opt.local_state_dict()``): see the module docstring."""
     policy = opt.policy
-    inner = opt.inner_opt.state_dict()
-    plugin = opt.precision
-    stage3 = isinstance(plugin, FullyShardedPrecision)
-    if isinstance(plugin, FullyShardedPrecision) and local and plugin.master_weights.sharded:
-        index = {id(p): i for i, p in enumerate(plugin.master_weights.model_params)}
-        groups = [[index[id(p)] for p in group["params"]] for group in opt.inner_opt.param_groups]
-        precision = plugin.local_state_dict(groups)
-        inner = local_inner(inner)
-    else:
-        precision = plugin.state_dict()
-        if stage3:
-            inner = gather_full(inner)  # whole tensors, as unsharded (collective)
+    precision, inner = opt.precision.checkpoint_state(opt.inner_opt, local)
     sharding = {"sharding": precision["sharding"]} if "sharding" in precision else {}
     compressor = opt.policy.compressor
     compressor_state = compressor.state_dict() if compressor is not None else opt._pending_compressor_state
@@ -114,16 +101,7 @@ def load_optimizer_state(opt: StatefulOptimizer, state_dict: dict) -> None:
             f"{'present' if masters else 'absent'} in the checkpoint); build the optimizer "
             "with the strategy the checkpoint was saved with"
         )
-    opt.precision.load_state_dict(state_dict)
-    opt.inner_opt.load_state_dict(state_dict["inner"])
-    plugin = opt.precision
-    local = state_dict.get("sharding") is not None  # stage 3: this rank's shards (local_state_dict's)
-    if isinstance(plugin, FullyShardedPrecision):
-        (wrap_loaded if local else reshard_loaded)(opt.inner_opt)
-    if masters and isinstance(plugin, FullyShardedPrecision) and local:
-        plugin.master_weights.load_state_dict(masters, local=True)
-    elif masters:
-        opt.master_weights.load_state_dict(masters)
+    opt.precision.load_checkpoint_state(opt.inner_opt, state_dict)
     counters, policy = state_dict["counters"], opt.policy
     policy.steps_applied = int(counters["steps_applied"])
     policy.steps_skipped = int(counters["steps_skipped"])
