@@ -24,8 +24,8 @@ import torch
 
 from tests.checkpoint.test_checkpoint import corrupt_flip_byte, corrupt_truncate
 from tests.checkpoint.test_sharded_checkpoint import _build, _train
-from tests.sharding.test_sharding import _flat
 from tests.multiprocess import run_workers
+from tests.sharding.test_sharding import _flat
 
 ROOT = Path(__file__).resolve().parents[2]
 SAVES = {5: 1, 10: 2, 15: 3}  # checkpoint step: training steps done when it is saved

@@ -31,9 +31,9 @@ from tests.checkpoint.test_sharded_checkpoint import (
     _train,
     recording_reads,
 )
-from tests.sharding.test_sharding import assert_within_bf16_rounding
 from tests.multiprocess import run_workers
 from tests.sharding.test_flat_state import assert_same_state
+from tests.sharding.test_sharding import assert_within_bf16_rounding
 
 SHAPES = {"0.weight": [16, 6], "0.bias": [16], "1.weight": [16], "1.bias": [16], "3.weight": [3, 16], "3.bias": [3]}
 """The parameters of ``tests.sharding.test_sharding._model``, in order."""
