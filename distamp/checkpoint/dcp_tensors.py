@@ -36,7 +36,6 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distamp.sharding.fully_sharded_precision import FullyShardedPrecision
 from distamp.sharding.shard_rows import like_local_rows
 
 __all__ = ["fill", "is_slot", "read", "slots", "split", "targets", "write"]
@@ -183,7 +182,7 @@ def targets(model_state: Mapping[str, Any], optimizer_state: Mapping[str, Any], 
             raise ValueError(f"the checkpoint's model has entry {name!r}, which this model lacks; build the model "
                              "as the saving run did")
         found[value["dcp"]] = _fitting(own[name], value, f"model entry {name!r}", in_place=True)
-    if not isinstance(optimizer.precision, FullyShardedPrecision):
+    if optimizer.precision.stage != 3:
         # Stages 0-2 hold the optimizer state whole or as flat slices: read it whole, flat_state re-slices it.
         for value in slots(optimizer_state):
             found.setdefault(value["dcp"], torch.empty(value["shape"], dtype=value["dtype"]))
