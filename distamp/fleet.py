@@ -296,9 +296,10 @@ def distributed_model(
                 "DDP, which sharding stage 3 does not use (it shards with torch's FSDP2); remove them"
             )
         # Imported here: FSDP2's private communication interfaces load only when stage 3 is used.
+        from distamp.amp.model_precision import ForwardPrecision
         from distamp.sharding.fully_sharded import FullyShardedModel
 
-        sharded = FullyShardedModel(model, strategy, device=device())
+        sharded = FullyShardedModel(model, strategy, ForwardPrecision(strategy), device=device())
         for opt in list(_state.optimizers):
             if sharded.owns_any(opt.master_weights.model_params):
                 sharded.attach_optimizer(opt)

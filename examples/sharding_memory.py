@@ -22,6 +22,14 @@ build) it falls back to summing the profiled thread's events. The model is an ML
 (small batch), so the table shows the bytes per parameter of the formula in
 the README's "Sharding (ZeRO)" section plus what activations and transient
 buffers add. Prints a Markdown table; ``--json`` also writes the numbers.
+
+``--checkpoint`` measures checkpoints instead: per rank, the peak of live
+tensors while training, inside ``save_checkpoint``, and, in fresh
+processes as a restart, inside ``load_latest_checkpoint`` of a freshly
+built model and optimizer, all counting every live tensor, and the bytes
+each rank wrote::
+
+    python examples/sharding_memory.py --checkpoint --world_sizes 2,4 --stages 3 --hidden 4096 --layers 6
 """
 
 from __future__ import annotations
@@ -58,6 +66,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="fuse_grad_size_in_MB: DDP buckets and all-gather rounds, not stage 3 (default: %(default)s)")
     p.add_argument("--stages", default="0,1,2,3",
                    help="comma-separated stages; 0 is sharding off, the ratios' base (default: %(default)s)")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="measure save_checkpoint and load_latest_checkpoint against training instead (see "
+                        "measure_checkpoint)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
     return p.parse_args(argv)
 
@@ -136,6 +147,77 @@ def measure(rank: int, world: int, stage: int, args: argparse.Namespace) -> dict
     return {"peak_bytes": tensor_peak(prof, every_thread), "params": n_params, "every_thread": every_thread}
 
 
+def allocator_peak(prof: torch.profiler.profile) -> int:
+    """Peak bytes of live CPU tensors of every thread over a profile, counting those alive when it began.
+
+    Needs :func:`count_every_thread`: the allocator's total at each recorded allocation, not a difference.
+    """
+    peak = 0
+    nodes = list(prof.profiler.kineto_results.experimental_event_tree())
+    while nodes:
+        node = nodes.pop()
+        fields = node.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation" and fields.alloc_size > 0:
+            peak = max(peak, fields.total_allocated)
+        nodes.extend(node.children)
+    return peak
+
+
+def measure_checkpoint(rank: int, world: int, stage: int, args: argparse.Namespace) -> dict:
+    """``args.phase`` "save": peak live tensor bytes of this rank while training and inside ``save_checkpoint``;
+    "load" (in fresh processes, as a restart): while building the model and optimizer and inside
+    ``load_latest_checkpoint``.
+
+    The peaks count every tensor alive (the model and optimizer state too), so they compare directly.
+    """
+    from distamp import fleet
+    from distamp.checkpoint import load_latest_checkpoint, save_checkpoint
+
+    fleet.init()
+    strategy = fleet.DistributedStrategy(amp=True, sharding=stage > 0)
+    strategy.amp_configs = {"use_pure_fp16": True, "dtype": "bfloat16"}
+    if stage:
+        strategy.sharding_configs = {"stage": stage}
+    if stage != 3:
+        strategy.fuse_grad_size_in_MB = args.bucket_mb
+    if not count_every_thread():
+        raise RuntimeError("this libc10 cannot count every thread's bytes; the save and load peaks need it")
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as building:
+        model = build_model(args.hidden, args.layers)
+        optimizer = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), strategy)
+        wrapped = fleet.distributed_model(model, strategy)
+        if args.phase == "save":
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(args.steps):
+                x, y = torch.randn(args.batch, 64, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+                with fleet.auto_cast():
+                    loss = F.cross_entropy(wrapped(x).float(), y)
+                optimizer.zero_grad()
+                optimizer.minimize(loss)
+    with torch.profiler.profile(activities=activities, profile_memory=True) as checkpointing:
+        if args.phase == "save":
+            save_checkpoint(args.checkpoint_dir, args.steps, model=wrapped, optimizer=optimizer)
+        else:
+            info = load_latest_checkpoint(args.checkpoint_dir, model=wrapped, optimizer=optimizer)
+            if info is None or info.step != args.steps:
+                raise RuntimeError(f"rank {rank} did not load checkpoint {args.steps}: {info}")
+    return {"before": allocator_peak(building), args.phase: allocator_peak(checkpointing),
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def written_by_rank(directory: str, world: int) -> list[int]:
+    """Bytes of each saving rank's own files in ``directory``: its DCP file at stage 3 (``__<rank>_*``), its
+    ``rank-<R>`` part at stages 1 and 2; the common part and DCP's ``.metadata`` (rank 0's) are left out."""
+    sizes = [0] * world
+    for root, _, names in os.walk(directory):
+        for name in names:
+            for rank in range(world):
+                if name.startswith(f"__{rank}_") or f".rank-{rank:05d}." in name:
+                    sizes[rank] += os.path.getsize(os.path.join(root, name))
+    return sizes
+
+
 def _worker(rank: int, world: int, port: int, stage: int, args: argparse.Namespace, results) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -143,7 +225,7 @@ def _worker(rank: int, world: int, port: int, stage: int, args: argparse.Namespa
     try:
         if world > 1:
             dist.init_process_group("gloo", rank=rank, world_size=world)
-        results.put((rank, measure(rank, world, stage, args)))
+        results.put((rank, (measure_checkpoint if args.checkpoint else measure)(rank, world, stage, args)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         results.put((rank, f"{type(exc).__name__}: {exc}"))
     finally:
@@ -198,11 +280,60 @@ def markdown(table: dict[tuple[int, int], list[dict]]) -> str:
     return "\n".join(lines)
 
 
+def checkpoint_markdown(table: dict[tuple[int, int], list[dict]], written: dict[tuple[int, int], list[int]]) -> str:
+    """Per (world size, stage): training, save and load peaks (max over ranks) and the bytes each rank wrote."""
+    lines = ["| ranks | stage | training peak | save peak | load peak | bytes each rank wrote |",
+             "| ---: | ---: | ---: | ---: | ---: | --- |"]
+    for (world, stage), ranks in sorted(table.items()):
+        train = max(r["train"] for r in ranks)
+        save, load = max(r["save"] for r in ranks), max(r["load"] for r in ranks)
+        sizes = ", ".join(f"{b / 2**20:.1f}" for b in written[world, stage])
+        lines.append(f"| {world} | {stage} | {train / 2**20:.1f} MB | {save / 2**20:.1f} MB ({save / train:.2f}x) | "
+                     f"{load / 2**20:.1f} MB ({load / train:.2f}x) | {sizes} MB |")
+    return "\n".join(lines)
+
+
+def checkpoint_peaks(world: int, stage: int, args: argparse.Namespace, directory: str) -> tuple[list[dict], list[int]]:
+    """Train and save into ``directory`` on ``world`` fresh processes, then load it on ``world`` others; per rank
+    the peaks (``"train"``, ``"save"``, ``"build"``, ``"load"``, bytes), and the bytes each rank wrote."""
+    args.checkpoint_dir = directory
+    args.phase = "save"
+    saved = run(world, stage, args)
+    written = written_by_rank(directory, world)
+    args.phase = "load"  # in fresh processes, as a restart
+    loaded = run(world, stage, args)
+    peaks = [{"train": s["before"], "save": s["save"], "build": r["before"], "load": r["load"], "params": s["params"]}
+             for s, r in zip(saved, loaded, strict=True)]
+    return peaks, written
+
+
+def main_checkpoint(args: argparse.Namespace, worlds: list[int], stages: list[int]) -> None:
+    """``--checkpoint``: measure save and load against training for every (world size, stage)."""
+    import tempfile
+
+    table, written = {}, {}
+    for world in worlds:
+        for stage in stages:
+            with tempfile.TemporaryDirectory() as directory:
+                table[world, stage], written[world, stage] = checkpoint_peaks(world, stage, args, directory)
+    params = table[worlds[0], stages[0]][0]["params"]
+    print(f"O2 BF16 AdamW, MLP {args.layers}x{args.hidden} ({params / 1e6:.2f}M parameters), batch {args.batch} "
+          f"per rank, {args.steps} steps; peak live tensors per rank (max over ranks)")
+    print(checkpoint_markdown(table, written))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({f"{w},{s}": {"ranks": v, "written": written[w, s]} for (w, s), v in table.items()}, f,
+                      indent=1)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Measure every (world size, stage) and print the table."""
     args = parse_args(argv)
     worlds = [int(w) for w in args.world_sizes.split(",")]
     stages = [int(s) for s in args.stages.split(",")]
+    if args.checkpoint:
+        main_checkpoint(args, worlds, stages)
+        return
     if 0 not in stages or any(s not in STAGES for s in stages):
         raise SystemExit(f"--stages {args.stages!r}: give stages from {STAGES}, 0 included (the ratios' base)")
     table = {(w, s): run(w, s, args) for w in worlds for s in stages}

@@ -21,26 +21,21 @@ The module's ``forward`` is wrapped (an instance attribute, as
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from distamp.strategy.checks import is_name, show
-from distamp.suggest import did_you_mean
+from distamp.strategy.name_patterns import check_patterns_match, name_matches
 from distamp.torch_compat import tree_map_only
 
 if TYPE_CHECKING:
     # typing.Self is Python 3.11+; mypy checks for 3.10 (setup.cfg).
     import typing_extensions
 
-__all__ = ["BlackModulesHandle", "FP32Forward", "autocast_device_types", "check_patterns_match", "find_black_modules",
-           "keep_in_fp32", "name_matches"]
-
-_SHOWN_NAMES = 8
-
+__all__ = ["BlackModulesHandle", "FP32Forward", "autocast_device_types", "find_black_modules", "keep_in_fp32"]
 
 def _check_patterns(patterns: Any) -> list[str]:
     """The patterns as a list (a single string is one pattern); anything else raises TypeError."""
@@ -58,32 +53,6 @@ def _check_patterns(patterns: Any) -> list[str]:
                 f"{show(patterns)}"
             )
     return patterns
-
-
-def name_matches(name: str, pattern: str) -> bool:
-    """Whether the qualified module ``name`` is ``pattern`` or matches it as an fnmatch pattern."""
-    return name == pattern or fnmatch.fnmatchcase(name, pattern)
-
-
-def check_patterns_match(model: nn.Module, names: Sequence[str], patterns: Iterable[str], key: str,
-                         listing: str = "available") -> None:
-    """Refuse the first of ``patterns`` that matches none of ``names`` (module names of ``model``).
-
-    Raises:
-        ValueError: naming ``key``, the pattern, the closest name and, after
-            ``listing``, some of the available ones (the root's ``""`` is
-            matched but not shown).
-    """
-    for pattern in patterns:
-        if not any(name_matches(name, pattern) for name in names):
-            shown_names = [name for name in names if name]
-            shown = ", ".join(repr(n) for n in shown_names[:_SHOWN_NAMES])
-            more = f" and {len(shown_names) - _SHOWN_NAMES} more" if len(shown_names) > _SHOWN_NAMES else ""
-            raise ValueError(
-                f"{key} pattern {pattern!r} matches no submodule of "
-                f"{type(model).__name__}.{did_you_mean(pattern, shown_names)} Patterns are "
-                f"qualified names from model.named_modules() or fnmatch patterns; {listing}: {shown}{more}."
-            )
 
 
 def find_black_modules(model: nn.Module, patterns: Iterable[str]) -> list[tuple[str, nn.Module]]:

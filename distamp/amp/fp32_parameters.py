@@ -34,7 +34,8 @@ from torch import nn
 from distamp.amp.black_modules import find_black_modules
 from distamp.torch_compat import NormBase
 
-__all__ = ["NORM_LAYER_TYPES", "fp32_parameters", "looks_like_norm", "unrecognised_norms", "unrecognised_norms_message"]
+__all__ = ["NORM_LAYER_TYPES", "fp32_modules", "fp32_parameters", "looks_like_norm", "unrecognised_norms",
+           "unrecognised_norms_message"]
 
 NORM_LAYER_TYPES: tuple[type[nn.Module], ...] = (
     NormBase,  # BatchNorm1d/2d/3d, SyncBatchNorm, InstanceNorm1d/2d/3d
@@ -119,3 +120,20 @@ def unrecognised_norms_message(found: list[tuple[str, str]], dtype: str) -> str:
         "If 16-bit norms are what you want, amp_configs['keep_norm_fp32'] = False stores every norm in 16 bits "
         "and silences this."
     )
+
+
+def fp32_modules(model: nn.Module, black_patterns: Iterable[str], keep_norm_fp32: bool) -> list[tuple[str, nn.Module]]:
+    """O2's FP32 modules that hold parameters: ``custom_black_varnames`` ones, and norms with ``keep_norm_fp32``.
+
+    Stage 3 makes each one its own FSDP2 unit with an FP32 policy; the
+    modules are those whose parameters :func:`fp32_parameters` keeps.
+    """
+    black = find_black_modules(model, list(black_patterns))
+    inside_black = [f"{name}." for name, _ in black]
+    units = [(name, m) for name, m in black if name and any(True for _ in m.parameters())]
+    if keep_norm_fp32:
+        for name, m in model.named_modules():
+            if (name and isinstance(m, NORM_LAYER_TYPES) and any(True for _ in m.parameters(recurse=False))
+                    and not any(name.startswith(prefix) for prefix in inside_black)):
+                units.append((name, m))
+    return units

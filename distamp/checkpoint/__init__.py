@@ -51,18 +51,25 @@ are written, and nothing is gathered to rank 0. A reader verifies and
 loads only the parts it needs: the common one and the saved slices that
 overlap its own, so any world size, sharded or not, can resume any
 checkpoint (:mod:`distamp.sharding.flat_state` re-slices). Sharding stage 3
-(FSDP2) writes per rank too, gathering nothing: each rank's part holds its
-local DTensor shards, the rows of each parameter's dim 0 it holds (the
-model's FP32 parameters, :mod:`~distamp.checkpoint.model_shards`) and the
-optimizer state over the matching flat ranges, one per parameter; the
-common part holds the buffers and every rank's rows and ranges. A stage-3
-checkpoint loads at any world size and stage, sharded or not, and any
-checkpoint loads at stage 3, each rank reading the parts it needs.
+(FSDP2) puts its DTensors (the model's FP32 parameters, which are also the
+O2 masters, and the optimizer's per-element state) on
+``torch.distributed.checkpoint`` (DCP, :mod:`~distamp.checkpoint.dcp_tensors`):
+each rank writes its own shards into ``step-<N>.dcp-<nonce>/`` (one
+``__<rank>_0.distcp`` per rank, and DCP's ``.metadata``), gathering
+nothing, and the common part holds the rest with a slot where each of
+those tensors goes. The manifest lists every DCP file with its size and
+SHA-256, so the commit, the verification and the rotation cover them like
+any payload. A stage-3 checkpoint loads at any world size and stage,
+sharded or not: DCP reads into each rank's own shards at stage 3 (nothing
+whole is made), whole tensors otherwise; and any checkpoint loads at stage
+3.
 Manifests of format ``distamp.checkpoint/1`` (``step-<N>.pt`` payloads) are
 still read.
 
 Loading reads the manifest and checks its checksum, the payload's size and
-SHA-256, then ``torch.load(..., weights_only=True)``. A checkpoint that
+SHA-256, then ``torch.load(..., weights_only=True)`` (a stage-3 checkpoint's
+DCP files: their sizes and SHA-256, then ``dcp.load``, which unpickles
+``.metadata``: load those only from directories you trust). A checkpoint that
 cannot be read is skipped, on every rank, with a warning naming the file,
 the reason and the step, in favour of the next older one; one that reads but does
 not fit the model or optimizer raises on every rank.

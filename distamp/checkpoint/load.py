@@ -15,15 +15,17 @@ from distamp.distributed.process_group import validate_timeout
 from distamp.sharding import flat_state
 from distamp.user_warning import warn_user
 
-from . import model_shards, rng, storage
+from . import dcp_tensors, model_shards, rng, storage
 from .collective import Coordinator
 from .manifest import COMMON, CheckpointCorrupt, Manifest, manifest_name, rank_part
 from .state import (
     UnusablePayload,
+    check_fits,
     check_objects,
     check_payload,
     check_shard_payload,
     restore,
+    restore_from_dcp,
     unwrap,
 )
 
@@ -93,11 +95,16 @@ def load_latest_checkpoint(
 
     Sharded state (``strategy.sharding``): each rank reads, besides the
     common payload, only the ranks' parts that overlap what it holds (its
-    slice of the flat parameter space at stages 1 and 2; at stage 3 its rows
-    of each parameter, for the optimizer state and the model), and the state
-    is re-sliced for its layout, so a checkpoint saved at any stage and world
-    size loads at any stage and world size. An unsharded model needs every
-    row of a stage-3 checkpoint's parameters, so it reads every part.
+    slice of the flat parameter space at stages 1 and 2), and the state is
+    re-sliced for its layout. A stage-3 checkpoint's tensors are read by
+    ``torch.distributed.checkpoint`` (collective): into this rank's own
+    shards when loading at stage 3, at any world size, so no rank holds a
+    whole parameter; as whole tensors when loading at stages 0-2 or
+    unsharded, which hold them whole anyway. So a checkpoint saved at any
+    stage and world size loads at any stage and world size. DCP reads the
+    tensors with ``weights_only=True`` but unpickles its ``.metadata`` file
+    (after distamp checked its SHA-256 against the manifest): load stage-3
+    checkpoints only from directories you trust.
 
     Different world size: model, optimizer, scheduler and ``extra`` are
     restored exactly (data parallelism keeps them identical on every rank),
@@ -145,12 +152,10 @@ def load_latest_checkpoint(
         return None
 
     payload_path = os.path.join(path, manifest.file(COMMON).name)
-    error = None
-    try:
-        restore(payload, model, optimizer, scheduler, shards)
-    except Exception as exc:  # noqa: BLE001 - made collective below
-        error = f"rank {coordinator.rank}: {type(exc).__name__}: {exc}"
-    errors = coordinator.decide(error, lambda found: [e for e in found if e is not None])
+    if payload.get("dcp"):
+        errors = _restore_dcp(coordinator, os.path.join(path, payload["dcp"]), payload, model, optimizer, scheduler)
+    else:
+        errors = _collectively(coordinator, lambda: restore(payload, model, optimizer, scheduler, shards))
     coordinator.finish()
     if errors:
         raise RuntimeError(f"could not resume from {payload_path}: " + "; ".join(errors))
@@ -163,6 +168,41 @@ def load_latest_checkpoint(
         skipped=tuple(skipped),
         manifest=os.path.join(path, manifest_name(manifest.step)),
     )
+
+
+def _collectively(coordinator: Coordinator, action: Any) -> list[str]:
+    """Run ``action()`` on every rank; every rank's error message (the same list on all ranks)."""
+    error = None
+    try:
+        action()
+    except Exception as exc:  # noqa: BLE001 - made collective below
+        error = f"rank {coordinator.rank}: {type(exc).__name__}: {exc}"
+    return coordinator.decide(error, lambda found: [e for e in found if e is not None])
+
+
+def _restore_dcp(coordinator: Coordinator, directory: str, payload: dict, model: nn.Module,
+                 optimizer: torch.optim.Optimizer, scheduler: Any) -> list[str]:
+    """Restore a checkpoint whose stage-3 tensors are in the DCP ``directory``; the errors, as for
+    :func:`_collectively`.
+
+    In two rounds: every rank first makes the tensors DCP reads into (checking the checkpoint fits), and only if
+    all could, all enter ``dcp.load``, a collective no rank may skip.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+
+    def prepare() -> None:
+        check_fits(payload, optimizer, scheduler)
+        tensors.update(dcp_tensors.targets(payload["model"], payload["optimizer"], unwrap(model), optimizer))
+
+    errors = _collectively(coordinator, prepare)
+    if errors:
+        return errors
+
+    def read_and_restore() -> None:
+        dcp_tensors.read(tensors, directory)
+        restore_from_dcp(payload, tensors, model, optimizer, scheduler)
+
+    return _collectively(coordinator, read_and_restore)
 
 
 def _list(path: str) -> tuple[list[int], str | None]:
@@ -190,7 +230,7 @@ def _choose(
         intact: dict[str, str] = {}  # the files this rank verified: name in the directory -> SHA-256
         outcome: _Outcome = ("ok", None, None, intact)
         try:
-            manifest, payload, shards = _read(path, step, target, model, intact)
+            manifest, payload, shards = _read(path, step, target, model, intact, coordinator)
         except CheckpointCorrupt as exc:
             outcome = ("bad", str(exc), os.path.basename(exc.path), intact)
         except Exception as exc:  # noqa: BLE001 - made collective below
@@ -252,16 +292,26 @@ def _verdict(outcomes: list[_Outcome]) -> tuple[str, str | None]:
 
 
 def _read(
-    path: str, step: int, target: flat_state.Target | None, model: nn.Module, intact: dict[str, str]
+    path: str, step: int, target: flat_state.Target | None, model: nn.Module, intact: dict[str, str],
+    coordinator: Coordinator,
 ) -> tuple[Manifest, dict, dict[int, dict]]:
     """Manifest, common payload and the rank parts this rank needs; ``CheckpointCorrupt`` if unusable.
 
-    Each file verified goes into ``intact`` (name and SHA-256) as soon as its checksum matched.
+    Each file verified goes into ``intact`` (name and SHA-256) as soon as its checksum matched. The DCP files of
+    a stage-3 checkpoint are verified by the ranks in turn (file ``i`` by rank ``i % world size``): ``dcp.load``
+    reads them later, each rank what its shards need.
     """
     manifest = storage.read_manifest(path, step)
     intact[manifest_name(step)] = hashlib.sha256(manifest.to_bytes()).hexdigest()  # of its content, canonical
     _verify(path, manifest, [COMMON], intact)
     payload = _load(path, manifest, COMMON, lambda p: check_payload(p, step))
+    if payload.get("dcp"):
+        files = [f.part for f in manifest.files if f.part.startswith("dcp-")]
+        if not files:
+            raise ValueError(f"{os.path.join(path, manifest_name(step))} lists no DCP file, which its common "
+                             "payload says was saved: the checkpoint is inconsistent as written, not damaged")
+        _verify(path, manifest, files[coordinator.rank::coordinator.world_size], intact)
+        return manifest, payload, {}
     # ValueError when it does not fit the optimizer: raised on every rank, never skipped.
     needed = sorted({*flat_state.parts_needed(payload["optimizer"], target, int(payload["world_size"])),
                      *model_shards.parts_needed(payload.get("model_shards"), unwrap(model))})

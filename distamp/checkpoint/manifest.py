@@ -34,6 +34,8 @@ __all__ = [
     "CheckpointCorrupt",
     "Manifest",
     "PayloadFile",
+    "dcp_directory_name",
+    "dcp_part",
     "manifest_name",
     "payload_name",
     "rank_part",
@@ -47,6 +49,9 @@ COMMON = "common"
 _HASH_CHARS = 16  # 64 bits of the SHA-256 in a payload's name: unique among one step's saves
 _PART = re.compile(r"^[a-z0-9-]+$")
 _LEGACY_NAME = re.compile(r"^step-\d{8,}\.pt$")
+_DCP_PART = re.compile(r"^dcp-\d{5,}$")
+# A DCP file: <the save's directory>/<a name DCP chose>, never "..", never deeper.
+_DCP_FILE = re.compile(r"^(step-\d{8,}\.dcp-[0-9a-f]{16})/\.?[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
 class CheckpointCorrupt(Exception):
@@ -154,7 +159,11 @@ def _parse(meta: dict[str, Any], path: str) -> Manifest:
     )
     for f in manifest.files:
         check_part(f.part)  # a name from the manifest must stay inside the directory
-        if f.name != payload_name(manifest.step, f.part, f.sha256):
+        if _DCP_PART.match(f.part):
+            m = _DCP_FILE.match(f.name)
+            if m is None or not m.group(1).startswith(f"step-{manifest.step:08d}."):
+                raise CheckpointCorrupt(path, f"names DCP file {f.name!r}, which is not in a DCP directory of its step")
+        elif f.name != payload_name(manifest.step, f.part, f.sha256):
             raise CheckpointCorrupt(path, f"names payload {f.name!r}, whose name does not carry its SHA-256")
     return manifest
 
@@ -162,6 +171,17 @@ def _parse(meta: dict[str, Any], path: str) -> Manifest:
 def rank_part(rank: int) -> str:
     """The part name for what only ``rank`` holds (e.g. its optimizer-state shard)."""
     return f"rank-{rank:05d}"
+
+
+def dcp_part(index: int) -> str:
+    """The part name of the ``index``-th file of a checkpoint's DCP directory (stage-3 tensors)."""
+    return f"dcp-{index:05d}"
+
+
+def dcp_directory_name(step: int, nonce: str) -> str:
+    """The DCP directory of one save of ``step``: ``nonce`` (16 hex digits, new per save) keeps every save apart,
+    as the hash in a payload's name does."""
+    return f"step-{step:08d}.dcp-{nonce}"
 
 
 def check_part(part: str) -> str:

@@ -1,17 +1,15 @@
-"""The model's state at sharding stage 3: each rank writes the rows of every sharded entry it holds.
+"""Stage-3 checkpoints of the per-rank format that came before DCP: each rank's part held its rows of every
+sharded model entry.
 
-Under stage 3 ``model.state_dict()`` holds DTensors for the parameters
-(each rank's FP32 shard: dim-0 rows, :mod:`distamp.sharding.shard_rows`)
-and plain tensors for the buffers, which are replicated. :func:`split`
-keeps the plain entries for the common part, and for the DTensor entries an
-*index* (global shape and every rank's rows) for the common part and this
-rank's local shards for its own part ``rank-<R>``: nothing is gathered.
-
-On load, :func:`rows_needed` says which rows of each indexed entry the
-loading model holds (its own rows for a stage-3 model, all of them for an
-unsharded one), :func:`parts_needed` which saved parts hold them, and
-:func:`assemble` cuts them out of those parts: a whole tensor for a plain
-entry, a DTensor of this rank's rows for a stage-3 one, at any world size.
+Those checkpoints (``rank-<R>`` parts with ``"model_shard"``, the common
+part's ``"model_shards"`` index: global shape and every rank's dim-0 rows)
+are still read; stage 3 now saves through
+:mod:`~distamp.checkpoint.dcp_tensors`. :func:`rows_needed` says which rows
+of each indexed entry the loading model holds (its own rows for a stage-3
+model, all of them for an unsharded one), :func:`parts_needed` which saved
+parts hold them, and :func:`assemble` cuts them out of those parts: a whole
+tensor for a plain entry, a DTensor of this rank's rows for a stage-3 one,
+at any world size.
 """
 
 from __future__ import annotations
@@ -22,35 +20,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distamp.sharding.shard_rows import like_local_rows, local_rows, rows_of_every_rank
+from distamp.sharding.shard_rows import like_local_rows, local_rows
 
-__all__ = ["assemble", "parts_needed", "rows_needed", "split"]
-
-
-def split(module: nn.Module) -> tuple[dict, dict | None, dict | None]:
-    """``(whole, index, local)`` of ``module.state_dict()`` (the user's module, unwrapped).
-
-    ``index`` and ``local`` are None when nothing is sharded.
-
-    ``whole``: the plain entries; ``index``: ``{name: {"shape": [...],
-    "rows": [[start, stop] per rank]}}`` of the DTensor entries; ``local``:
-    ``{name: this rank's rows}``, copied to the CPU (no collective).
-
-    Raises:
-        ValueError: a DTensor entry is not sharded as FSDP2's ``Shard(0)``.
-    """
-    state = module.state_dict()
-    whole = {k: v for k, v in state.items() if not isinstance(v, DTensor)}
-    sharded = {k: v for k, v in state.items() if isinstance(v, DTensor)}
-    if not sharded:
-        return whole, None, None
-    index, local = {}, {}
-    for name, value in sharded.items():
-        local_rows(value)  # raises for a layout the index could not describe
-        index[name] = {"shape": list(value.shape),
-                       "rows": [list(r) for r in rows_of_every_rank(value.shape[0], value.device_mesh.size())]}
-        local[name] = value.to_local().detach().to("cpu", copy=True)
-    return whole, index, local
+__all__ = ["assemble", "parts_needed", "rows_needed"]
 
 
 def rows_needed(index: Mapping[str, dict], state: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int]]:

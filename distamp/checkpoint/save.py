@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import numbers
 import os
+import secrets
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -16,9 +17,10 @@ from distamp.distributed.process_group import validate_timeout
 from distamp.optim.optimizer import AmpOptimizer
 from distamp.sharding import flat_state
 
-from . import model_shards, rng, storage
+from . import dcp_tensors, rng, storage
+from .atomic import sha256_of
 from .collective import Coordinator
-from .manifest import COMMON, Manifest, PayloadFile, rank_part
+from .manifest import COMMON, Manifest, PayloadFile, dcp_directory_name, dcp_part, rank_part
 from .state import (
     build_payload,
     build_shard_payload,
@@ -73,13 +75,14 @@ def save_checkpoint(
     ``rank-<R>``; nothing is gathered to rank 0, and the one manifest that
     rank 0 commits lists every part. Any world size, sharded or not, can
     load it (see :func:`~distamp.checkpoint.load_latest_checkpoint`).
-    With sharding stage 3 (FSDP2) each rank writes its own part too: its
-    local DTensor shards of the model's parameters (the FP32 masters) and
-    of the per-element optimizer state, with the non-element state
-    (``step``); the common part holds the buffers, the scaler and the layout
-    (which rows of each parameter every rank holds). Nothing is gathered:
-    no rank holds a whole parameter at any point of the save. Any world
-    size and stage loads it.
+    With sharding stage 3 (FSDP2) the DTensors (the model's FP32
+    parameters, which are the O2 masters too, and the optimizer's
+    per-element state) go through ``torch.distributed.checkpoint``: each
+    rank writes its own shards into the save's DCP directory, and every file
+    there is listed in the manifest. The common part holds the buffers, the
+    scaler and the rest of the optimizer state. Nothing is gathered: no rank
+    holds a whole parameter at any point of the save. Any world size and
+    stage loads it.
 
     Example::
 
@@ -111,17 +114,30 @@ def save_checkpoint(
     check_objects(model, optimizer, scheduler)
     extra = check_extra(extra)
     # Checked on every rank (the states are replicated), so all raise alike.
-    local = optimizer.local_state_dict() if isinstance(optimizer, AmpOptimizer) else optimizer.state_dict()
-    optimizer_state, shard = flat_state.split(local)
     scheduler_state = scheduler.state_dict() if scheduler is not None else None
-    model_whole, model_index, model_local = model_shards.split(unwrap(model))  # stage 3: this rank's rows
+    # Stage 3: the DTensors go to DCP, each rank writing its own shards; the rest to the common part.
+    fully_sharded = dcp_tensors.split(unwrap(model), optimizer) if isinstance(optimizer, AmpOptimizer) else None
+    model_state: dict | None = None
+    tensors: dict = {}
+    if fully_sharded is not None:
+        model_state, optimizer_state, tensors = fully_sharded
+        shard = None
+    else:
+        local = optimizer.local_state_dict() if isinstance(optimizer, AmpOptimizer) else optimizer.state_dict()
+        optimizer_state, shard = flat_state.split(local)
     check_plain(optimizer_state, "optimizer.state_dict()")
     check_plain(shard, "optimizer.state_dict()")
     check_plain(scheduler_state, "scheduler.state_dict()")
 
     coordinator = Coordinator(f"save step {step}", wait)
-    own = shard is not None or model_local is not None
-    part = _write_part(path, step, coordinator.rank, shard, model_local) if own else None
+    dcp_directory = None
+    part: tuple[Any, ...] | None
+    if fully_sharded is not None:
+        nonce = coordinator.broadcast(secrets.token_hex(8) if coordinator.rank == 0 else None)
+        dcp_directory = dcp_directory_name(step, nonce)
+        part = _write_dcp(path, dcp_directory, tensors, coordinator.rank, coordinator.world_size)
+    else:
+        part = _write_part(path, step, coordinator.rank, shard) if shard is not None else None
     gathered = coordinator.gather((rng.get_rng_state(), part))
     outcome, failure = None, None
     if coordinator.rank == 0:
@@ -130,33 +146,55 @@ def save_checkpoint(
             parts = _part_files(gathered)
             payload = build_payload(step, coordinator.world_size, model, type(optimizer).__name__,
                                     optimizer_state, scheduler_state, [g[0] for g in gathered], extra,
-                                    model_state_dict=model_whole, model_index=model_index)
+                                    model_state_dict=model_state, dcp_directory=dcp_directory)
             outcome = ("saved", _write(path, step, payload, keep, parts))
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             outcome, failure = ("failed", f"{type(exc).__name__}: {exc}"), exc
+            if dcp_directory is not None:  # before any rank hears of the failure: none sees the files after
+                storage.discard(path, step, [dcp_directory])
     kind, detail = coordinator.broadcast(outcome)
     coordinator.finish()
     if kind == "failed":
-        if part is not None and part[0] == "ok":
+        if part is not None and part[0] == "ok" and dcp_directory is None:
             storage.discard(path, step, [part[1][1]])
         raise RuntimeError(f"rank 0 could not save checkpoint {step} in {path!r}: {detail}") from failure
     return os.path.join(path, detail)
 
 
-def _write_part(path: str, step: int, rank: int, shard: dict | None, model_local: dict | None) -> tuple[str, Any]:
-    """Write this rank's part (optimizer shard, stage-3 model rows); ``("ok", (part, name, size, sha256))`` or
-    ``("failed", why)``."""
+def _write_part(path: str, step: int, rank: int, shard: dict) -> tuple[str, Any]:
+    """Write this rank's part (its optimizer slice); ``("ok", (part, name, size, sha256))`` or ``("failed", why)``."""
     try:
         os.makedirs(path, exist_ok=True)
-        payload = build_shard_payload(step, rank, shard, model_local)
+        payload = build_shard_payload(step, rank, shard)
         written = storage.write_payload(path, step, rank_part(rank), lambda f: torch.save(payload, f))
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the save everywhere
         return "failed", f"rank {rank} could not write its part: {type(exc).__name__}: {exc}"
     return "ok", (written.part, written.name, written.size, written.sha256)
 
 
+def _write_dcp(path: str, directory: str, tensors: dict, rank: int, world_size: int) -> tuple[Any, ...]:
+    """Write the stage-3 tensors through DCP into ``directory`` (collective), then hash this rank's share of the
+    files there; ``("dcp", [(name, size, sha256), ...], every name it sees)`` or ``("failed", why)``.
+
+    The files are hashed by every rank in turn (file ``i`` by rank ``i % world_size``), so no rank reads the
+    whole checkpoint back.
+    """
+    where = os.path.join(path, directory)
+    try:
+        dcp_tensors.write(tensors, where)
+        names = sorted(os.listdir(where))
+        hashed = []
+        for name in names[rank::world_size]:
+            sha, size = sha256_of(os.path.join(where, name))
+            hashed.append((f"{directory}/{name}", size, sha))
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the save everywhere
+        return "failed", f"rank {rank} could not write its DCP shards: {type(exc).__name__}: {exc}"
+    return "dcp", hashed, names  # what it saw: every rank must see the same files
+
+
 def _part_files(gathered: list[tuple[dict, Any]]) -> list[PayloadFile]:
-    """The ranks' shard files, in rank order; raises when one failed or the ranks disagree on sharding."""
+    """The ranks' shard files (rank order), or the DCP files (name order); raises when one failed or the ranks
+    disagree on sharding."""
     parts = [g[1] for g in gathered]
     failed = [p[1] for p in parts if p is not None and p[0] == "failed"]
     if failed:
@@ -164,6 +202,16 @@ def _part_files(gathered: list[tuple[dict, Any]]) -> list[PayloadFile]:
     if any(p is None for p in parts) and any(p is not None for p in parts):
         sharded = [r for r, p in enumerate(parts) if p is not None]
         raise RuntimeError(f"only ranks {sharded} have sharded state; every rank must use the same strategy")
+    if parts and parts[0] is not None and parts[0][0] == "dcp":
+        seen = [p[2] for p in parts]
+        if any(names != seen[0] for names in seen):
+            differ = next(r for r, names in enumerate(seen) if names != seen[0])
+            raise RuntimeError(
+                f"rank {differ} sees the DCP files {seen[differ]}, rank 0 {seen[0]}: the ranks do not write into one "
+                "directory. On several nodes the checkpoint directory must be on a file system shared by every node"
+            )
+        files = sorted(f for p in parts for f in p[1])
+        return [PayloadFile(dcp_part(i), name, size, sha) for i, (name, size, sha) in enumerate(files)]
     return [PayloadFile(*p[1]) for p in parts if p is not None]
 
 

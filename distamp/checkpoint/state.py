@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from distamp.sharding import flat_state
 
-from . import model_shards
+from . import dcp_tensors, model_shards
 from .manifest import FORMAT, LEGACY_FORMAT
 
 __all__ = [
@@ -26,11 +27,13 @@ __all__ = [
     "build_payload",
     "build_shard_payload",
     "check_extra",
+    "check_fits",
     "check_objects",
     "check_payload",
     "check_plain",
     "check_shard_payload",
     "restore",
+    "restore_from_dcp",
     "unwrap",
 ]
 
@@ -128,16 +131,16 @@ def build_payload(
     extra: dict,
     *,
     model_state_dict: dict | None = None,
-    model_index: dict | None = None,
+    dcp_directory: str | None = None,
 ) -> dict[str, Any]:
     """The common payload: everything but per-rank shards, identical on every rank but the RNG.
 
-    ``model_state_dict``: the model's whole entries (``model_shards.split``'s,
-    the buffers at stage 3); None: ``model``'s own ``state_dict()``.
-    ``model_index``: where the ranks' parts hold the sharded entries (stage
-    3; :mod:`distamp.checkpoint.model_shards`), recorded as ``"model_shards"``.
+    ``model_state_dict``: the model's state with slots for the tensors in
+    DCP files (stage 3, :func:`~distamp.checkpoint.dcp_tensors.split`'s);
+    None: ``model``'s own ``state_dict()``. ``dcp_directory``: the DCP
+    directory holding those tensors, recorded as ``"dcp"``.
     """
-    index = {} if model_index is None else {"model_shards": model_index}
+    index = {} if dcp_directory is None else {"dcp": dcp_directory}
     return {
         "format": FORMAT,
         "step": step,
@@ -152,11 +155,9 @@ def build_payload(
     }
 
 
-def build_shard_payload(step: int, rank: int, shard: dict | None, model_shard: dict | None = None) -> dict[str, Any]:
-    """A rank's part: its share of the sharded optimizer state (see :mod:`distamp.sharding.flat_state`) and, at
-    stage 3, its rows of the model's sharded entries (``"model_shard"``, see :mod:`distamp.checkpoint.model_shards`)."""
-    model = {} if model_shard is None else {"model_shard": model_shard}
-    return {"format": FORMAT, "step": step, "rank": rank, "optimizer_shard": shard, **model}
+def build_shard_payload(step: int, rank: int, shard: dict) -> dict[str, Any]:
+    """A rank's part: its share of the sharded optimizer state (see :mod:`distamp.sharding.flat_state`)."""
+    return {"format": FORMAT, "step": step, "rank": rank, "optimizer_shard": shard}
 
 
 def check_shard_payload(payload: Any, step: int, rank: int) -> None:
@@ -198,6 +199,48 @@ def restore(
     re-sliced for this optimizer's own layout, and a stage-3 model's rows
     for this model (whole, or this rank's shards).
     """
+    check_fits(payload, optimizer, scheduler)
+    # Model first: in O2 the optimizer then overwrites the 16-bit weights from its exact masters.
+    parts = dict(parts or {})
+    module = unwrap(model)
+    model_state = dict(payload["model"])
+    if payload.get("model_shards"):
+        rows = {r: p["model_shard"] for r, p in parts.items() if p.get("model_shard") is not None}
+        model_state.update(model_shards.assemble(payload["model_shards"], rows, module))
+    module.load_state_dict(model_state)
+    target = flat_state.describe(optimizer)
+    shards = {r: p["optimizer_shard"] for r, p in parts.items() if p.get("optimizer_shard") is not None}
+    optimizer.load_state_dict(flat_state.join(payload["optimizer"], shards, target, int(payload["world_size"])))
+    if scheduler is not None:
+        scheduler.load_state_dict(payload["scheduler"])
+
+
+def restore_from_dcp(
+    payload: Mapping, tensors: Mapping[str, torch.Tensor], model: nn.Module, optimizer: torch.optim.Optimizer,
+    scheduler: Any
+) -> None:
+    """:func:`restore` of a checkpoint whose stage-3 tensors DCP has read into ``tensors`` (by key, laid out as
+    :func:`~distamp.checkpoint.dcp_tensors.targets` made them).
+
+    A stage-3 optimizer takes them as its local shards, with its own layout;
+    any other takes whole tensors, re-sliced as from an unsharded checkpoint.
+    """
+    target = flat_state.describe(optimizer)
+    model_state = dcp_tensors.fill(payload["model"], tensors)
+    if target is None or not target.fully_sharded:
+        restore({**payload, "model": model_state, "optimizer": dcp_tensors.fill(payload["optimizer"], tensors)},
+                model, optimizer, scheduler)
+        return
+    check_fits(payload, optimizer, scheduler)
+    local = dcp_tensors.fill(payload["optimizer"], tensors, lambda t: t.to_local() if isinstance(t, DTensor) else t)
+    unwrap(model).load_state_dict(model_state)
+    optimizer.load_state_dict({**local, "sharding": target.sharding})
+    if scheduler is not None:
+        scheduler.load_state_dict(payload["scheduler"])
+
+
+def check_fits(payload: Mapping, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    """``ValueError`` unless the checkpoint's optimizer type and its scheduler's presence match these."""
     saved_opt = payload["optimizer_type"]
     if saved_opt != type(optimizer).__name__:
         raise ValueError(
@@ -213,16 +256,3 @@ def restore(
             + ("a scheduler" if scheduler is not None else "None")
             + " was passed; pass the same kind of scheduler the saving run used"
         )
-    # Model first: in O2 the optimizer then overwrites the 16-bit weights from its exact masters.
-    parts = dict(parts or {})
-    module = unwrap(model)
-    model_state = dict(payload["model"])
-    if payload.get("model_shards"):
-        rows = {r: p["model_shard"] for r, p in parts.items() if p.get("model_shard") is not None}
-        model_state.update(model_shards.assemble(payload["model_shards"], rows, module))
-    module.load_state_dict(model_state)
-    target = flat_state.describe(optimizer)
-    shards = {r: p["optimizer_shard"] for r, p in parts.items() if p.get("optimizer_shard") is not None}
-    optimizer.load_state_dict(flat_state.join(payload["optimizer"], shards, target, int(payload["world_size"])))
-    if scheduler is not None:
-        scheduler.load_state_dict(payload["scheduler"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 from collections.abc import Callable, Iterable
 from typing import Any, BinaryIO
 
@@ -42,6 +43,7 @@ logger = logging.getLogger("distamp")
 _MANIFEST = re.compile(r"^step-(\d{8,})\.json$")
 _PAYLOAD = re.compile(r"^step-(\d{8,})\.[a-z0-9-]+\.[0-9a-f]{16}\.pt$")
 _LEGACY_PAYLOAD = re.compile(r"^step-(\d{8,})\.pt$")
+_DCP_DIRECTORY = re.compile(r"^step-(\d{8,})\.dcp-[0-9a-f]{16}$")
 
 
 def check_directory(directory: Any) -> str:
@@ -100,7 +102,7 @@ def _files_by_step(directory: str) -> dict[int, list[str]]:
         return {}
     steps: dict[int, list[str]] = {}
     for name in names:
-        m = _MANIFEST.match(name) or _PAYLOAD.match(name) or _LEGACY_PAYLOAD.match(name)
+        m = _MANIFEST.match(name) or _PAYLOAD.match(name) or _LEGACY_PAYLOAD.match(name) or _DCP_DIRECTORY.match(name)
         if m:
             steps.setdefault(int(m.group(1)), []).append(name)
     return steps
@@ -113,7 +115,7 @@ def read_manifest(directory: str, step: int) -> Manifest:
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
-        orphans = sorted(n for n in _files_by_step(directory).get(step, []) if n.endswith(".pt"))
+        orphans = sorted(n for n in _files_by_step(directory).get(step, []) if n != manifest_name(step))
         found = f"; {', '.join(orphans)} without one" if orphans else ""
         raise CheckpointCorrupt(path, f"no manifest (the save did not finish{found})") from None
     except OSError as exc:
@@ -155,11 +157,21 @@ def verify(directory: str, manifest: Manifest, parts: Iterable[str]) -> None:
 
 
 def _committed_names(directory: str, step: int) -> set[str] | None:
-    """The payload names the manifest of ``step`` commits; None without a valid manifest."""
+    """The payload names the manifest of ``step`` commits, with the DCP directory of its DCP files; None without a
+    valid manifest."""
     try:
-        return {f.name for f in read_manifest(directory, step).files}
+        names = {f.name for f in read_manifest(directory, step).files}
     except CheckpointCorrupt:
         return None
+    return names | {name.split("/")[0] for name in names}
+
+
+def _remove(path: str) -> None:
+    """Remove a payload file, or a DCP directory with what it holds."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        unlink(path)
 
 
 def discard(directory: str, step: int, names: Iterable[str]) -> None:
@@ -175,7 +187,7 @@ def discard(directory: str, step: int, names: Iterable[str]) -> None:
         if name in keep:
             continue
         try:
-            unlink(os.path.join(directory, name))
+            _remove(os.path.join(directory, name))
         except OSError as exc:
             logger.warning("could not remove %s after a failed save: %s", os.path.join(directory, name), exc)
 
@@ -202,7 +214,7 @@ def rotate(directory: str, newest: int, keep: int) -> None:
             # Manifest first: a half-removed checkpoint must not look committed.
             doomed = sorted(by_step[step], key=lambda n: n != manifest_name(step))
         for name in doomed:
-            unlink(os.path.join(directory, name))
+            _remove(os.path.join(directory, name))
     for name in os.listdir(directory):
         if name.startswith(TMP_PREFIX):  # left by a writer that was killed
             unlink(os.path.join(directory, name))

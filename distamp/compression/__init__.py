@@ -1,0 +1,7 @@
+"""Gradient compression (``strategy.powersgd``): PowerSGD with error feedback on DDP's comm hook.
+
+``powersgd`` is the hook (it satisfies ``distamp.core.attached.GradCompressor``:
+its state follows the agreed step verdict), ``low_rank`` its FP32 matrix
+side, ``low_rank_kernels`` (``.py`` and ``.c``) its CPU passes, compiled on
+first use. It imports the core, never another capability.
+"""

@@ -63,7 +63,6 @@ CPUs without ``avx512_bf16``).
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -78,6 +77,7 @@ from distamp.compression.low_rank import (
     start_q,
 )
 from distamp.compression.low_rank_kernels import LowRankKernels
+from distamp.core.attached import GradCompressor
 from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
 from distamp.strategy import PowerSGDConfig
 from distamp.user_warning import warn_user
@@ -120,26 +120,6 @@ def fit_state_to_world(state: dict, world_size: int, rank: int) -> dict:
             "ranks and has no counterpart now, so it restarts from zero (Q and the step count are kept)"
         )
     return {**state, "world_size": world_size, "error": {}}
-
-
-@runtime_checkable
-class GradCompressor(Protocol):
-    """What an optimizer needs from a gradient compressor whose state depends on the step verdict."""
-
-    def bind(self, loss_scale: Callable[[], float]) -> None:
-        """Where the hook reads the loss scale the gradients it gets are multiplied by."""
-
-    def resolve(self, applied: bool) -> None:
-        """The agreed verdict of the step whose gradients were communicated: keep or drop their state."""
-
-    def state_dict(self) -> dict:
-        """This rank's compressor state (tensors and plain numbers)."""
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output."""
-
-    def step_report(self) -> tuple[int | None, float | None]:
-        """``(bytes this rank sent, compression rate)`` of the last step's gradient communication."""
 
 
 @dataclass

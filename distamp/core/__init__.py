@@ -1,0 +1,26 @@
+"""The core every capability builds on: the precision plugin and the interfaces, as in Fleet's meta-optimizer base.
+
+A capability plugs into the meta-optimizer (``distamp.optim``) and the model
+wrappers (``distamp.model``, stage 3's ``FullyShardedModel``) only through
+what is defined here:
+
+* :class:`~distamp.core.precision.FullPrecision` (``core/precision.py``): the
+  optimizer-side plugin. At bind time the composer picks one per strategy
+  (``optim/precision_choice.py``); at backward it scales the loss
+  (``scale_loss``) and hears when a merge window closes (``after_backward``);
+  at step it unscales and checks (``unscale_and_check``), applies the agreed
+  verdict to its scaler (``update``), clips (``clip_grad_norm_``) and writes
+  masters back (``after_applied_step``); at save and load it gives and takes
+  its state (``state_dict``/``load_state_dict``). ``MixedPrecision`` (O1) and
+  ``PureLowPrecision`` (O2) are here; sharding's plugins subclass them.
+* :mod:`~distamp.core.attached`: the model side's protocols
+  (``AttachedOptimizer``, ``FullyShardedOptimizer``: what a wrapper reads of
+  the optimizer), ``GradCompressor`` (what the optimizer needs of a
+  gradient compressor: bind to the loss scale, resolve each verdict, state)
+  and ``ModelPrecision`` (what a wrapper needs of ``distamp.amp``).
+* :mod:`~distamp.core.master_weights` and :mod:`~distamp.core.grad_accumulator`:
+  O2's FP32 masters and FP32 gradient merge, which the plugins hold.
+
+Whether a capability applies to a strategy is decided before any of this
+runs, by ``distamp.strategy.applicability`` (Fleet's ``_can_apply``).
+"""

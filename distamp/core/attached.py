@@ -1,43 +1,43 @@
-"""What the data-parallel side needs of an optimizer, as protocols.
+"""The interfaces between the meta-optimizer, the model side and a compressor, as protocols.
 
-``distamp.distributed`` builds DDP, comm hooks and the forward hooks of
-``overlap_param_gather`` for the meta-optimizers attached to a model, but it
-must not depend on :mod:`distamp.optim` (the dependency runs the other way:
-the optimizer uses the process group, the flag sync and the flat layouts).
-These protocols name exactly what it reads; ``AmpOptimizer`` and
-``ShardedMasters`` satisfy them.
+``distamp.model`` (DDP, comm hooks, the forward hooks of
+``overlap_param_gather``) and stage 3's ``FullyShardedModel`` work with the
+meta-optimizers attached to a model, but must not depend on
+:mod:`distamp.optim` (the dependency runs the other way). These protocols
+name exactly what they read; ``AmpOptimizer`` satisfies
+:class:`AttachedOptimizer` and :class:`FullyShardedOptimizer`, and
+``distamp.compression``'s PowerSGD hook satisfies :class:`GradCompressor`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from distamp.compression.powersgd import GradCompressor
-from distamp.sharding.flat_layout import FlatLayout
-
-__all__ = ["AttachedOptimizer", "FullyShardedOptimizer", "GradSlice", "SliceOwner"]
+__all__ = ["AttachedOptimizer", "FullyShardedOptimizer", "GradCompressor", "ModelPrecision"]
 
 
-class GradSlice(Protocol):
-    """A rank's FP32 gradient slice: the buffer the reduce-scatter sums into."""
+@runtime_checkable
+class GradCompressor(Protocol):
+    """What an optimizer needs from a gradient compressor whose state depends on the step verdict."""
 
-    buffer: torch.Tensor
-    reduced: bool
-    arrived: set[int]  # indices (in the owner's model_params) of parameters whose gradient was summed here
-    deliveries: int  # backward passes whose gradients the stage-2 reducer summed here, ever
+    def bind(self, loss_scale: Callable[[], float]) -> None:
+        """Where the hook reads the loss scale the gradients it gets are multiplied by."""
 
+    def resolve(self, applied: bool) -> None:
+        """The agreed verdict of the step whose gradients were communicated: keep or drop their state."""
 
-class SliceOwner(Protocol):
-    """Sharded FP32 masters: which part of the flat parameter space this rank owns."""
+    def state_dict(self) -> dict:
+        """This rank's compressor state (tensors and plain numbers)."""
 
-    model_params: list[nn.Parameter]
-    layout: FlatLayout
-    lo: int
-    grads: GradSlice
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output."""
+
+    def step_report(self) -> tuple[int | None, float | None]:
+        """``(bytes this rank sent, compression rate)`` of the last step's gradient communication."""
 
 
 class AttachedOptimizer(Protocol):
@@ -82,3 +82,13 @@ class FullyShardedOptimizer(Protocol):
 
     def add_sync_listener(self, listener: Any) -> None:
         """Tell ``listener.set_grad_sync(optimizer, flag)`` whether the next backward closes a merge window."""
+
+
+class ModelPrecision(Protocol):
+    """What a model wrapper needs of ``distamp.amp``: the forward precision of a model's modules."""
+
+    def fp32_modules(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """O2's modules whose parameters stay FP32 (``custom_black_varnames`` ones, norms)."""
+
+    def keep_black_modules_in_fp32(self, model: nn.Module) -> Any:
+        """Run ``custom_black_varnames`` modules in FP32 from now on; a handle with ``remove()``, or None."""

@@ -11,7 +11,7 @@ masters and copies updated masters back.
 Masters live in one flat FP32 buffer per device, so broadcasting,
 checkpointing and copying are a few large operations instead of one per
 parameter. Their FP32 gradients are not kept: the step builds them chunk by
-chunk (:mod:`distamp.optim.chunked_update`), and
+chunk (:mod:`distamp.core.chunked_update`), and
 :meth:`MasterWeights.copy_grads_to_masters` makes whole ones only on request
 (``unscale_()``, clipping), freed with the masters' gradients.
 """

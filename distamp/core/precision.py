@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.core.chunked_update import check_in_chunks, chunk_numel, step_in_chunks, step_only, steps_in_chunks
 from distamp.core.grad_accumulator import Fp32GradAccumulator
 from distamp.core.master_weights import MasterWeights, MasterWeightsSurface
 from distamp.distributed.flag_sync import all_reduce_max
-from distamp.optim.chunked_update import check_in_chunks, chunk_numel, step_in_chunks, step_only, steps_in_chunks
 from distamp.scaling.loss_scaler import LossScaler, build_loss_scaler
 from distamp.strategy import AmpConfig
 from distamp.torch_compat import amp_foreach_non_finite_check_and_unscale_, foreach_copy_, foreach_norm, tensor_version
@@ -50,6 +50,7 @@ class FullPrecision:
     """
 
     mode = "off"
+    stage = 0  # sharding stage: 0 none, 1-2 flat slices (sharding.ShardedPrecision), 3 DTensor shards (FSDP2)
     scaler: LossScaler | None = None
 
     def __init__(self, params: Sequence[nn.Parameter], config: AmpConfig) -> None:
@@ -95,6 +96,46 @@ class FullPrecision:
         """``optimizer.step()`` on the unscaled gradients (the verdict was finite), then :meth:`after_applied_step`."""
         optimizer.step()
         self.after_applied_step()
+
+    @property
+    def grads_are_slices(self) -> bool:
+        """Whether the model's ``.grad`` holds only this rank's slice after unscaling (stages 1-2, several ranks)."""
+        return False
+
+    def follow_sharded_parameters(self, new_of: dict[int, nn.Parameter]) -> None:
+        """Stage 3's ``fully_shard`` replaced each parameter ``old`` by ``new_of[id(old)]``: hold the new ones.
+
+        Raises:
+            RuntimeError: this plugin does not shard parameters (the
+                optimizer's strategy is not stage 3).
+        """
+        raise RuntimeError(
+            "fleet.distributed_model sharded the parameters (sharding stage 3), but this optimizer was built "
+            "with another strategy; pass the same strategy (sharding_configs={'stage': 3}) to both calls"
+        )
+
+    def checkpoint_state(self, inner_opt: torch.optim.Optimizer, local: bool) -> tuple[dict, dict]:
+        """``(this plugin's state, the inner optimizer's state)`` as an optimizer state dict holds them.
+
+        ``local`` asks for this rank's own part where the plugin shards state
+        (stage 3's ``local_state_dict``); unsharded plugins give the whole.
+        """
+        return self.state_dict(), inner_opt.state_dict()
+
+    def load_checkpoint_state(self, inner_opt: torch.optim.Optimizer, state: dict) -> None:
+        """Restore :meth:`checkpoint_state`'s output (an optimizer state dict): scaler, inner state, O2 masters."""
+        self.load_state_dict(state)
+        inner_opt.load_state_dict(state["inner"])
+        if state["master_weights"]:
+            self.master_weights.load_state_dict(state["master_weights"])
+
+    def hook_param_gather(self, deferred: bool) -> bool:
+        """Whether the all-gather after a step may be left to the model's forward hooks (now: ``deferred``).
+
+        False unless the plugin overlaps its gather
+        (``sharding_configs["overlap_param_gather"]``, stages 1-2).
+        """
+        return False
 
     def update(self, found_inf: bool, grad_max: float | None) -> None:
         """Advance the loss scale by one optimizer step."""
@@ -210,7 +251,7 @@ class PureLowPrecision(MixedPrecision):
     """O2: the model is stored in 16 bits; the inner optimizer updates FP32 masters.
 
     The step never holds a whole-model FP32 gradient
-    (:mod:`distamp.optim.chunked_update`): the 16-bit gradients are copied
+    (:mod:`distamp.core.chunked_update`): the 16-bit gradients are copied
     (exactly, 16 to 32 bits) into one chunk-sized FP32 buffer at a time and
     unscaled and checked there with the same fused kernel as O1, so the
     check never needs a 16-bit kernel (torch has had none for BF16 on CUDA

@@ -1,9 +1,10 @@
-"""How work is spread over ranks: process group, data parallel, comm hooks.
+"""The communication core every capability builds on: process groups, the
+16-bit wire hook, flag sync, fingerprint, replica check, timeouts.
 
-``fleet.init`` and ``fleet.distributed_model`` use these; they are usable
-alone::
+Nothing here imports a capability (``amp``, ``scaling``, ``sharding``,
+``compression``) or a composer (``optim``, ``model``); usable alone::
 
-    from distamp.distributed import DataParallel, LowPrecisionAllReduce
+    from distamp.distributed import LowPrecisionAllReduce, init_process_group
 """
 
 from distamp.distributed.comm_hooks import (
@@ -18,17 +19,14 @@ from distamp.distributed.process_group import (
     init_process_group,
     world_info_from_env,
 )
-from distamp.model.data_parallel import DataParallel, strategy_fp32_parameters
 
 __all__ = [
     "CommStats",
-    "DataParallel",
     "LowPrecisionAllReduce",
     "WorldInfo",
     "default_backend",
     "default_device",
     "init_process_group",
     "low_precision_allreduce_hook",
-    "strategy_fp32_parameters",
     "world_info_from_env",
 ]

@@ -42,8 +42,9 @@ from distamp.amp.fp32_parameters import fp32_parameters
 from distamp.compression.powersgd import PowerSGD
 from distamp.core.attached import AttachedOptimizer
 from distamp.distributed.comm_hooks import CommStats, LowPrecisionAllReduce
+from distamp.distributed.devices import check_device
 from distamp.distributed.groups import group_size
-from distamp.model.ddp_preparation import STAGE2_DDP_KWARGS, DDPPreparation, check_device
+from distamp.model.ddp_preparation import STAGE2_DDP_KWARGS, DDPPreparation
 from distamp.model_views import fp32_model_state_dict
 from distamp.sharding.param_gather_hooks import ForwardParamGather
 from distamp.sharding.reduce_scatter import ShardedGradReduce

@@ -19,40 +19,22 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distamp.compression.powersgd import PowerSGD
-from distamp.core.attached import AttachedOptimizer, SliceOwner
+from distamp.core.attached import AttachedOptimizer
 from distamp.distributed.comm_hooks import LowPrecisionAllReduce, PendingFp32Grads
 from distamp.distributed.comm_threads import check_gloo_workers_found, wait_for_comm_threads
 from distamp.distributed.fingerprint import check_ranks_agree
 from distamp.distributed.timeouts import named_collective
 from distamp.model_views import parameters_device
 from distamp.sharding.reduce_scatter import ShardedGradReduce, reduce_bucket_bytes
+from distamp.sharding.slice_owner import SliceOwner
 from distamp.sharding.slice_reducer import SliceReducer
 from distamp.strategy import DistributedStrategy
 from distamp.torch_compat import DEFAULT_FIRST_BUCKET_BYTES
 
-__all__ = ["STAGE2_DDP_KWARGS", "DDPPreparation", "PreparedDDP", "check_device"]
+__all__ = ["STAGE2_DDP_KWARGS", "DDPPreparation", "PreparedDDP"]
 
 STAGE2_DDP_KWARGS = ("broadcast_buffers", "init_sync", "static_graph")
 """DDP keyword arguments sharding stage 2 (which replaces DDP) honours; ``static_graph`` needs nothing from it."""
-
-
-def check_device(module: nn.Module, device: torch.device) -> torch.device:
-    """Raise ``ValueError`` naming the first parameter or buffer not on ``device``; return ``device``.
-
-    DDP would otherwise fail later with an error that names neither the
-    tensor nor the fix, or, with a model on another GPU, train there.
-    """
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    tensors: list[tuple[str, str, torch.Tensor]] = [("parameter", n, t) for n, t in module.named_parameters()]
-    tensors += [("buffer", n, t) for n, t in module.named_buffers()]
-    for kind, name, tensor in tensors:
-        if tensor.device != device:
-            raise ValueError(
-                f"{kind} {name!r} is on {tensor.device}, but this process trains on {device} "
-                "(fleet.device()); move the model there before wrapping it: model.to(fleet.device())"
-            )
-    return device
 
 
 @dataclass
@@ -204,7 +186,7 @@ class DDPPreparation:
         strategy = self.strategy
         model_stage = strategy.sharding_config.stage if strategy.sharding else 0
         for opt in optimizers:
-            opt_stage = getattr(opt.precision, "stage", 0)
+            opt_stage = opt.precision.stage
             if opt_stage != model_stage:
                 raise RuntimeError(
                     f"the optimizer's strategy has sharding stage {opt_stage or 'off'} but the model's "

@@ -20,17 +20,34 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from distamp.amp.black_modules import keep_in_fp32
+from distamp.amp.black_modules import BlackModulesHandle, keep_in_fp32
 from distamp.amp.fp32_parameters import fp32_parameters
+from distamp.strategy import DistributedStrategy
 
-if TYPE_CHECKING:
-    from distamp.optim.optimizer import AmpOptimizer
+
+class _ModelAdopter(Protocol):
+    """What the finder reads of a meta-optimizer (``AmpOptimizer`` satisfies it)."""
+
+    amp_enabled: bool
+    strategy: DistributedStrategy
+
+    @property
+    def master_weights(self) -> Any: ...
+
+    @property
+    def steps_applied(self) -> int: ...
+
+    @property
+    def steps_skipped(self) -> int: ...
+
+    def adopt_model(self, model: nn.Module, keep_fp32: list[nn.Parameter], *, reduces_grads: bool,
+                    black_modules: BlackModulesHandle | None = None) -> None: ...
 
 __all__ = ["FirstForwardFinder"]
 
@@ -45,7 +62,7 @@ class FirstForwardFinder:
             :meth:`~distamp.optim.optimizer.AmpOptimizer.adopt_model` is called.
     """
 
-    def __init__(self, optimizer: AmpOptimizer) -> None:
+    def __init__(self, optimizer: _ModelAdopter) -> None:
         self._optimizer = weakref.ref(optimizer)
         self._param_ids = {id(p) for p in optimizer.master_weights.model_params}
         self._handle = register_module_forward_pre_hook(self)

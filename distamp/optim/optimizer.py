@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.amp.black_modules import BlackModulesHandle
-from distamp.compression.powersgd import GradCompressor
+from distamp.core.attached import GradCompressor
 from distamp.core.precision import FullPrecision
 from distamp.distributed.groups import data_parallel_group
 from distamp.distributed.timeouts import named_collective
@@ -40,8 +40,6 @@ from distamp.optim.precision_choice import precision_for
 from distamp.optim.replica_watch import ReplicaWatch
 from distamp.optim.state import load_optimizer_state, optimizer_state
 from distamp.optim.step_policy import StepPolicy
-from distamp.sharding.fully_sharded_precision import FullyShardedPrecision
-from distamp.sharding.sharded_precision import ShardedPrecision
 from distamp.strategy import DistributedStrategy
 from distamp.user_warning import warn_user
 
@@ -208,9 +206,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         """
         self.finish_param_gather()
         self.clipper.unscale_()
-        precision = self.precision
-        sliced = isinstance(precision, ShardedPrecision) and precision.master_weights.world_size > 1
-        if sliced and not self._warned_slices:
+        if self.precision.grads_are_slices and not self._warned_slices:
             self._warned_slices = True
             warn_user(
                 "optimizer.unscale_() under sharding: the model's .grad holds only this rank's slice of the unscaled "
@@ -342,10 +338,8 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         (``sharding_configs["overlap_param_gather"]``); when it does not, this
         is a no-op. Stopping finishes whatever is still running.
         """
-        precision = self.precision
-        if not isinstance(precision, ShardedPrecision) or not precision.overlap_param_gather:
+        if not self.precision.hook_param_gather(deferred):
             return False
-        precision.gather_hooked = deferred
         if not deferred:
             self.finish_param_gather()
         return True
@@ -376,12 +370,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         Raises:
             RuntimeError: this optimizer is not a stage-3 one.
         """
-        precision = self.precision
-        if not isinstance(precision, FullyShardedPrecision):
-            raise RuntimeError(  # noqa: TRY004 - the strategies disagree; the argument's type is fine
-                "fleet.distributed_model sharded the parameters (sharding stage 3), but this optimizer was built "
-                "with another strategy; pass the same strategy (sharding_configs={'stage': 3}) to both calls"
-            )
+        self.precision.follow_sharded_parameters(new_of)
         for group in self.inner_opt.param_groups:
             # In place: some optimizers keep a reference to the list.
             group["params"][:] = [new_of.get(id(p), p) for p in group["params"]]
@@ -390,7 +379,6 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
             self.inner_opt.state.clear()
             for p, s in old_state.items():
                 self.inner_opt.state[new_of.get(id(p), p)] = s
-        precision.master_weights.replace(new_of)
         self._watch.params = [new_of.get(id(p), p) for p in self._watch.params]
         self._watch.after_step()
 

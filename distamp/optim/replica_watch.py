@@ -25,8 +25,6 @@ from distamp.core.precision import FullPrecision
 from distamp.distributed.groups import group_size
 from distamp.distributed.replica_check import GatheredParameterHashes, compare_replicas, tensor_hash
 from distamp.optim.model_binding import ModelBinding
-from distamp.sharding.fully_sharded_precision import FullyShardedPrecision
-from distamp.sharding.sharded_precision import ShardedPrecision
 
 __all__ = ["ReplicaWatch"]
 
@@ -60,7 +58,7 @@ class ReplicaWatch:
 
     def watch_model(self, model: nn.Module) -> None:
         """Stage 3: hash the parameters ``model``'s FSDP2 units gather in the forward of each check step (once)."""
-        if self.every and self.gathered is None and isinstance(self.precision, FullyShardedPrecision):
+        if self.every and self.gathered is None and self.precision.stage == 3:
             self.gathered = GatheredParameterHashes(model)
             self.follow_step_count()
 
@@ -99,12 +97,12 @@ class ReplicaWatch:
         hashes: list[torch.Tensor | None] = []
         params = masters.model_params
         param_names = [self.binding.name_of(p, i) for i, p in enumerate(params)]
-        if isinstance(self.precision, FullyShardedPrecision):
+        if self.precision.stage == 3:
             if self.gathered is not None:
                 names = [f"{name} (as gathered for the forward)" for name in param_names]
                 hashes = self.gathered.hashes_of(param_names)
         else:
-            sharded = isinstance(self.precision, ShardedPrecision)
+            sharded = self.precision.stage in (1, 2)
             with torch.no_grad():
                 for name, p in zip(param_names, params, strict=True):
                     names.append(name)

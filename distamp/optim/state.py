@@ -14,36 +14,46 @@ and is what checkpoints save (see :mod:`distamp.sharding.dtensor_state`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
+
+import torch
 
 from distamp.compression.powersgd import fit_state_to_world
+from distamp.core.precision import FullPrecision
 from distamp.distributed.groups import group_rank, group_size
-from distamp.sharding.dtensor_state import gather_full, local_inner, reshard_loaded, wrap_loaded
-from distamp.sharding.fully_sharded_precision import FullyShardedPrecision
+from distamp.optim.accumulation import GradientMerge
+from distamp.optim.step_policy import StepPolicy
+from distamp.strategy import DistributedStrategy
 
-if TYPE_CHECKING:
-    from distamp.optim.optimizer import AmpOptimizer
+
+class StatefulOptimizer(Protocol):
+    """What checkpoint state reads and writes of a meta-optimizer (``AmpOptimizer`` satisfies it)."""
+
+    policy: StepPolicy
+    inner_opt: torch.optim.Optimizer
+    precision: FullPrecision
+    merge: GradientMerge
+    strategy: DistributedStrategy
+
+    @property
+    def master_weights(self) -> Any: ...
+    _pending_compressor_state: dict | None
+
+    def state_dict(self) -> dict: ...
+
+    def local_state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state_dict: dict) -> None: ...
 
 __all__ = ["STATE_FORMAT", "load_optimizer_state", "optimizer_state"]
 
 STATE_FORMAT = "distamp.AmpOptimizer/1"
 
 
-def optimizer_state(opt: AmpOptimizer, *, local: bool = False) -> dict:
+def optimizer_state(opt: StatefulOptimizer, *, local: bool = False) -> dict:
     """``opt.state_dict()`` (``local``: ``opt.local_state_dict()``): see the module docstring."""
     policy = opt.policy
-    inner = opt.inner_opt.state_dict()
-    plugin = opt.precision
-    stage3 = isinstance(plugin, FullyShardedPrecision)
-    if isinstance(plugin, FullyShardedPrecision) and local and plugin.master_weights.sharded:
-        index = {id(p): i for i, p in enumerate(plugin.master_weights.model_params)}
-        groups = [[index[id(p)] for p in group["params"]] for group in opt.inner_opt.param_groups]
-        precision = plugin.local_state_dict(groups)
-        inner = local_inner(inner)
-    else:
-        precision = plugin.state_dict()
-        if stage3:
-            inner = gather_full(inner)  # whole tensors, as unsharded (collective)
+    precision, inner = opt.precision.checkpoint_state(opt.inner_opt, local)
     sharding = {"sharding": precision["sharding"]} if "sharding" in precision else {}
     compressor = opt.policy.compressor
     compressor_state = compressor.state_dict() if compressor is not None else opt._pending_compressor_state
@@ -67,7 +77,7 @@ def optimizer_state(opt: AmpOptimizer, *, local: bool = False) -> dict:
     }
 
 
-def load_optimizer_state(opt: AmpOptimizer, state_dict: dict) -> None:
+def load_optimizer_state(opt: StatefulOptimizer, state_dict: dict) -> None:
     """``opt.load_state_dict(state_dict)``; the model copies of the masters are refreshed.
 
     The next step starts afresh: nothing is unscaled yet, misuse detection
@@ -91,16 +101,7 @@ def load_optimizer_state(opt: AmpOptimizer, state_dict: dict) -> None:
             f"{'present' if masters else 'absent'} in the checkpoint); build the optimizer "
             "with the strategy the checkpoint was saved with"
         )
-    opt.precision.load_state_dict(state_dict)
-    opt.inner_opt.load_state_dict(state_dict["inner"])
-    plugin = opt.precision
-    local = state_dict.get("sharding") is not None  # stage 3: this rank's shards (local_state_dict's)
-    if isinstance(plugin, FullyShardedPrecision):
-        (wrap_loaded if local else reshard_loaded)(opt.inner_opt)
-    if masters and isinstance(plugin, FullyShardedPrecision) and local:
-        plugin.master_weights.load_state_dict(masters, local=True)
-    elif masters:
-        opt.master_weights.load_state_dict(masters)
+    opt.precision.load_checkpoint_state(opt.inner_opt, state_dict)
     counters, policy = state_dict["counters"], opt.policy
     policy.steps_applied = int(counters["steps_applied"])
     policy.steps_skipped = int(counters["steps_skipped"])
@@ -114,7 +115,7 @@ def load_optimizer_state(opt: AmpOptimizer, state_dict: dict) -> None:
     opt.merge.publish()
 
 
-def _load_compressor_state(opt: AmpOptimizer, state: dict | None) -> None:
+def _load_compressor_state(opt: StatefulOptimizer, state: dict | None) -> None:
     """This rank's PowerSGD state, to its compressor now or when ``fleet.distributed_model`` builds it.
 
     A checkpoint marker without the state, or a strategy without

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from distamp.compression.powersgd import GradCompressor
+from distamp.core.attached import GradCompressor
 from distamp.core.precision import FullPrecision
 from distamp.distributed.groups import data_parallel_group
 from distamp.distributed.timeouts import named_collective

@@ -38,14 +38,12 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from distamp.amp.black_modules import find_black_modules, keep_in_fp32
-from distamp.amp.fp32_parameters import NORM_LAYER_TYPES
-from distamp.core.attached import FullyShardedOptimizer
+from distamp.core.attached import FullyShardedOptimizer, ModelPrecision
 from distamp.distributed.comm_hooks import CommStats
+from distamp.distributed.devices import check_device
 from distamp.distributed.fingerprint import check_ranks_agree
 from distamp.distributed.groups import group_size
 from distamp.distributed.timeouts import named_collective
-from distamp.model.ddp_preparation import check_device
 from distamp.model_views import fp32_model_state_dict, parameters_device
 from distamp.sharding.fsdp_comms import InPlaceAllGather, WireReduceScatter
 from distamp.sharding.fsdp_policy import unit_policies
@@ -80,6 +78,9 @@ class FullyShardedModel(nn.Module):
         module: the model, already on its device.
         strategy: the strategy (``amp_configs`` for the policy,
             ``sharding_configs["units"]`` for the units).
+        precision: the forward precision ``distamp.amp`` gives the model
+            (which modules stay FP32 in O2, the FP32 forward of
+            ``custom_black_varnames``): ``distamp.amp.ForwardPrecision``.
         process_group: the data-parallel group; ``None`` is the world.
         device: the device this process trains on (``fleet.device()``);
             every parameter and buffer must be there.
@@ -89,7 +90,7 @@ class FullyShardedModel(nn.Module):
             no module, a tensor is on another device, or ranks disagree.
     """
 
-    def __init__(self, module: nn.Module, strategy: DistributedStrategy, *,
+    def __init__(self, module: nn.Module, strategy: DistributedStrategy, precision: ModelPrecision, *,
                  process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -99,15 +100,11 @@ class FullyShardedModel(nn.Module):
         if not dist.is_initialized():
             raise RuntimeError("sharding stage 3 needs a process group: call fleet.init() first")
         device = check_device(module, torch.device(device)) if device is not None else parameters_device(module)
-        cfg = strategy.amp_config
-        pure = strategy.amp and cfg.use_pure_fp16
         units = choose_units(module, strategy.sharding_config.units)
-        fp32_units = _fp32_units(module, strategy) if pure else []
+        fp32_units = precision.fp32_modules(module)
         self.module = module
         self.strategy = strategy
-        self._black_modules = (
-            keep_in_fp32(module, cfg.custom_black_varnames) if strategy.amp and cfg.custom_black_varnames else None
-        )
+        self._black_modules = precision.keep_black_modules_in_fp32(module)
         group = process_group if process_group is not None else dist.group.WORLD
         if group is None:
             raise RuntimeError("sharding stage 3 needs a process group: call fleet.init() first")
@@ -174,7 +171,7 @@ class FullyShardedModel(nn.Module):
         """
         if optimizer in self._optimizers:
             return
-        if getattr(optimizer.precision, "stage", 0) != 3:
+        if optimizer.precision.stage != 3:
             raise RuntimeError(_STRATEGY_MISMATCH)
         new_of = self._new_of(optimizer.master_weights.model_params)
         if new_of:
@@ -286,20 +283,6 @@ _STRATEGY_MISMATCH = (
     "stage 3; pass the same strategy (strategy.sharding = True, sharding_configs={'stage': 3}) to "
     "fleet.distributed_optimizer and fleet.distributed_model"
 )
-
-
-def _fp32_units(module: nn.Module, strategy: DistributedStrategy) -> list[tuple[str, nn.Module]]:
-    """O2's FP32 modules that hold parameters: ``custom_black_varnames`` ones, and norms with ``keep_norm_fp32``."""
-    cfg = strategy.amp_config
-    black = find_black_modules(module, cfg.custom_black_varnames)
-    inside_black = [f"{name}." for name, _ in black]
-    units = [(name, m) for name, m in black if name and any(True for _ in m.parameters())]
-    if cfg.keep_norm_fp32:
-        for name, m in module.named_modules():
-            if (name and isinstance(m, NORM_LAYER_TYPES) and any(True for _ in m.parameters(recurse=False))
-                    and not any(name.startswith(prefix) for prefix in inside_black)):
-                units.append((name, m))
-    return units
 
 
 def _shard_whole_tensors(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:

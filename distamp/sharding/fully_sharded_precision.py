@@ -38,9 +38,16 @@ from torch.distributed.tensor import DTensor
 
 from distamp.core.master_weights import check_saved_masters, clear_grads
 from distamp.core.precision import FullPrecision, MixedPrecision
-from distamp.optim.grad_clipping import global_clip
 from distamp.scaling.loss_scaler import build_loss_scaler
-from distamp.sharding.dtensor_state import shard_like, stage3_ranges
+from distamp.sharding.dtensor_state import (
+    gather_full,
+    local_inner,
+    reshard_loaded,
+    shard_like,
+    stage3_ranges,
+    wrap_loaded,
+)
+from distamp.sharding.global_clip import global_clip
 from distamp.sharding.shard_rows import local_rows
 from distamp.strategy import DistributedStrategy
 from distamp.torch_compat import dtensor_local, foreach_mul_, foreach_norm
@@ -214,6 +221,10 @@ class FullyShardedPrecision(MixedPrecision):
         self.scaler = build_loss_scaler(config) if strategy.amp else None
         self.consecutive_stuck = 0
 
+    def follow_sharded_parameters(self, new_of: dict[int, nn.Parameter]) -> None:
+        """``fully_shard`` replaced each parameter ``old`` by the DTensor ``new_of[id(old)]``: hold those."""
+        self.master_weights.replace(new_of)
+
     @property
     def loss_scale(self) -> float:
         """The current loss scale (1.0 with AMP off)."""
@@ -273,6 +284,24 @@ class FullyShardedPrecision(MixedPrecision):
         """Scaler type and state, and in O2 the whole FP32 masters (gathered from the shards: collective)."""
         scaler = {"loss_scaler_type": "", "loss_scaler": {}} if self.scaler is None else super().state_dict()
         return {**scaler, "master_weights": self.master_weights.state_dict()}
+
+    def checkpoint_state(self, inner_opt: torch.optim.Optimizer, local: bool) -> tuple[dict, dict]:
+        """``local`` (and sharded): this rank's shards and their layout, no collective; else whole tensors,
+        gathered from the shards (collective)."""
+        if local and self.master_weights.sharded:
+            index = {id(p): i for i, p in enumerate(self.master_weights.model_params)}
+            groups = [[index[id(p)] for p in group["params"]] for group in inner_opt.param_groups]
+            return self.local_state_dict(groups), local_inner(inner_opt.state_dict())
+        return self.state_dict(), gather_full(inner_opt.state_dict())
+
+    def load_checkpoint_state(self, inner_opt: torch.optim.Optimizer, state: dict) -> None:
+        """Restore a state of whole tensors (resharded here) or of this rank's shards (``"sharding"`` in it)."""
+        self.load_state_dict(state)
+        inner_opt.load_state_dict(state["inner"])
+        local = state.get("sharding") is not None
+        (wrap_loaded if local else reshard_loaded)(inner_opt)
+        if state["master_weights"]:
+            self.master_weights.load_state_dict(state["master_weights"], local=local)
 
     def require_sharded(self, what: str, then: str) -> None:
         """Raise unless ``fleet.distributed_model`` has sharded the parameters (``what`` needs the shards).

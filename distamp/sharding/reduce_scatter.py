@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distamp.core.attached import SliceOwner
 from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
+from distamp.sharding.slice_owner import SliceOwner
 from distamp.sharding.wire_rounds import round_bytes
 from distamp.torch_compat import foreach_add_
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from distamp.amp.black_modules import check_patterns_match, name_matches
+from distamp.strategy.name_patterns import check_patterns_match, name_matches
 
 __all__ = ["choose_units"]
 

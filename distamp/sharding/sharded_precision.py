@@ -29,8 +29,8 @@ from distamp.core.grad_accumulator import Fp32GradAccumulator
 from distamp.core.precision import FullPrecision, MixedPrecision
 from distamp.distributed.flag_sync import all_reduce_max
 from distamp.distributed.groups import group_rank, group_size
-from distamp.optim.grad_clipping import global_clip
 from distamp.scaling.loss_scaler import build_loss_scaler
+from distamp.sharding.global_clip import global_clip
 from distamp.sharding.param_gather import GATHER_BYTES
 from distamp.sharding.reduce_scatter import reduce_bucket_bytes
 from distamp.sharding.sharded_masters import ShardedMasters
@@ -147,6 +147,18 @@ class ShardedPrecision(MixedPrecision):
         self._exposed = None
         if changed:
             self.master_weights.grads.take_changes(changed)
+
+    @property
+    def grads_are_slices(self) -> bool:
+        """On several ranks the model's ``.grad`` holds this rank's slice only (stage 2: no ``.grad`` at all)."""
+        return self.master_weights.world_size > 1
+
+    def hook_param_gather(self, deferred: bool) -> bool:
+        """With ``overlap_param_gather``: leave the gather after a step to the forward hooks while ``deferred``."""
+        if not self.overlap_param_gather:
+            return False
+        self.gather_hooked = deferred
+        return True
 
     def after_applied_step(self) -> None:
         """All-gather the updated slices into every rank's model (16-bit on the wire in O2).

@@ -51,10 +51,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distamp.core.attached import SliceOwner
 from distamp.distributed.comm_hooks import CommStats, Pending
 from distamp.model_views import parameters_device
 from distamp.sharding.reduce_scatter import REDUCE_BUCKET_BYTES, ShardedGradReduce
+from distamp.sharding.slice_owner import SliceOwner
 from distamp.torch_compat import is_view, queue_autograd_callback, sync_params_and_buffers, to_kwargs, tree_flatten
 
 __all__ = ["SliceReducer"]

@@ -24,8 +24,8 @@ import torch
 
 from tests.checkpoint.test_checkpoint import corrupt_flip_byte, corrupt_truncate
 from tests.checkpoint.test_sharded_checkpoint import _build, _train
-from tests.sharding.test_sharding import _flat
 from tests.multiprocess import run_workers
+from tests.sharding.test_sharding import _flat
 
 ROOT = Path(__file__).resolve().parents[2]
 SAVES = {5: 1, 10: 2, 15: 3}  # checkpoint step: training steps done when it is saved
@@ -142,3 +142,53 @@ def test_max_restarts_resumes_from_the_older_checkpoint_after_rank_1_damaged_its
         assert "step-00000015.rank-00001." in log
         assert "truncated" in log
         assert "(as rank 1 read it)" in log
+
+
+def _save_stage3(rank, world, directory):
+    from distamp.checkpoint import save_checkpoint
+
+    _, wrapped, opt, scheduler = _build(3)
+    done = 0
+    for step, steps in SAVES.items():
+        _train(rank, world, wrapped, opt, scheduler, done, steps)
+        done = steps
+        save_checkpoint(directory, step, model=wrapped, optimizer=opt, scheduler=scheduler)
+
+
+def _resume_stage3(rank, world, directory):
+    from distamp.checkpoint import load_latest_checkpoint
+
+    _, wrapped, opt, scheduler = _build(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        info = load_latest_checkpoint(directory, model=wrapped, optimizer=opt, scheduler=scheduler, timeout=60)
+    return info.step, info.skipped, [str(w.message) for w in caught if "skipping" in str(w.message)]
+
+
+@pytest.fixture(scope="module")
+def saved_stage3(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("saved3")
+    run_workers(_save_stage3, 2, str(directory), timeout=100)
+    return directory
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize(("file", "damage", "reason"), [
+    ("__1_0.distcp", corrupt_flip_byte, "does not match the manifest's"),
+    ("__1_0.distcp", os.remove, "payload missing"),
+    (".metadata", corrupt_truncate, "truncated"),
+])
+def test_a_damaged_dcp_file_of_a_stage3_checkpoint_is_skipped_by_every_rank(saved_stage3, tmp_path, world, file,
+                                                                          damage, reason):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(saved_stage3, directory)
+    (dcp_directory,) = directory.glob("step-00000015.dcp-*")
+    bad = dcp_directory / file
+    damage(bad)
+    for step, skipped, messages in run_workers(_resume_stage3, world, str(directory), timeout=100):
+        assert step == 10  # every rank falls back together, though only one verified the file
+        assert len(skipped) == 1
+        assert str(bad) in skipped[0]
+        assert reason in skipped[0]
+        assert len(messages) == 1

@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.multiprocess import run_workers
 from tests.sharding.test_sharding import (
     _flat,
     _model,
     _strategy,
     assert_within_bf16_rounding,
 )
-from tests.multiprocess import run_workers
 
 GLOBAL, SAVE_AT, END = 8, 3, 6
 

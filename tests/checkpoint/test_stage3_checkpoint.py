@@ -8,8 +8,8 @@ checkpoints at stage 3 and the stage-3 one at stage 2, within BF16 rounding
 of the uninterrupted run (the global batch is the same; its gradient is
 summed over another number of ranks, or in another order).
 
-A stage-3 save writes one part per rank holding only that rank's rows and
-gathers nothing; what any world size and stage loads from it (or from an
+A stage-3 save hands its DTensors to torch.distributed.checkpoint: each rank
+writes one file holding only its rows, and nothing is gathered; what any world size and stage loads from it (or from an
 unsharded or stage-2 checkpoint into stage 3) is bitwise the saved state,
 in O1 and O2, with AdamW and with SGD with momentum.
 """
@@ -31,9 +31,9 @@ from tests.checkpoint.test_sharded_checkpoint import (
     _train,
     recording_reads,
 )
-from tests.sharding.test_sharding import assert_within_bf16_rounding
 from tests.multiprocess import run_workers
 from tests.sharding.test_flat_state import assert_same_state
+from tests.sharding.test_sharding import assert_within_bf16_rounding
 
 SHAPES = {"0.weight": [16, 6], "0.bias": [16], "1.weight": [16], "1.bias": [16], "3.weight": [3, 16], "3.bias": [3]}
 """The parameters of ``tests.sharding.test_sharding._model``, in order."""
@@ -70,7 +70,8 @@ def test_stage3_checkpoint_resumes_bitwise_at_two_ranks_and_within_bf16_on_one_a
         assert torch.equal(resumed, uninterrupted), stage
         assert torch.equal(saved[1][stage][1], uninterrupted)
     payloads = [n.split(".")[1] for n in sorted(os.listdir(tmp_path / "stage3")) if n.endswith(".pt")]
-    assert payloads == ["common", "rank-00000", "rank-00001"]  # each rank writes its own shards
+    assert payloads == ["common"]
+    assert _dcp_files(tmp_path / "stage3") == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # a file per rank
 
     (one,) = run_workers(_resume, 1, str(tmp_path), [(3, 0), (3, 3)], timeout=120)
     four = run_workers(_resume, 4, str(tmp_path), [(3, 3)], timeout=200)
@@ -84,6 +85,65 @@ def test_stage3_checkpoint_resumes_bitwise_at_two_ranks_and_within_bf16_on_one_a
         assert_within_bf16_rounding(r[0, 3], saved[0][0][0])  # unsharded -> stage 3
         assert_within_bf16_rounding(r[2, 3], saved[0][2][0])  # stage 2 -> stage 3
         assert_within_bf16_rounding(r[3, 2], saved[0][3][0])  # stage 3 -> stage 2
+
+
+@pytest.mark.timeout(300)
+def test_a_four_rank_stage3_checkpoint_resumes_bitwise_on_four_and_within_bf16_on_two(tmp_path):
+    four = run_workers(_save_and_resume_at_the_same_size, 4, str(tmp_path), (3,), _exported, timeout=200)
+    uninterrupted = four[0][3][0]
+    assert all(torch.equal(r[3][1], uninterrupted) for r in four)  # same world size: bitwise
+    assert _dcp_files(tmp_path / "stage3") == [".metadata", *[f"__{r}_0.distcp" for r in range(4)]]
+    for r in run_workers(_resume, 2, str(tmp_path), [(3, 3)], timeout=150):
+        assert_within_bf16_rounding(r[3, 3], uninterrupted)  # 4-rank stage 3 -> 2 ranks at stage 3
+
+
+def _save_fails_on_rank_1(rank, world, root):
+    import torch.distributed.checkpoint as dcp
+
+    from distamp.checkpoint import list_checkpoints, load_latest_checkpoint, save_checkpoint
+
+    _, wrapped, opt, scheduler = _build(3)
+    _train(rank, world, wrapped, opt, scheduler, 0, SAVE_AT)
+    save_checkpoint(root, SAVE_AT, model=wrapped, optimizer=opt, scheduler=scheduler)
+    _train(rank, world, wrapped, opt, scheduler, SAVE_AT, SAVE_AT + 1)
+    if rank == 1:  # rank 1's disk is full: its DCP write fails, rank 0's succeeds
+        def full(self, plan, planner):
+            raise OSError(28, "No space left on device")
+        dcp.FileSystemWriter.write_data = full
+    with pytest.raises(RuntimeError) as failed:
+        save_checkpoint(root, SAVE_AT + 1, model=wrapped, optimizer=opt, scheduler=scheduler)
+    left = sorted(os.listdir(root))
+    _, wrapped, opt, scheduler = _build(3)
+    info = load_latest_checkpoint(root, model=wrapped, optimizer=opt, scheduler=scheduler)
+    return str(failed.value), left, list_checkpoints(root), info.step
+
+
+@pytest.mark.timeout(150)
+def test_a_stage3_save_that_fails_on_one_rank_raises_everywhere_and_leaves_the_previous_checkpoint(tmp_path):
+    for message, left, steps, resumed in run_workers(_save_fails_on_rank_1, 2, str(tmp_path), timeout=120):
+        assert f"could not save checkpoint {SAVE_AT + 1}" in message
+        assert "No space left on device" in message
+        assert not [n for n in left if n.startswith(f"step-{SAVE_AT + 1:08d}")]  # the failed save's DCP files gone
+        assert steps == [SAVE_AT]
+        assert resumed == SAVE_AT
+
+
+def _save_into_unshared_directories(rank, world, root):
+    from distamp.checkpoint import save_checkpoint
+
+    _, wrapped, opt, scheduler = _build(3)
+    _train(rank, world, wrapped, opt, scheduler, 0, 1)
+    with pytest.raises(RuntimeError) as failed:  # each rank its own directory, as on nodes that share none
+        save_checkpoint(os.path.join(root, f"node{rank}"), 1, model=wrapped, optimizer=opt, scheduler=scheduler)
+    return str(failed.value)
+
+
+@pytest.mark.timeout(120)
+def test_a_stage3_save_into_directories_the_ranks_do_not_share_is_refused_on_every_rank(tmp_path):
+    for message in run_workers(_save_into_unshared_directories, 2, str(tmp_path), timeout=100):
+        assert "rank 1 sees the DCP files ['__1_0.distcp'], rank 0 ['.metadata', '__0_0.distcp']" in message
+        assert "must be on a file system shared by every node" in message
+    assert not list((tmp_path / "node0").glob("*.json"))  # nothing committed
 
 
 @contextlib.contextmanager
@@ -179,45 +239,46 @@ def _assert_same_optimizer_state(a: dict, b: dict) -> None:
     assert (a["counters"], a["loss_scaler"]) == (b["counters"], b["loss_scaler"])
 
 
+def _dcp_directory(directory):
+    (name,) = [n for n in os.listdir(directory) if ".dcp-" in n]
+    return directory / name
+
+
+def _dcp_files(directory) -> list[str]:
+    return sorted(os.listdir(_dcp_directory(directory)))
+
+
 def _payloads(directory) -> dict[str, dict]:
     return {n.split(".")[1]: torch.load(directory / n, weights_only=True)
             for n in sorted(os.listdir(directory)) if n.endswith(".pt")}
 
 
 @pytest.mark.timeout(200)
-def test_a_stage3_save_writes_each_ranks_own_rows_and_gathers_nothing(tmp_path):
+def test_a_stage3_save_writes_each_ranks_own_rows_through_dcp_and_gathers_nothing(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
     saved = run_workers(_save_at, 2, str(tmp_path), (3,), True, False, timeout=120)
     assert [s[3][2] for s in saved] == [{}, {}]  # no full_tensor, redistribute or all-gather during the save
     payloads = _payloads(tmp_path / "stage3")
-    assert sorted(payloads) == ["common", "rank-00000", "rank-00001"]
+    assert sorted(payloads) == ["common"]
     common = payloads["common"]
-    assert not set(common["model"]) & set(SHAPES)  # no parameter is in the common part
-    assert {k: v["shape"] for k, v in common["model_shards"].items()} == SHAPES
-    assert common["optimizer"]["inner"]["state"] == {}
-    assert common["optimizer"]["master_weights"] == []
-    offsets = [0]
-    for shape in SHAPES.values():
-        offsets.append(offsets[-1] + torch.Size(shape).numel())
-    for rank in (0, 1):
-        part = payloads[f"rank-0000{rank}"]
-        expected = {}
-        for name, shape in SHAPES.items():
-            start, stop = _rows(shape[0], 2, rank)
-            expected[name] = [stop - start, *shape[1:]]
-        assert {k: list(v.shape) for k, v in part["model_shard"].items()} == expected
-        assert all(v.dtype == torch.float32 for v in part["model_shard"].values())
-        shard = part["optimizer_shard"]
-        ranges = []
-        for i, shape in enumerate(SHAPES.values()):
-            start, stop = _rows(shape[0], 2, rank)
-            row = torch.Size(shape[1:]).numel()
-            ranges.append([offsets[i] + start * row, offsets[i] + stop * row])
-        assert shard["ranges"] == ranges
-        held = sum(hi - lo for lo, hi in ranges)
-        assert held < offsets[-1]
-        assert shard["masters"].numel() == held
-        assert {k: v.numel() for k, v in shard["elementwise"].items()} == {"exp_avg": held, "exp_avg_sq": held}
-        assert all(s["scalars"]["step"] == SAVE_AT for s in shard["piece_state"])
+    assert not any(isinstance(common["model"].get(name), torch.Tensor) for name in SHAPES)  # slots, not tensors
+    metadata = dcp.FileSystemReader(str(_dcp_directory(tmp_path / "stage3"))).read_metadata()
+    keys = {f"model/{name}" for name in SHAPES}
+    # The masters are the model's FP32 parameters (FSDP2 keeps them sharded): written once, under the model's key.
+    assert set(metadata.state_dict_metadata) == keys | {f"optimizer/state/{i}/{k}" for i in range(len(SHAPES))
+                                                        for k in ("exp_avg", "exp_avg_sq")}
+    files: dict[str, set] = {}
+    for index, info in metadata.storage_data.items():
+        files.setdefault(index.fqn, set()).add((tuple(index.offset), info.relative_path))
+    for name, shape in SHAPES.items():
+        # Each rank wrote the rows it holds, into its own file.
+        expected = {((_rows(shape[0], 2, r)[0], *[0] * (len(shape) - 1)), f"__{r}_0.distcp") for r in (0, 1)}
+        for key in (f"model/{name}", f"optimizer/state/{list(SHAPES).index(name)}/exp_avg"):
+            assert files[key] == expected, key
+            sizes = sorted(tuple(c.sizes) for c in metadata.state_dict_metadata[key].chunks)
+            cuts = [_rows(shape[0], 2, r) for r in (0, 1)]
+            assert sizes == sorted((stop - start, *shape[1:]) for start, stop in cuts)
 
 
 @pytest.mark.timeout(400)
@@ -226,20 +287,16 @@ def test_a_stage3_save_writes_each_ranks_own_rows_and_gathers_nothing(tmp_path):
 def test_c_d_stage3_checkpoints_load_bitwise_at_any_size_and_stage(tmp_path, pure, sgd):
     saved = run_workers(_save_at, 2, str(tmp_path), (0, 2, 3), pure, sgd, timeout=150)
     assert saved[0][3][2] == {}
-    payloads = _payloads(tmp_path / "stage3")
-    assert sorted(payloads) == ["common", "rank-00000", "rank-00001"]
-    assert bool(payloads["rank-00000"]["optimizer_shard"]["masters"] is not None) == pure
+    assert _dcp_files(tmp_path / "stage3") == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     (one,) = run_workers(_load_from, 1, str(tmp_path), [(3, 0), (3, 3)], pure, sgd, timeout=120)
     three = run_workers(_load_from, 3, str(tmp_path), [(3, 3), (0, 3), (2, 3), (3, 2)], pure, sgd, timeout=200)
     for results in (one, *three):
-        for (source, stage), (fp32, whole, _) in results.items():
+        for (source, stage), (fp32, whole, read) in results.items():
             assert torch.equal(fp32, saved[0][source][0]), (source, stage)
             if whole is not None and saved[0][source][1] is not None:
                 _assert_same_optimizer_state(whole, saved[0][source][1])
-    assert one[3, 0][2] == ["common", "rank-00000", "rank-00001"]  # an unsharded model needs every row
-    # At stage 3 each rank reads only the parts holding its rows: 16-row parameters cut 6/6/4 against 8/8.
-    assert [r[3, 3][2] for r in three] == [["common", "rank-00000"], ["common", "rank-00000", "rank-00001"],
-                                           ["common", "rank-00001"]]
+            if source == 3:
+                assert read == ["common"]  # the tensors come through dcp.load
 
 
 def _load_before_sharding(rank, world, root):

@@ -8,10 +8,14 @@ import shutil
 import pytest
 
 from distamp.checkpoint import storage
+from distamp.checkpoint.atomic import sha256_of
 from distamp.checkpoint.manifest import (
     COMMON,
     CheckpointCorrupt,
     Manifest,
+    PayloadFile,
+    dcp_directory_name,
+    dcp_part,
     manifest_name,
     rank_part,
 )
@@ -147,3 +151,48 @@ def test_a_crash_at_any_point_of_a_resave_leaves_one_intact_checkpoint(tmp_path,
         assert storage.list_checkpoints(copy) == [10]
         seen.add(read(copy, 10)[COMMON])  # intact: manifest and payload agree
     assert seen == {b"firstcommon", content + b"common"}
+
+
+def save_with_dcp(directory, step: int, nonce: str) -> Manifest:
+    """A checkpoint with a common payload and a DCP directory of two files, committed last."""
+    dcp_directory = dcp_directory_name(step, nonce)
+    os.makedirs(directory / dcp_directory)
+    files = [storage.write_payload(str(directory), step, COMMON, lambda f: f.write(b"common"))]
+    for i, name in enumerate([".metadata", "__0_0.distcp"]):
+        (directory / dcp_directory / name).write_bytes(name.encode() + nonce.encode())
+        sha, size = sha256_of(str(directory / dcp_directory / name))
+        files.append(PayloadFile(dcp_part(i), f"{dcp_directory}/{name}", size, sha))
+    manifest = Manifest(step=step, world_size=1, files=tuple(files))
+    storage.commit(str(directory), manifest)
+    return manifest
+
+
+def test_dcp_directories_are_listed_verified_rotated_and_discarded_with_their_checkpoint(tmp_path):
+    for step in (10, 20, 30):
+        save_with_dcp(tmp_path, step, f"{step:016x}")
+    os.makedirs(tmp_path / dcp_directory_name(40, "f" * 16))  # a save killed before its commit
+    assert storage.list_checkpoints(str(tmp_path)) == [40, 30, 20, 10]
+    with pytest.raises(CheckpointCorrupt, match=r"no manifest \(the save did not finish; step-00000040.dcp-f+ "):
+        storage.read_manifest(str(tmp_path), 40)
+    manifest = storage.read_manifest(str(tmp_path), 30)
+    storage.verify(str(tmp_path), manifest, ["dcp-00000", "dcp-00001"])
+    damaged = tmp_path / dcp_directory_name(30, f"{30:016x}") / "__0_0.distcp"
+    damaged.write_bytes(b"x" * damaged.stat().st_size)
+    with pytest.raises(CheckpointCorrupt, match="does not match the manifest's"):
+        storage.verify(str(tmp_path), manifest, ["dcp-00001"])
+    storage.rotate(str(tmp_path), 30, keep=2)
+    assert sorted(n for n in os.listdir(tmp_path) if ".dcp-" in n) == [dcp_directory_name(20, f"{20:016x}"),
+                                                                        dcp_directory_name(30, f"{30:016x}")]
+    storage.discard(str(tmp_path), 30, [dcp_directory_name(30, "e" * 16)])  # a name it does not hold: no error
+    storage.discard(str(tmp_path), 20, [dcp_directory_name(20, f"{20:016x}")])  # committed: spared
+    assert (tmp_path / dcp_directory_name(20, f"{20:016x}") / ".metadata").exists()
+
+
+def test_a_manifest_naming_a_dcp_file_outside_its_steps_dcp_directory_is_refused(tmp_path):
+    manifest = save_with_dcp(tmp_path, 10, "0" * 16)
+    for name in ("step-00000010.dcp-0000000000000000/../step-00000010.json", "elsewhere/__0_0.distcp",
+                 "step-00000011.dcp-0000000000000000/__0_0.distcp"):
+        files = (*manifest.files[:1], PayloadFile("dcp-00000", name, 1, "0" * 64))
+        storage.commit(str(tmp_path), Manifest(step=10, world_size=1, files=files))
+        with pytest.raises(CheckpointCorrupt, match="not in a DCP directory of its step"):
+            storage.read_manifest(str(tmp_path), 10)

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp import fleet
-from distamp.distributed import comm_threads, ddp_preparation
+from distamp.distributed import comm_threads
+from distamp.model import ddp_preparation
 from tests.multiprocess import free_port, run_workers
 
 _TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])

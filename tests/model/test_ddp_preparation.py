@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from distamp.model.ddp_preparation import DDPPreparation, check_device
+from distamp.distributed.devices import check_device
+from distamp.model.ddp_preparation import DDPPreparation
 from distamp.sharding.reduce_scatter import REDUCE_BUCKET_BYTES
 from distamp.strategy import DistributedStrategy
 from tests.multiprocess import run_workers

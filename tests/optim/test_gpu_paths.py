@@ -32,8 +32,8 @@ def _one_step(model, opt) -> None:
 def test_o2_never_gives_the_fused_check_16_bit_tensors(monkeypatch):
     """torch has had no BF16 CUDA kernel for the fused check in several releases (pytorch issue 127176)."""
     seen: list[torch.dtype] = []
+    import distamp.core.chunked_update as chunked_update
     import distamp.core.precision as precision
-    import distamp.optim.chunked_update as chunked_update
 
     original = precision.amp_foreach_non_finite_check_and_unscale_
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.sharding.test_sharding import _flat, _strategy
 from tests.multiprocess import run_workers
+from tests.sharding.test_sharding import _flat, _strategy
 
 STEPS, PER_RANK, D = 6, 2, 8
 

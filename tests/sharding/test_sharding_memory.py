@@ -106,3 +106,23 @@ def test_stage3_peak_per_rank_is_at_most_half_of_unsharded_on_two_ranks():
     assert all(r[stage]["every_thread"] for r in by_rank for stage in (0, 3))
     assert unsharded / params >= 16
     assert sharded <= 0.5 * unsharded, (sharded, unsharded)
+
+
+@pytest.mark.timeout(240)
+def test_stage3_checkpoint_save_and_load_peaks_are_within_1_1x_of_training_and_each_rank_writes_half(tmp_path):
+    """On 2 ranks at stage 3 a save writes each rank's shards through DCP and a load (fresh processes, as a
+    restart) reads into each rank's shards: neither makes a whole model or optimizer state on any rank."""
+    args = sharding_memory.parse_args([*STAGE3_ARGV, "--checkpoint"])
+    ranks, written = sharding_memory.checkpoint_peaks(2, 3, args, str(tmp_path))
+    train = max(r["train"] for r in ranks)
+    save, load = max(r["save"] for r in ranks), max(r["load"] for r in ranks)
+    print(f"peak MB per rank: training {train / 2**20:.1f}, save {save / 2**20:.1f}, load {load / 2**20:.1f}; "
+          f"MB written per rank {[b / 2**20 for b in written]}")
+    # The whole FP32 model plus its Adam moments would be 12 bytes per parameter on top of what training holds.
+    params = ranks[0]["params"]
+    assert 2.0e6 < params < 2.5e6
+    assert save <= 1.10 * train, (save, train)
+    assert load <= 1.10 * train, (load, train)
+    # Each rank wrote its half of the FP32 parameters (= O2 masters) and Adam moments: 12 bytes a parameter.
+    for size in written:
+        assert abs(size - 12 * params / 2) <= 0.10 * 12 * params / 2, written

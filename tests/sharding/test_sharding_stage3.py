@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.sharding.test_sharding import assert_within_bf16_rounding
 from tests.multiprocess import run_workers
+from tests.sharding.test_sharding import assert_within_bf16_rounding
 
 STEPS, PER_RANK = 5, 4
 

@@ -1,4 +1,4 @@
-"""optim.chunked_update: O2's chunked check and update give today's whole-gradient results bit for bit.
+"""core.chunked_update: O2's chunked check and update give today's whole-gradient results bit for bit.
 
 The reference below is the algorithm O2 ran before chunking, written out
 here: the 16-bit gradients copied whole into FP32, multiplied by the
@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import distamp.optim.chunked_update as chunked_update
+import distamp.core.chunked_update as chunked_update
 from distamp.amp import auto_cast
+from distamp.core.chunked_update import SLICE_ALIGN, chunk_numel, plan_chunks, steps_in_chunks
 from distamp.optim import AmpOptimizer
-from distamp.optim.chunked_update import SLICE_ALIGN, chunk_numel, plan_chunks, steps_in_chunks
 from distamp.strategy import DistributedStrategy
 
 OPTIMIZERS = {
