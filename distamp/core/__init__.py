@@ -8,10 +8,12 @@ what is defined here:
   optimizer-side plugin. At bind time the composer picks one per strategy
   (``optim/precision_choice.py``); at backward it scales the loss
   (``scale_loss``) and hears when a merge window closes (``after_backward``);
-  at step it unscales and checks (``unscale_and_check``), applies the agreed
-  verdict to its scaler (``update``), clips (``clip_grad_norm_``) and writes
-  masters back (``after_applied_step``); at save and load it gives and takes
-  its state (``state_dict``/``load_state_dict``). ``MixedPrecision`` (O1) and
+  at step it unscales and checks (``unscale_and_check``), runs the inner
+  step and writes masters back on an applied step (``apply_update``; O2 chunk
+  by chunk, :mod:`~distamp.core.chunked_update`), applies the agreed verdict
+  to its scaler (``update``) and clips (``clip_grad_norm_``); at save and
+  load it gives and takes its state (``checkpoint_state`` /
+  ``load_checkpoint_state``). ``MixedPrecision`` (O1) and
   ``PureLowPrecision`` (O2) are here; sharding's plugins subclass them.
 * :mod:`~distamp.core.attached`: the model side's protocols
   (``AttachedOptimizer``, ``FullyShardedOptimizer``: what a wrapper reads of
