@@ -121,9 +121,12 @@ def run_workers(
         import time
 
         deadline = time.monotonic() + timeout
+        reported: set[int] = set()
         while len(values) + len(failures) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if failures:
+                    break  # the other ranks had a few seconds to report too
                 raise TimeoutError(
                     f"workers did not finish within {timeout}s; "
                     f"finished ranks: {sorted(values)}"
@@ -131,19 +134,26 @@ def run_workers(
             try:
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead and len(values) + len(failures) < world_size:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in reported]
+                if dead:
                     # A worker died without reporting (e.g. killed by a signal).
                     codes = {i: procs[i].exitcode for i in dead}
-                    raise RuntimeError(f"worker(s) died without a result: {codes}") from None
+                    if not failures:
+                        raise RuntimeError(f"worker(s) died without a result: {codes}") from None
+                    failures.extend(f"--- rank {i} ---\ndied without a result (exit code {c})"
+                                    for i, c in codes.items())
+                    reported.update(codes)
                 continue
+            reported.add(rank)
             if ok:
                 import torch
 
                 values[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 failures.append(f"--- rank {rank} ---\n{value}")
-                break
+                # One rank's failure often follows another's (a peer gone, a store closed): give the
+                # others a few seconds to report theirs, so the first cause is in the message.
+                deadline = min(deadline, time.monotonic() + 5.0)
         if failures:
             raise AssertionError("worker failed:\n" + "\n".join(failures))
         return [values[r] for r in range(world_size)]
