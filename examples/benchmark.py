@@ -253,6 +253,10 @@ def time_modes(args: argparse.Namespace, device: torch.device) -> tuple[dict[str
                 local[mode].append(time.perf_counter() - start)
             compiled_in_timing[mode] += _compiled_frames() - frames
             last_loss[mode] = float(loss)
+            if dist.get_rank() == 0:  # so a run stopped by a time limit still shows what it measured
+                mine = sorted(local[mode][-args.steps:])
+                print(f"timed {mode} (repetition {rep + 1}/{args.reps}): median {1e3 * mine[len(mine) // 2]:.1f} "
+                      "ms/step on rank 0", file=sys.stderr, flush=True)
             del runner
             gc.collect()
     gathered: list[tuple[dict[str, list[float]], dict[str, int]]] = [None] * dist.get_world_size()  # type: ignore[list-item]

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check: what distamp needs a GPU to show, in at most six minutes, into at most eight files.
+# The GPU check: what distamp needs a GPU to show, in at most eight minutes, into at most eight files.
 #
 #   pip install -e '.[test]'                 # once, from the repo root (torch comes with the GPU image)
 #   bash examples/gpu_check.sh OUT_DIR       # from the repo root
 #   bash examples/gpu_check.sh --dry-run     # print the plan only (also what a machine without a GPU does)
 #
 # Installs nothing. Each step runs under its own `timeout`, so a hang costs only that step's
-# seconds; the budgets below add up to 355 s. Files in OUT_DIR (7):
+# seconds; the budgets below add up to 455 s. Files in OUT_DIR (8):
 #   env.txt          GPU, driver, torch, CUDA, NCCL, Python versions
 #   cuda_tests.txt   pytest -m cuda tests/cuda -rA
 #   digits.txt       examples/train_digits.py, 900 steps on GPU 0: FP32, FP16 O1, FP16 O2, BF16 O2,
@@ -15,6 +15,8 @@
 #                    seq 1024, batch 8): FP32, torch BF16/FP16, distamp O1/O2 BF16/FP16; peak memory probes
 #   bench_compiled.txt  the same GPT with --compile: torch and distamp O2, BF16 and FP16 (no probes: a probe
 #                    compiles again in its own process, which the budget does not hold)
+#   peak_breakdown.txt  examples/peak_breakdown.py on the same GPT, torch BF16 and distamp O2 BF16 (side by
+#                    side, each its own process): what CUDA's allocator holds at each one's peak, by origin
 #   nccl_2rank.txt   with >= 2 GPUs: distrun --gpus 0,1 train_digits.py in lockstep (BF16 O2), stage 2,
 #                    stage 3 and PowerSGD, each with its own --log_dir
 #   summary.txt      one line per step: pass/fail, seconds, a figure
@@ -34,6 +36,7 @@ for arg in "$@"; do
 done
 PY="${PYTHON:-python}"
 HERE="$(cd "$(dirname "$0")/.." && pwd)"
+export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's distamp, installed or not
 
 GPUS=0
 if command -v nvidia-smi >/dev/null 2>&1 && "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
@@ -63,13 +66,14 @@ declare -A NCCL=(
 NCCL_ORDER="lockstep_bf16_o2 stage2 stage3 powersgd"
 # seconds per step
 T_ENV=10
-T_TESTS_AND_DIGITS=100
-T_EAGER=90
+T_TESTS_AND_DIGITS=75
+T_EAGER=170
 T_COMPILED=110
+T_BREAKDOWN=45
 T_NCCL=45
 
 plan() {
-  echo "gpu_check plan ($GPUS GPU(s) visible; step budgets add up to $((T_ENV + T_TESTS_AND_DIGITS + T_EAGER + T_COMPILED + T_NCCL)) s):"
+  echo "gpu_check plan ($GPUS GPU(s) visible; step budgets add up to $((T_ENV + T_TESTS_AND_DIGITS + T_EAGER + T_COMPILED + T_BREAKDOWN + T_NCCL)) s):"
   echo "  step env: ${T_ENV} s -> env.txt (nvidia-smi; torch, CUDA, NCCL, Python versions)"
   echo "  step cuda_tests: ${T_TESTS_AND_DIGITS} s, alongside the digits -> cuda_tests.txt: $PY -m pytest -m cuda tests/cuda -rA"
   for name in $DIGITS_ORDER; do
@@ -77,10 +81,11 @@ plan() {
   done
   echo "  step bench_eager: ${T_EAGER} s -> bench_eager.txt: $PY examples/benchmark.py $GPT --modes $EAGER_MODES --reps 2 --steps 5 --warmup 2 --probe_steps 2"
   echo "  step bench_compiled: ${T_COMPILED} s -> bench_compiled.txt: $PY examples/benchmark.py $GPT --compile --modes $COMPILED_MODES --reps 2 --steps 5 --warmup 2 --probe_steps 0"
+  echo "  step peak_breakdown: ${T_BREAKDOWN} s -> peak_breakdown.txt: $PY examples/peak_breakdown.py $GPT --mode torch_bf16|distamp_o2_bf16 --steps 3 (both at once)"
   for name in $NCCL_ORDER; do
     echo "  step nccl_2rank_$name: ${T_NCCL} s, concurrent, only with >= 2 GPUs -> nccl_2rank.txt: distrun --gpus 0,1 --log_dir LOGS/$name examples/train_digits.py ${NCCL[$name]} --max_steps 200 --no_progress"
   done
-  echo "  summary -> summary.txt (7 files in OUT_DIR at most)"
+  echo "  summary -> summary.txt (8 files in OUT_DIR at most)"
 }
 
 if [ "$DRY" = 1 ] || [ "$GPUS" -lt 1 ]; then
@@ -127,6 +132,7 @@ timeout -k 5 "$T_TESTS_AND_DIGITS" "$PY" -m pytest -m cuda tests/cuda -rA -q -p 
   > "$OUT/cuda_tests.txt" 2>&1 &
 tests_pid=$!
 declare -A DIGITS_PID=()
+declare -A BREAKDOWN_PID=()
 for name in $DIGITS_ORDER; do
   # shellcheck disable=SC2086  # the flags are words
   CUDA_VISIBLE_DEVICES=0 timeout -k 5 "$T_TESTS_AND_DIGITS" "$PY" examples/train_digits.py ${DIGITS[$name]} \
@@ -156,6 +162,23 @@ bench() {  # NAME SECONDS FILE FLAGS...
 bench bench_eager "$T_EAGER" bench_eager.txt --modes "$EAGER_MODES" --reps 2 --steps 5 --warmup 2 --probe_steps 2
 bench bench_compiled "$T_COMPILED" bench_compiled.txt --compile --modes "$COMPILED_MODES" --reps 2 --steps 5 \
   --warmup 2 --probe_steps 0
+
+# --- what is alive at the peak, torch-native BF16 beside distamp O2 BF16 (memory only: side by side is fine)
+t0=$SECONDS
+for mode in torch_bf16 distamp_o2_bf16; do
+  # shellcheck disable=SC2086
+  timeout -k 5 "$T_BREAKDOWN" "$PY" examples/peak_breakdown.py $GPT --mode "$mode" --steps 3 --top 12 \
+    > "$WORK/breakdown_$mode.txt" 2>&1 &
+  BREAKDOWN_PID[$mode]=$!
+done
+for mode in torch_bf16 distamp_o2_bf16; do
+  wait "${BREAKDOWN_PID[$mode]}"
+  rc=$?
+  { echo "===== peak_breakdown.py --mode $mode (exit $rc)"; grep -v '^USDT' "$WORK/breakdown_$mode.txt"; echo; } \
+    >> "$OUT/peak_breakdown.txt"
+  record "peak_breakdown_$mode" "$rc" $((SECONDS - t0)) "$(grep -m1 -o 'peak [0-9.]* MiB = [0-9.]* bytes/param' \
+    "$WORK/breakdown_$mode.txt")"
+done
 
 # --- two NCCL ranks (never run on a GPU before this check)
 if [ "$GPUS" -ge 2 ]; then
