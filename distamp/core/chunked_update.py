@@ -29,7 +29,13 @@ on a whole-model FP32 gradient gives; slice boundaries sit at multiples of
 begins where a vectorized loop over the whole parameter would.
 
 Cost: the inner optimizer's ``step()`` runs once per chunk (its step hooks
-too), about 16 calls for a model of any size.
+too), about 16 calls for a model of any size, each with its Python
+overhead, which on a GPU can outweigh the kernels. So on CUDA a chunk is as
+large as fits below the peak the device's allocator has already reached
+(:func:`room_below_peak`, counting 16 bytes per element for the scratch
+and the inner optimizer's temporaries): where activations dominate, the
+whole model is one chunk and one ``step()``, and the step still raises no
+peak; where the parameters dominate, the chunks stay small.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from torch import nn
 from distamp.torch_compat import amp_foreach_non_finite_check_and_unscale_, foreach_add_, foreach_copy_, foreach_norm
 
 __all__ = ["SLICEABLE_OPTIMIZERS", "SLICE_ALIGN", "Piece", "check_in_chunks", "chunk_numel", "plan_chunks",
-           "step_in_chunks", "step_only", "steps_in_chunks"]
+           "room_below_peak", "step_in_chunks", "step_only", "steps_in_chunks"]
 
 SLICEABLE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 """Optimizers whose update of an element depends on that element's gradient and state only."""
@@ -56,10 +62,30 @@ _MIN_CHUNK = 1 << 16  # 256 KB of FP32: below this, per-chunk overhead outweighs
 _CHUNKS = 16  # about this many chunks per model: at most 1/16 of its FP32 gradient exists at once
 
 
-def chunk_numel(total: int) -> int:
-    """Elements per chunk for a model of ``total`` gradient elements: about 1/16 of it, at least 2**16."""
-    per_chunk = max(_MIN_CHUNK, math.ceil(total / _CHUNKS))
+_BYTES_PER_ELEMENT = 16  # an FP32 scratch element plus up to three FP32 temporaries of the inner optimizer's
+
+
+def chunk_numel(total: int, room_bytes: int = 0) -> int:
+    """Elements per chunk for a model of ``total`` gradient elements.
+
+    About 1/16 of it, at least 2**16, or more where ``room_bytes`` (memory
+    free below the peak already reached, :func:`room_below_peak`) holds more
+    at :data:`_BYTES_PER_ELEMENT` each; a multiple of :data:`SLICE_ALIGN`.
+    """
+    per_chunk = max(_MIN_CHUNK, math.ceil(total / _CHUNKS), min(total, room_bytes // _BYTES_PER_ELEMENT))
     return math.ceil(per_chunk / SLICE_ALIGN) * SLICE_ALIGN
+
+
+def room_below_peak(device: torch.device) -> int:
+    """Bytes the CUDA allocator may hand out on ``device`` without passing its peak so far; 0 elsewhere.
+
+    The peak is ``torch.cuda.max_memory_allocated`` (since the process began
+    or the user's last ``reset_peak_memory_stats``). Other devices keep no
+    such statistic, so their chunks stay at 1/16 of the model.
+    """
+    if device.type != "cuda":
+        return 0
+    return max(0, torch.cuda.max_memory_allocated(device) - torch.cuda.memory_allocated(device))
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distamp.core.chunked_update import check_in_chunks, chunk_numel, step_in_chunks, step_only, steps_in_chunks
+from distamp.core.chunked_update import (
+    check_in_chunks,
+    chunk_numel,
+    room_below_peak,
+    step_in_chunks,
+    step_only,
+    steps_in_chunks,
+)
 from distamp.core.grad_accumulator import Fp32GradAccumulator
 from distamp.core.master_weights import MasterWeights, MasterWeightsSurface
 from distamp.distributed.flag_sync import all_reduce_max
@@ -406,7 +413,7 @@ def _pairs_by_device(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> list[lis
 
 
 def _limit(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> int:
-    return chunk_numel(sum(master.numel() for _, master in pairs))
+    return chunk_numel(sum(master.numel() for _, master in pairs), room_below_peak(pairs[0][1].device))
 
 
 def _check_scaler_type(saved: str, scaler: LossScaler | None) -> None:

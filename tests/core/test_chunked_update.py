@@ -18,7 +18,7 @@ from torch import nn
 
 import distamp.core.chunked_update as chunked_update
 from distamp.amp import auto_cast
-from distamp.core.chunked_update import SLICE_ALIGN, chunk_numel, plan_chunks, steps_in_chunks
+from distamp.core.chunked_update import SLICE_ALIGN, chunk_numel, plan_chunks, room_below_peak, steps_in_chunks
 from distamp.optim import AmpOptimizer
 from distamp.strategy import DistributedStrategy
 
@@ -133,6 +133,17 @@ def test_chunk_size_is_a_sixteenth_of_the_model_at_least_64k_and_aligned():
     assert chunk_numel(1000) == 1 << 16
     assert chunk_numel(160_000_000) == 10_002_432  # 10**7 rounded up to a multiple of 4096
     assert chunk_numel(160_000_000) % SLICE_ALIGN == 0
+
+
+def test_room_below_the_peak_makes_chunks_larger_up_to_the_whole_model():
+    # 16 bytes an element: room for 20M elements gives chunks of 20M (aligned), room beyond the model one chunk.
+    assert chunk_numel(160_000_000, room_bytes=16 * 20_000_000) == 20_000_768
+    assert chunk_numel(160_000_000, room_bytes=16 * 400_000_000) == 160_002_048
+    assert chunk_numel(160_000_000, room_bytes=16 * 1_000_000) == 10_002_432  # less room: a sixteenth still
+
+
+def test_a_device_without_allocator_statistics_has_no_room():
+    assert room_below_peak(torch.device("cpu")) == 0
 
 
 def test_parameters_that_are_their_own_masters_step_and_unused_ones_stay(small_chunks):
