@@ -21,7 +21,9 @@ what is defined here:
   gradient compressor: bind to the loss scale, resolve each verdict, state)
   and ``ModelPrecision`` (what a wrapper needs of ``distamp.amp``).
 * :mod:`~distamp.core.master_weights` and :mod:`~distamp.core.grad_accumulator`:
-  O2's FP32 masters and FP32 gradient merge, which the plugins hold.
+  O2's FP32 masters and FP32 gradient merge, which the plugins hold;
+  :mod:`~distamp.core.reused_leaf_grads`: O2 lets autograd sum a tied
+  parameter's gradients in place (one copy fewer of the largest gradient).
 
 Whether a capability applies to a strategy is decided before any of this
 runs, by ``distamp.strategy.applicability`` (Fleet's ``_can_apply``).

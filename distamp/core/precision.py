@@ -38,6 +38,7 @@ from distamp.core.chunked_update import (
 )
 from distamp.core.grad_accumulator import Fp32GradAccumulator
 from distamp.core.master_weights import MasterWeights, MasterWeightsSurface
+from distamp.core.reused_leaf_grads import accumulate_reused_leaf_grads_in_place
 from distamp.distributed.flag_sync import all_reduce_max
 from distamp.scaling.loss_scaler import LossScaler, build_loss_scaler
 from distamp.strategy import AmpConfig
@@ -288,6 +289,16 @@ class PureLowPrecision(MixedPrecision):
         self.grad_accumulator: Fp32GradAccumulator | None = None
         self._merge_sum: dict[int, torch.Tensor] | None = None  # taken at the check, added again at the step
         self._inv_scale = 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * scale`` in FP32; a tied parameter's gradients will be summed in place.
+
+        O2's 16-bit head tied to the embedding would otherwise hold three
+        copies of the embedding's gradient in backward
+        (:mod:`distamp.core.reused_leaf_grads`); the bits are the same.
+        """
+        accumulate_reused_leaf_grads_in_place(loss)
+        return super().scale_loss(loss)
 
     def after_backward(self, window_open: bool) -> None:
         """Inside a gradient-merge window: move the 16-bit gradients into the FP32 sum."""
