@@ -157,6 +157,11 @@ class WireReduceScatter(FSDPReduceScatter):
         dist.all_to_all_single(received, input_tensor, group=group)
         self.stats.calls += 1
         self.stats.bytes += input_tensor.numel() * input_tensor.element_size()
+        cpu = input_tensor.device.type == "cpu"
+        if cpu and self._inputs.get(id(input_tensor)) is input_tensor:
+            # FSDP's buffer from allocate(), sent: FSDP keeps it until the next unit's reduce-scatter, for CUDA
+            # streams, and nothing reads it again. Freed before the sum, which needs ``received`` only.
+            input_tensor.untyped_storage().resize_(0)
         chunks = received.view(world, -1)
         divisor = world if op == dist.ReduceOp.AVG else 1
         # Slices bound the FP32 temporaries; rank order: every rank adds the same numbers in the same order.
@@ -168,13 +173,8 @@ class WireReduceScatter(FSDPReduceScatter):
             if divisor != 1:
                 total /= divisor
             output_tensor[lo:hi].copy_(total)
-        if input_tensor.device.type == "cpu":
-            # Freed here, not whenever gloo's thread drops its Work (see _release).
-            received.untyped_storage().resize_(0)
-            if self._inputs.get(id(input_tensor)) is input_tensor:
-                # FSDP's buffer from allocate(): FSDP keeps it until the next unit's reduce-scatter, for CUDA
-                # streams, and nothing reads it again.
-                input_tensor.untyped_storage().resize_(0)
+        if cpu:
+            received.untyped_storage().resize_(0)  # here, not whenever gloo's thread drops its Work (see _release)
         return None
 
 
