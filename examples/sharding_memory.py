@@ -22,6 +22,11 @@ build) it falls back to summing the profiled thread's events. The model is an ML
 (small batch), so the table shows the bytes per parameter of the formula in
 the README's "Sharding (ZeRO)" section plus what activations and transient
 buffers add. Prints a Markdown table; ``--json`` also writes the numbers.
+``--inf_rank R`` puts an inf into rank R's input batch at ``--inf_step``,
+a step every rank then skips (the table is the maximum over ranks; the JSON
+has each rank's peak)::
+
+    python examples/sharding_memory.py --world_sizes 2 --stages 0,3 --inf_rank 1 --json peaks.json
 
 ``--checkpoint`` measures checkpoints instead: per rank, the peak of live
 tensors while training, inside ``save_checkpoint``, and, in fresh
@@ -122,7 +127,11 @@ def tensor_peak(prof: torch.profiler.profile, every_thread: bool) -> int:
 
 
 def measure(rank: int, world: int, stage: int, args: argparse.Namespace) -> dict:
-    """In a process of an initialised group (or alone): train and return this rank's peak tensor bytes."""
+    """In a process of an initialised group (or alone): train and return this rank's peak tensor bytes.
+
+    Also the peak counted from this thread's allocation events alone (``this_thread_peak_bytes``: it exceeds
+    ``peak_bytes`` when other threads free what this one allocated) and the number of skipped steps.
+    """
     from distamp import fleet
 
     fleet.init()
