@@ -22,6 +22,11 @@ build) it falls back to summing the profiled thread's events. The model is an ML
 (small batch), so the table shows the bytes per parameter of the formula in
 the README's "Sharding (ZeRO)" section plus what activations and transient
 buffers add. Prints a Markdown table; ``--json`` also writes the numbers.
+``--inf_rank R`` puts an inf into rank R's input batch at ``--inf_step``,
+a step every rank then skips (the table is the maximum over ranks; the JSON
+has each rank's peak)::
+
+    python examples/sharding_memory.py --world_sizes 2 --stages 0,3 --inf_rank 1 --json peaks.json
 
 ``--checkpoint`` measures checkpoints instead: per rank, the peak of live
 tensors while training, inside ``save_checkpoint``, and, in fresh
@@ -69,6 +74,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", action="store_true",
                    help="measure save_checkpoint and load_latest_checkpoint against training instead (see "
                         "measure_checkpoint)")
+    p.add_argument("--inf_rank", type=int, default=-1,
+                   help="put an inf into this rank's input batch at step --inf_step: the step every rank skips "
+                        "(default: none)")
+    p.add_argument("--inf_step", type=int, default=1,
+                   help="0-based iteration (micro-batch, with --merge_k) of --inf_rank's inf (default: %(default)s)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
     return p.parse_args(argv)
 
@@ -117,7 +127,11 @@ def tensor_peak(prof: torch.profiler.profile, every_thread: bool) -> int:
 
 
 def measure(rank: int, world: int, stage: int, args: argparse.Namespace) -> dict:
-    """In a process of an initialised group (or alone): train and return this rank's peak tensor bytes."""
+    """In a process of an initialised group (or alone): train and return this rank's peak tensor bytes.
+
+    Also the peak counted from this thread's allocation events alone (``this_thread_peak_bytes``: it exceeds
+    ``peak_bytes`` when other threads free what this one allocated) and the number of skipped steps.
+    """
     from distamp import fleet
 
     fleet.init()
@@ -136,15 +150,20 @@ def measure(rank: int, world: int, stage: int, args: argparse.Namespace) -> dict
         model = build_model(args.hidden, args.layers)
         optimizer = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), strategy)
         wrapped = fleet.distributed_model(model, strategy)
-        for _ in range(args.steps * args.merge_k):
+        for step in range(args.steps * args.merge_k):
             x, y = torch.randn(args.batch, 64, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+            if rank == args.inf_rank and step == args.inf_step:
+                x[0, 0] = math.inf
             with fleet.auto_cast():
                 loss = F.cross_entropy(wrapped(x).float(), y)
             optimizer.zero_grad()
             optimizer.minimize(loss)
+        skipped = optimizer.steps_skipped
         del wrapped, optimizer, model
     n_params = sum(p.numel() for p in build_model(args.hidden, args.layers).parameters())
-    return {"peak_bytes": tensor_peak(prof, every_thread), "params": n_params, "every_thread": every_thread}
+    thread_peak = benchmark.tensor_peak(prof)
+    return {"peak_bytes": tensor_peak(prof, every_thread), "params": n_params, "every_thread": every_thread,
+            "this_thread_peak_bytes": 0 if math.isnan(thread_peak) else int(thread_peak), "skipped": skipped}
 
 
 def allocator_peak(prof: torch.profiler.profile) -> int:

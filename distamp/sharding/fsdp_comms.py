@@ -25,10 +25,23 @@ optimizer state sharded that copy is the largest transient of the forward.
 place in FSDP's output (one broadcast per rank, the same bytes as an
 all-gather). NCCL gathers in place itself, so on CUDA FSDP's own collective
 is kept.
+
+**Buffers freed when done, on the calling thread (CPU).** FSDP holds some
+buffers longer for CUDA streams: the output of a forward all-gather it was
+told is synchronous until the next unit's copy-out, and every reduce-scatter
+input until the next unit's reduce-scatter. On CPU each is one more unit's
+worth of 16-bit bytes alive for nothing, so the all-gather returns a
+finished ``Work`` (FSDP then frees its output after the copy-out) and the
+reduce-scatter frees the input it handed FSDP once it is sent. gloo's Work
+keeps the tensors it was given until gloo's own thread lets go of it, which
+a loaded host can delay past the next unit's allocations (and whose free
+then happens on that thread): the collectives detach those tensors from
+their memory before returning.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -59,16 +72,52 @@ class InPlaceAllGather(FSDPAllGather):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
-        """Fill ``output_tensor`` with every rank's ``input_tensor``, in rank order; returns when done."""
+        """Fill ``output_tensor`` with every rank's ``input_tensor``, in rank order; returns a finished Work."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        chunks = output_tensor.view(world, -1)
+        # Detached: a view would keep the whole output alive through its base while gloo holds it (see _release).
+        chunks = [chunk.detach() for chunk in output_tensor.view(world, -1).unbind()]
         if input_tensor.data_ptr() != chunks[rank].data_ptr():  # FSDP's copy-in usually writes it there already
             chunks[rank].copy_(input_tensor)
         works = [dist.broadcast(chunks[r], src=dist.get_global_rank(group, r), group=group, async_op=True)
                  for r in range(world)]
         for work in works:
             work.wait()
-        return None  # FSDP treats None as a finished (synchronous) all-gather
+        _release(chunks)
+        return _FINISHED
+
+
+def _release(views: list[torch.Tensor]) -> None:
+    """Detach finished collectives' ``views`` (tensors without a base) from their storage, on this thread.
+
+    gloo's Work keeps the tensors it was given until gloo's own thread drops
+    it, which can come after FSDP has let go of the buffer: the buffer would
+    then live on (a loaded host can delay that thread for milliseconds, while
+    the next unit's buffers are allocated) and be freed on gloo's thread. The
+    Work holds these very tensors, so emptying them drops its hold now.
+    """
+    for view in views:
+        view.set_(torch.UntypedStorage(0, device=view.device))
+
+
+class _Finished(dist.Work):
+    """A collective that has already completed, returned to FSDP in place of ``None``.
+
+    FSDP keeps the output of a forward all-gather it was told is synchronous
+    (``None``) until the next unit's copy-out, to overlap CUDA streams; on CPU
+    that only holds two units' buffers at once. For a Work it frees the
+    output right after the copy-out.
+    """
+
+    def wait(self, timeout: object = None) -> bool:
+        """Nothing to wait for."""
+        return True
+
+    def is_completed(self) -> bool:
+        """Always True."""
+        return True
+
+
+_FINISHED = _Finished()
 
 
 class WireReduceScatter(FSDPReduceScatter):
@@ -85,11 +134,14 @@ class WireReduceScatter(FSDPReduceScatter):
 
     def __init__(self) -> None:
         self.stats = CommStats()
+        self._inputs: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
-        """A plain buffer from the device's allocator."""
-        return _allocate(size, dtype, device)
+        """A plain buffer from the device's allocator (FSDP's input buffer: on CPU freed once sent)."""
+        buffer = _allocate(size, dtype, device)
+        self._inputs[id(buffer)] = buffer
+        return buffer
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: dist.ReduceOp | dist.ReduceOp.RedOpType, async_op: bool = False) -> dist.Work | None:
@@ -105,6 +157,11 @@ class WireReduceScatter(FSDPReduceScatter):
         dist.all_to_all_single(received, input_tensor, group=group)
         self.stats.calls += 1
         self.stats.bytes += input_tensor.numel() * input_tensor.element_size()
+        cpu = input_tensor.device.type == "cpu"
+        if cpu and self._inputs.get(id(input_tensor)) is input_tensor:
+            # FSDP's buffer from allocate(), sent: FSDP keeps it until the next unit's reduce-scatter, for CUDA
+            # streams, and nothing reads it again. Freed before the sum, which needs ``received`` only.
+            input_tensor.untyped_storage().resize_(0)
         chunks = received.view(world, -1)
         divisor = world if op == dist.ReduceOp.AVG else 1
         # Slices bound the FP32 temporaries; rank order: every rank adds the same numbers in the same order.
@@ -116,6 +173,8 @@ class WireReduceScatter(FSDPReduceScatter):
             if divisor != 1:
                 total /= divisor
             output_tensor[lo:hi].copy_(total)
+        if cpu:
+            received.untyped_storage().resize_(0)  # here, not whenever gloo's thread drops its Work (see _release)
         return None
 
 

@@ -20,7 +20,12 @@ def _reduce_scatter(rank, world):
     summed = torch.empty(3, dtype=torch.bfloat16)
     comm(summed, send, dist.group.WORLD, dist.ReduceOp.SUM)
     averaged = torch.empty(3, dtype=torch.float32)
-    comm(averaged, send.float(), dist.group.WORLD, dist.ReduceOp.AVG)
+    fsdp_input = comm.allocate((3 * world,), dtype=torch.float32, device=torch.device("cpu"))
+    fsdp_input.copy_(send)  # as FSDP's copy-in fills the buffer it got from allocate()
+    comm(averaged, fsdp_input, dist.group.WORLD, dist.ReduceOp.AVG)
+    # FSDP's buffer is freed once sent (FSDP would hold it until the next reduce-scatter); the caller's own is not.
+    assert fsdp_input.untyped_storage().nbytes() == 0
+    assert send.untyped_storage().nbytes() == 3 * world * 2
     return summed.float().tolist(), averaged.tolist(), comm.stats.calls, comm.stats.bytes
 
 
@@ -43,7 +48,11 @@ def _all_gather(rank, world):
     output = comm.allocate((2 * world,), dtype=torch.bfloat16, device=torch.device("cpu"))
     own = output.view(world, -1)[rank]
     own.copy_(torch.tensor([rank, -rank], dtype=torch.bfloat16))  # as FSDP's copy-in leaves it
-    assert comm(output, own, dist.group.WORLD) is None
+    work = comm(output, own, dist.group.WORLD)
+    # A finished Work, not None: FSDP then frees the output after its copy-out.
+    assert isinstance(work, dist.Work)
+    assert work.is_completed()
+    assert work.wait()
     separate = torch.empty(2 * world, dtype=torch.bfloat16)
     comm(separate, torch.tensor([rank, -rank], dtype=torch.bfloat16), dist.group.WORLD, async_op=True)
     return output.tolist(), separate.tolist()
