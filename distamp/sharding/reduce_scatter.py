@@ -10,9 +10,11 @@ the elements of the bucket that rank owns in the flat parameter space
 chunks with per-rank split sizes (gloo and NCCL both take split sizes), so
 each element crosses the wire once, where an all-reduce sends it twice.
 Each rank then adds the W received copies of its elements, divided by W,
-in FP32 into its FP32 gradient slice (``grads`` of the sharded masters), where
-several backward passes (and gradient
-merge's micro-batches) accumulate without 16-bit rounding. No pre-division is
+in FP32 into its gradient slice (``grads`` of the sharded masters): an FP32
+slice, where several backward passes (and gradient merge's micro-batches)
+accumulate without 16-bit rounding, or in O2 without gradient merge a slice
+in the model's 16-bit dtype, into which the FP32 sum is rounded once, as
+unsharded O2's all-reduce leaves it in ``.grad``. No pre-division is
 needed: the sum is FP32, so it cannot overflow.
 
 The exchanges go in rounds formed across buckets (see
@@ -37,7 +39,7 @@ plan per parameter order.
 
 What the model's ``.grad`` holds: the hook returns the bucket zeroed, so
 after ``backward`` the ``.grad`` of every parameter in a bucket is zero on
-every rank; the reduced gradient exists only as the owners' FP32 slices.
+every rank; the reduced gradient exists only as the owners' slices.
 """
 
 from collections import deque
@@ -384,18 +386,13 @@ class _RoundExchange:
         return self.work is not None and self.work.is_completed()
 
     def finish(self, world: int) -> None:
-        """Sum the received copies in FP32 into the owners' slices and free the round's buffers."""
+        """Sum the received copies in FP32 into the owners' slices (:func:`_sum_into_slices`) and free the round's
+        buffers."""
         if self.work is None or self.received_copies is None or self.send is None:
             raise RuntimeError("finish() before start()")
         self.work.wait()
         if self.received:
-            # Each rank's 16-bit copy, divided by W, added in FP32 straight into the owners' FP32 slices
-            # (no FP32 temporary): exact for a power-of-two W, where dividing is exact.
-            n, lengths = self.received, [length for _, _, length in self.dest]
-            targets = [shard.grads.buffer[start : start + length] for shard, start, length in self.dest]
-            for r in range(world):
-                copies = list(self.received_copies[r * n : (r + 1) * n].split(lengths))
-                foreach_add_(targets, copies, alpha=1 / world)
+            _sum_into_slices(self.received_copies, self.received, self.dest, world)
         # Free the exchange buffers here and now: the communication thread may still hold them a moment
         # (and would then free them where the profiler does not look). On CUDA this is stream-safe:
         # work.wait() made the current stream (the buffers' allocation stream, whose blocks the caching
@@ -409,6 +406,40 @@ class _RoundExchange:
             exchange.rounds_open -= 1
         self.exchanges = ()
         self.parts = ()
+
+
+SUM_SLAB = 1 << 15
+"""Elements a 16-bit gradient slice receives per FP32 partial sum (a 128 KB temporary, whatever the round)."""
+
+
+def _sum_into_slices(received: torch.Tensor, n: int, dest: tuple[tuple[SliceOwner, int, int], ...],
+                     world: int) -> None:
+    """Add the mean of the ``world`` received copies (``n`` elements each, end to end) into the owners' slices.
+
+    Each copy is divided by W and added in FP32, rank by rank: exact
+    division for a power-of-two W. An FP32 slice takes the copies straight
+    (no FP32 temporary); a 16-bit slice gets the FP32 sum of every copy
+    rounded once into it, as the unsharded all-reduce on 2 ranks rounds
+    ``g0/2 + g1/2`` once into the 16-bit ``.grad``, built :data:`SUM_SLAB`
+    elements at a time.
+    """
+    lengths = [length for _, _, length in dest]
+    targets = [shard.grads.buffer[start : start + length] for shard, start, length in dest]
+    if all(t.dtype == torch.float32 for t in targets):
+        for r in range(world):
+            foreach_add_(targets, list(received[r * n : (r + 1) * n].split(lengths)), alpha=1 / world)
+        return
+    partial = torch.empty(min(n, SUM_SLAB), dtype=torch.float32, device=received.device)
+    position = 0
+    for target, length in zip(targets, lengths, strict=True):
+        for lo in range(0, length, SUM_SLAB):
+            m = min(SUM_SLAB, length - lo)
+            acc = partial[:m].zero_()
+            for r in range(world):
+                start = r * n + position + lo
+                acc.add_(received[start : start + m], alpha=1 / world)
+            target[lo : lo + m].add_(acc)
+        position += length
 
 
 @dataclass(eq=False)

@@ -18,7 +18,7 @@ __all__ = ["GradSlice", "SliceOwner"]
 
 
 class GradSlice(Protocol):
-    """A rank's FP32 gradient slice: the buffer the reduce-scatter sums into."""
+    """A rank's gradient slice (FP32, or O2's 16-bit dtype): the buffer the reduce-scatter sums into."""
 
     buffer: torch.Tensor
     reduced: bool

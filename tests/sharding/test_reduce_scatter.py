@@ -124,6 +124,42 @@ def test_rounds_on_gloo_carry_as_much_for_each_destination_and_sum_the_same():
         assert result["in_flight"] == 0
 
 
+def _reduce_into_16_bit_slice(rank, world, dtype, slab):
+    """O2 without gradient merge: a 16-bit bucket reduce-scattered into a 16-bit slice, and the unsharded path."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from distamp.sharding import reduce_scatter
+    from distamp.sharding.sharded_masters import ShardedMasters
+
+    reduce_scatter.SUM_SLAB = slab
+    params = [nn.Parameter(torch.zeros(5)), nn.Parameter(torch.zeros(2, 2))]
+    shard = ShardedMasters(params, dtype, None, rank, world, grad_dtype=dtype)
+    state = reduce_scatter.ShardedGradReduce([shard], dtype)
+    bucket = _grads(rank).to(dtype)
+    # What unsharded O2's all-reduce hook leaves in .grad: the halves (exact) summed by gloo in the 16-bit dtype.
+    unsharded = bucket / world
+    dist.all_reduce(unsharded)
+    reduce_scatter.reduce_scatter_hook(state, Bucket(bucket.clone(), params)).wait()
+    return shard.grads.buffer.clone(), unsharded
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("slab", [1 << 15, 2])
+def test_a_16_bit_slice_gets_the_fp32_mean_rounded_once_as_the_unsharded_all_reduce_leaves_it(slab):
+    # slab 2: the FP32 partial sums are built 2 elements at a time, across the split of parameter 0 too.
+    out = run_workers(_reduce_into_16_bit_slice, 2, torch.bfloat16, slab, timeout=100)
+    rounded = [_grads(r).to(torch.bfloat16).float() for r in range(2)]
+    fp32_mean = rounded[0] / 2 + rounded[1] / 2
+    expected = fp32_mean.to(torch.bfloat16)
+    assert not torch.equal(expected.float(), fp32_mean)  # the slice's rounding does show
+    assert out[0][0].dtype == torch.bfloat16
+    assert torch.equal(out[0][0], expected[:4])
+    assert torch.equal(out[1][0], expected[4:])
+    for result in out:
+        assert torch.equal(result[1], expected)  # bitwise what the unsharded all-reduce gives on 2 ranks
+
+
 def _reversed_and_accumulated(rank, world):
     from torch import nn
 
