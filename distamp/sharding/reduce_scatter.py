@@ -60,10 +60,10 @@ __all__ = ["BUCKET_FRACTION", "MAX_IN_FLIGHT", "REDUCE_BUCKET_BYTES", "ShardedGr
 MAX_IN_FLIGHT = 2
 """Rounds on the wire at once, each with its packed send and W received copies."""
 
-REDUCE_BUCKET_BYTES = 1 << 19
+REDUCE_BUCKET_BYTES = 1 << 18
 """Smallest gradient bucket of sharding stages 1 and 2, in wire bytes (see :func:`reduce_bucket_bytes`)."""
 
-BUCKET_FRACTION = 8
+BUCKET_FRACTION = 16
 """A bucket is at most this fraction of the model's 16-bit gradient (above :data:`REDUCE_BUCKET_BYTES`)."""
 
 
@@ -78,9 +78,14 @@ def reduce_bucket_bytes(gradient_bytes: int, fuse_bytes: int) -> int:
     and round costs gloo CPU time, which small buckets multiply (stage 2
     on the 6.56M-parameter benchmark MLP, 2 ranks: 512 KB buckets took
     1.46x-1.57x the CPU time of the unsharded step, an eighth of the
-    gradient 1.08x-1.19x, on a shared 2-core host). So a bucket is an
-    eighth of the gradient, at least :data:`REDUCE_BUCKET_BYTES` and at
-    most ``fuse_bytes`` (``fuse_grad_size_in_MB``).
+    gradient 1.08x-1.19x, on a shared 2-core host). An eighth left stage 2
+    of O2 BF16 AdamW on the 2.40M-parameter MLP of the memory test at
+    11.3 bytes per parameter on 2 ranks (0.63x of sharding off; buckets
+    open and rounds in flight held 1.9 of them), above the 0.60x the
+    sharded stages promise; a sixteenth (at least 256 KiB) holds half as
+    much: 10.2 (0.57x). Its CPU cost has not been measured. So a bucket is
+    a sixteenth of the gradient, at least :data:`REDUCE_BUCKET_BYTES` and
+    at most ``fuse_bytes`` (``fuse_grad_size_in_MB``).
     """
     return max(1, min(fuse_bytes, max(REDUCE_BUCKET_BYTES, gradient_bytes // BUCKET_FRACTION)))
 
