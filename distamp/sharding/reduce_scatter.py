@@ -83,7 +83,7 @@ def reduce_bucket_bytes(gradient_bytes: int, fuse_bytes: int) -> int:
     11.3 bytes per parameter on 2 ranks (0.63x of sharding off; buckets
     open and rounds in flight held 1.9 of them), above the 0.60x the
     sharded stages promise; a sixteenth (at least 256 KiB) holds half as
-    much: 10.2 (0.57x). Its CPU cost has not been measured. So a bucket is
+    much: 10.1 (0.56x). Its CPU cost has not been measured. So a bucket is
     a sixteenth of the gradient, at least :data:`REDUCE_BUCKET_BYTES` and
     at most ``fuse_bytes`` (``fuse_grad_size_in_MB``).
     """
@@ -171,6 +171,7 @@ class ShardedGradReduce:
         self._unsent: deque[_Exchange] = deque()  # exchanges with elements in the pool, in order
         self._queued: deque[_RoundExchange] = deque()  # rounds not yet launched, in order
         self._running: deque[_RoundExchange] = deque()  # rounds on the wire, in launch order
+        self.bucket_bytes = bucket_bytes
         round_elements = max(1, bucket_bytes // wire_dtype.itemsize)
         limit = round_bytes(process_group)
         share = max(1, round_elements // self.world_size)
@@ -246,6 +247,13 @@ class ShardedGradReduce:
         bucket future) completed with it; without ``done`` the buffer's
         storage is freed (the stage-2 reducer's own buckets). ``last``: the
         last bucket of this backward, after which every element goes out.
+
+        With ``max_open``, a bucket larger than ``max_open`` buckets (a
+        parameter's gradient lent as its own bucket) goes out at once with
+        everything waiting, and this call returns only when all is summed:
+        backward then computes the next gradient after that one is freed,
+        not while it is on the wire. Whether a bucket is that large depends on
+        its size only, so every rank decides alike.
         """
         while self.max_open is not None and len(self.open) >= self.max_open and (self._running or self._queued):
             self._advance(block=True)  # bound the open buckets when the wire is slower than backward
@@ -261,9 +269,10 @@ class ShardedGradReduce:
             for rank, entries in enumerate(plan.per_rank):
                 self._pool[rank].extend((exchange, *entry) for entry in entries)
                 self._pool_sizes[rank] += sum(entry[1] for entry in entries)
+        large = self.max_open is not None and plan.numel * self.wire_dtype.itemsize > self.max_open * self.bucket_bytes
         self._form_rounds(flush=last)
         self._complete_done()  # a bucket with nothing to send
-        self.finish_completed(wait=False)
+        self.finish_completed(wait=large)
 
     def _form_rounds(self, flush: bool) -> None:
         """Queue the rounds the pool allows: balanced ones; the oldest bucket's when too many wait; all on ``flush``."""
@@ -413,8 +422,9 @@ class _RoundExchange:
         self.parts = ()
 
 
-SUM_SLAB = 1 << 15
-"""Elements a 16-bit gradient slice receives per FP32 partial sum (a 128 KB temporary, whatever the round)."""
+SUM_SLAB = 1 << 13
+"""Elements a 16-bit gradient slice receives per FP32 partial sum: a 32 KiB temporary (and as much for the cast of
+each copy to FP32), whatever the round."""
 
 
 def _sum_into_slices(received: torch.Tensor, n: int, dest: tuple[tuple[SliceOwner, int, int], ...],

@@ -243,6 +243,40 @@ def test_a_bound_on_open_buckets_sends_the_oldest_as_it_is_when_too_many_wait():
         assert still_open == 0
 
 
+def _large_lent_gradient(rank, world):
+    """Stage 2's hand-over: a 12-element gradient (48 bytes) with room for 2 open buckets of 16 bytes, then 4 more."""
+    from torch import nn
+
+    from distamp.sharding.reduce_scatter import ShardedGradReduce
+    from distamp.sharding.sharded_masters import ShardedMasters
+
+    params = [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(12))]
+    shard = ShardedMasters(params, None, None, rank, world)
+    state = ShardedGradReduce([shard], torch.float32, bucket_bytes=16, max_open=2)
+    rounds = _recorded_rounds()
+    g = torch.arange(16, dtype=torch.float32) * (rank + 1)
+    large = g[4:].clone()
+    state.launch(large, [params[1]])
+    after_large = (len(state.open), large.untyped_storage().nbytes(), len(rounds))
+    state.launch(g[:4].clone(), [params[0]], last=True)
+    state.finish_completed(wait=True)
+    return shard.grads.buffer.clone(), [r["input_splits"] for r in rounds], after_large
+
+
+@pytest.mark.timeout(120)
+def test_a_bucket_larger_than_the_open_bound_is_summed_and_freed_before_backward_goes_on():
+    # Rank 0 owns 4 of the large bucket's elements, rank 1 8: balanced rounds would leave rank 1's last 4
+    # waiting; a bucket larger than max_open buckets goes out whole instead, and launch() returns when it is
+    # summed, so autograd computes the next gradient after this one is freed.
+    out = run_workers(_large_lent_gradient, 2, timeout=100)
+    mean = torch.arange(16, dtype=torch.float32) * 1.5
+    assert torch.equal(out[0][0], mean[:8])
+    assert torch.equal(out[1][0], mean[8:])
+    for _, splits, after_large in out:
+        assert after_large == (0, 0, 4)  # nothing open, the gradient's storage freed, in 4 rounds
+        assert splits == [(2, 2), (2, 2), (0, 2), (0, 2), (2, 0), (2, 0)]
+
+
 def _unsupported(rank, world):
     from distamp.sharding.reduce_scatter import ShardedGradReduce
 
