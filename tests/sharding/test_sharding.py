@@ -188,6 +188,25 @@ def test_two_ranks_o2_bf16_adamw_sharded_like_unsharded_and_one_inf_skips_everyw
     assert set(out[0][2]["grads"]) == {"freed"}
 
 
+def _o2_fp16_three_ways(rank, world):
+    fp16 = {"use_pure_fp16": True, "dtype": "float16", "init_loss_scaling": 2.0**16}
+    return {stage: _run(rank, world, _strategy(stage, **fp16), inject=True) for stage in (0, 1, 2)}
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_o2_fp16_sharded_bitwise_like_unsharded_with_the_same_skips():
+    """FP16 as BF16 above: the 16-bit slice holds the FP32 mean rounded once, as the unsharded FP16 all-reduce
+    leaves it (these gradients are far above FP16's subnormals, where pre-dividing in FP16 could lose bits),
+    so the runs skip the same steps (the first overflows at 2**16, the third holds rank 0's inf) and end equal."""
+    out = run_workers(_o2_fp16_three_ways, 2, timeout=150)
+    for stage in (0, 1, 2):
+        for rank in (0, 1):
+            assert out[rank][stage]["applied"] == [False, True, False, True, True], (stage, rank)
+            assert out[rank][stage]["scale"] == out[0][0]["scale"]
+            assert torch.equal(out[rank][stage]["params"], out[0][0]["params"]), (stage, rank)
+            assert torch.equal(out[rank][stage]["fp32"], out[0][0]["fp32"]), (stage, rank)
+
+
 class _UnslicedAdamW(torch.optim.AdamW):
     """AdamW under another type: the update is never cut into chunks for it (only the listed types are)."""
 
