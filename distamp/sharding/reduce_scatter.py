@@ -83,7 +83,7 @@ def reduce_bucket_bytes(gradient_bytes: int, fuse_bytes: int) -> int:
     11.3 bytes per parameter on 2 ranks (0.63x of sharding off; buckets
     open and rounds in flight held 1.9 of them), above the 0.60x the
     sharded stages promise; a sixteenth (at least 256 KiB) holds half as
-    much: 10.1 (0.56x). Its CPU cost has not been measured. So a bucket is
+    much: 10.2 (0.56x). Its CPU cost has not been measured. So a bucket is
     a sixteenth of the gradient, at least :data:`REDUCE_BUCKET_BYTES` and
     at most ``fuse_bytes`` (``fuse_grad_size_in_MB``).
     """

@@ -144,7 +144,7 @@ class ShardedPrecision(MixedPrecision):
             return False, None  # AMP off: applied as they are, as without sharding
         # Like GradScaler: the reciprocal in double, rounded once to float32 (in the kernels).
         self._inv_scale = 1.0 / self.scaler.scale
-        device = slice_grads.buffer.device
+        device = slice_grads.device
         flags = torch.zeros(2, dtype=torch.float32, device=device)
         grads = slice_grads.fp32_buffer
         if grads is None:  # a 16-bit slice: FP32 one chunk at a time

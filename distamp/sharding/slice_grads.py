@@ -78,9 +78,14 @@ class SliceGrads:
         self.pieces = pieces
         self.masters = masters
         self.lo = lo
-        device = model_params[0].device if model_params else torch.device("cpu")
-        self.buffer = torch.zeros(hi - lo, dtype=dtype, device=device)
+        self.device = model_params[0].device if model_params else torch.device("cpu")
+        """Where the slice lives (the parameters' device)."""
+        self.dtype = dtype
+        self.numel = hi - lo
         self.low = dtype != torch.float32
+        # A 16-bit slice is made when a reduce-scatter first sums into it: with nothing to reduce (one rank, or
+        # no data-parallel model) the model's .grad is read in place, and the slice would cost 2 bytes/param.
+        self._buffer = None if self.low else torch.zeros(self.numel, dtype=dtype, device=self.device)
         """Whether the slice is 16-bit: the masters' FP32 gradients are made per chunk or by :meth:`materialize`."""
         self.sources = [PieceGrad() for _ in pieces]
         """Per piece, where its 16-bit gradient is after :meth:`collect` (16-bit slices only)."""
@@ -91,6 +96,13 @@ class SliceGrads:
         """Indices of parameters whose gradient the stage-2 reducer summed here (their ``.grad`` is freed)."""
         self.deliveries = 0
         """Backward passes the stage-2 reducer summed here, ever: new gradients that no ``.grad`` shows."""
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The slice, ``numel`` elements of ``dtype`` (a 16-bit one is made when first asked for)."""
+        if self._buffer is None:
+            self._buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        return self._buffer
 
     def view(self, index: int) -> torch.Tensor:
         """The FP32 gradient of piece ``index``."""
@@ -146,7 +158,8 @@ class SliceGrads:
             model_grad = self.model_params[piece.param].grad
             if model_grad is None and piece.param not in self.arrived:
                 source.grad = None
-                self.view(j).zero_()
+                if self._buffer is not None:
+                    self.view(j).zero_()
             elif self.reduced or model_grad is None:
                 source.grad = self.view(j)
             else:
@@ -166,7 +179,7 @@ class SliceGrads:
         """
         if not self.low or self.fp32 is not None:
             return
-        self.fp32 = torch.zeros(self.buffer.numel(), dtype=torch.float32, device=self.buffer.device)
+        self.fp32 = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
         dst, src = [], []
         for piece, source, master in zip(self.pieces, self.sources, self.masters, strict=True):
             if source.grad is None:
@@ -227,7 +240,8 @@ class SliceGrads:
 
     def zero(self) -> None:
         """Clear the buffer (what the next backward sums into) and the pieces' ``.grad``."""
-        self.buffer.zero_()
+        if self._buffer is not None:
+            self._buffer.zero_()
         self.reduced = False
         self.arrived.clear()
         self.fp32 = None

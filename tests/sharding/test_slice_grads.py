@@ -137,3 +137,14 @@ def test_a_16_bit_slice_not_reduced_reads_the_model_gradients_without_rounding()
     grads.fp32.fill_(7.0)  # a copy a skipped step left: collect() starts afresh
     grads.collect({id(params[0]): torch.ones(6)})  # a gradient-merge sum: added to a fresh FP32 copy
     assert torch.equal(grads.fp32[:1], torch.tensor([5.001]) + 1)
+
+
+def test_a_16_bit_slice_is_made_only_when_something_sums_into_it():
+    params, _, grads = _setup_16_bit()
+    params[0].grad = torch.ones(2, 3)
+    grads.collect()  # nothing reduced: .grad is read in place
+    grads.zero()
+    assert grads._buffer is None  # one rank, or no data-parallel model: no 2 bytes per parameter for nothing
+    assert grads.buffer.dtype == torch.bfloat16  # what a reduce-scatter asks for
+    assert grads.buffer.numel() == 5
+    assert grads._buffer is not None
