@@ -36,6 +36,11 @@ large as fits below the peak the device's allocator has already reached
 and the inner optimizer's temporaries): where activations dominate, the
 whole model is one chunk and one ``step()``, and the step still raises no
 peak; where the parameters dominate, the chunks stay small.
+
+Sharding stages 1 and 2 use the same two functions on one rank's 16-bit
+gradient slice: there the gradient comes from a :class:`GradSource` per
+piece rather than from a model parameter, and the updated masters reach the
+model through the all-gather, not through :func:`step_in_chunks`.
 """
 
 from __future__ import annotations
@@ -43,14 +48,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from distamp.torch_compat import amp_foreach_non_finite_check_and_unscale_, foreach_add_, foreach_copy_, foreach_norm
 
-__all__ = ["SLICEABLE_OPTIMIZERS", "SLICE_ALIGN", "Piece", "check_in_chunks", "chunk_numel", "plan_chunks",
-           "room_below_peak", "step_in_chunks", "step_only", "steps_in_chunks"]
+__all__ = ["SLICEABLE_OPTIMIZERS", "SLICE_ALIGN", "GradSource", "Pair", "Piece", "check_in_chunks", "chunk_numel",
+           "plan_chunks", "room_below_peak", "step_in_chunks", "step_only", "steps_in_chunks"]
 
 SLICEABLE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 """Optimizers whose update of an element depends on that element's gradient and state only."""
@@ -60,6 +66,18 @@ SLICE_ALIGN = 4096
 
 _MIN_CHUNK = 1 << 16  # 256 KB of FP32: below this, per-chunk overhead outweighs the memory saved
 _CHUNKS = 16  # about this many chunks per model: at most 1/16 of its FP32 gradient exists at once
+
+
+class GradSource(Protocol):
+    """Where a master's 16-bit gradient is read from: a model parameter, or a piece of a sharded gradient slice."""
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """The gradient, shaped like the master (or at least with as many elements, contiguous)."""
+
+
+Pair = tuple[GradSource, nn.Parameter]
+"""``(where the gradient is, the FP32 master it updates)``."""
 
 
 _BYTES_PER_ELEMENT = 16  # an FP32 scratch element plus up to three FP32 temporaries of the inner optimizer's
@@ -131,7 +149,7 @@ def plan_chunks(numels: Sequence[int], limit: int, sliceable: Sequence[bool]) ->
 class _Filler:
     """Builds a chunk's unscaled FP32 gradients in one scratch buffer: copy, add the merge sum, unscale."""
 
-    def __init__(self, pairs: Sequence[tuple[nn.Parameter, nn.Parameter]], extra: dict[int, torch.Tensor] | None,
+    def __init__(self, pairs: Sequence[Pair], extra: dict[int, torch.Tensor] | None,
                  inv_scale: float, limit: int) -> None:
         self.pairs, self.extra = pairs, extra or {}
         device = pairs[0][1].device
@@ -171,13 +189,13 @@ class _Filler:
         return dst
 
 
-def check_in_chunks(pairs: Sequence[tuple[nn.Parameter, nn.Parameter]], extra: dict[int, torch.Tensor] | None,
+def check_in_chunks(pairs: Sequence[Pair], extra: dict[int, torch.Tensor] | None,
                     inv_scale: float, needs_max: bool, limit: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(found, max)`` over the unscaled FP32 gradients of ``pairs``, one chunk at a time.
 
-    ``pairs`` are ``(model parameter, FP32 master)`` on one device, each
-    with a gradient; ``extra`` maps ``id(model parameter)`` to an FP32
-    gradient-merge sum to add first. ``found`` is a one-element FP32 tensor,
+    ``pairs`` are ``(model parameter or other gradient source, FP32
+    master)`` on one device, each with a gradient; ``extra`` maps
+    ``id(source)`` to an FP32 gradient-merge sum to add first. ``found`` is a one-element FP32 tensor,
     nonzero when a gradient is inf or NaN; ``max`` is ``max |g|`` (a
     zero-dim FP32 tensor) when ``needs_max``. The model's gradients are not
     changed.
@@ -198,14 +216,17 @@ def steps_in_chunks(optimizer: torch.optim.Optimizer) -> bool:
         g.get("differentiable", False) for g in optimizer.param_groups)
 
 
-def step_in_chunks(optimizer: torch.optim.Optimizer, pairs: Sequence[tuple[nn.Parameter, nn.Parameter]],
-                   extra: dict[int, torch.Tensor] | None, inv_scale: float, limit: int) -> None:
+def step_in_chunks(optimizer: torch.optim.Optimizer, pairs: Sequence[Pair],
+                   extra: dict[int, torch.Tensor] | None, inv_scale: float, limit: int,
+                   into_model: bool = True) -> None:
     """Step ``optimizer`` on the masters of ``pairs`` chunk by chunk and round each chunk into the model.
 
     Each chunk's FP32 gradients are rebuilt as :func:`check_in_chunks`
     built them; the inner optimizer's param groups hold only that chunk's
     masters (or slices of them) while it steps, and are restored after.
-    ``optimizer`` must satisfy :func:`steps_in_chunks`.
+    ``optimizer`` must satisfy :func:`steps_in_chunks`. With ``into_model``
+    False the masters are not copied anywhere (``pairs`` then need not be
+    model parameters: the sharded stages all-gather the masters instead).
     """
     group_of = {id(p): gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
     saved = [list(group["params"]) for group in optimizer.param_groups]
@@ -235,7 +256,8 @@ def step_in_chunks(optimizer: torch.optim.Optimizer, pairs: Sequence[tuple[nn.Pa
             optimizer.step()
             for piece, target in slices:
                 _merge_slice_state(optimizer, pairs[piece.index][1], piece, target)
-            _round_into_model(pairs, pieces)
+            if into_model:
+                _round_into_model(pairs, pieces)
             for chunk_params in members:
                 for target in chunk_params:
                     target.grad = None
@@ -257,8 +279,8 @@ def step_only(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) 
             group["params"][:] = members
 
 
-def _contiguous(param: nn.Parameter) -> bool:
-    grad = param.grad
+def _contiguous(source: GradSource) -> bool:
+    grad = source.grad
     return grad is not None and grad.is_contiguous()
 
 
@@ -309,10 +331,11 @@ def _merge_slice_state(optimizer: torch.optim.Optimizer, master: nn.Parameter, p
             whole[key] = value
 
 
-def _round_into_model(pairs: Sequence[tuple[nn.Parameter, nn.Parameter]], pieces: list[Piece]) -> None:
+def _round_into_model(pairs: Sequence[Pair], pieces: list[Piece]) -> None:
     dst, src = [], []
     for piece in pieces:
         model_p, master = pairs[piece.index]
+        assert isinstance(model_p, torch.Tensor), "only model parameters are rounded into"
         if piece.whole:
             dst.append(model_p.data)
             src.append(master.detach())

@@ -313,6 +313,8 @@ class DataParallel(nn.Module):
             ddp.require_backward_grad_sync = runtime.sync_enabled and (runtime.reduce_scatter or runtime.merge_sync)
             ddp.training = self.training
             rebuilt = ddp_has_rebuilt_buckets(ddp)
+            if not rebuilt and runtime.reduce_scatter and not ddp.find_unused_parameters:
+                _free_zero_grads(ddp)
             output = ddp(*args, **kwargs)
         except RuntimeError as exc:
             hint = self._outside_auto_cast_hint(exc)
@@ -346,3 +348,20 @@ class DataParallel(nn.Module):
         ``module.`` prefix).
         """
         return fp32_model_state_dict(self.module, [opt.master_weights for opt in self._runtime.optimizers])
+
+
+def _free_zero_grads(ddp: DistributedDataParallel) -> None:
+    """Stage 1, before DDP may rebuild its buckets: free each ``.grad`` that holds only zeros.
+
+    DDP rebuilds its buckets at the first forward after the first backward
+    and allocates the new ones while every ``.grad`` still views an old one
+    (``gradient_as_bucket_view``): a whole 16-bit gradient more, at once. The
+    reduce-scatter handed every bucket back zeroed, so those ``.grad`` hold
+    nothing; freed, the old buckets go before the new ones come, and the next
+    backward makes each ``.grad`` again (a view of a new bucket). Without
+    ``find_unused_parameters`` every parameter gets a gradient in every
+    reduced backward, so no step sees ``None`` where it would have seen zeros.
+    """
+    for p in ddp.module.parameters():
+        if p.grad is not None and not bool(p.grad.any()):
+            p.grad = None

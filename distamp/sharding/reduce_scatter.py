@@ -10,9 +10,11 @@ the elements of the bucket that rank owns in the flat parameter space
 chunks with per-rank split sizes (gloo and NCCL both take split sizes), so
 each element crosses the wire once, where an all-reduce sends it twice.
 Each rank then adds the W received copies of its elements, divided by W,
-in FP32 into its FP32 gradient slice (``grads`` of the sharded masters), where
-several backward passes (and gradient
-merge's micro-batches) accumulate without 16-bit rounding. No pre-division is
+in FP32 into its gradient slice (``grads`` of the sharded masters): an FP32
+slice, where several backward passes (and gradient merge's micro-batches)
+accumulate without 16-bit rounding, or in O2 without gradient merge a slice
+in the model's 16-bit dtype, into which the FP32 sum is rounded once, as
+unsharded O2's all-reduce leaves it in ``.grad``. No pre-division is
 needed: the sum is FP32, so it cannot overflow.
 
 The exchanges go in rounds formed across buckets (see
@@ -37,7 +39,7 @@ plan per parameter order.
 
 What the model's ``.grad`` holds: the hook returns the bucket zeroed, so
 after ``backward`` the ``.grad`` of every parameter in a bucket is zero on
-every rank; the reduced gradient exists only as the owners' FP32 slices.
+every rank; the reduced gradient exists only as the owners' slices.
 """
 
 from collections import deque
@@ -58,10 +60,10 @@ __all__ = ["BUCKET_FRACTION", "MAX_IN_FLIGHT", "REDUCE_BUCKET_BYTES", "ShardedGr
 MAX_IN_FLIGHT = 2
 """Rounds on the wire at once, each with its packed send and W received copies."""
 
-REDUCE_BUCKET_BYTES = 1 << 19
+REDUCE_BUCKET_BYTES = 1 << 18
 """Smallest gradient bucket of sharding stages 1 and 2, in wire bytes (see :func:`reduce_bucket_bytes`)."""
 
-BUCKET_FRACTION = 8
+BUCKET_FRACTION = 16
 """A bucket is at most this fraction of the model's 16-bit gradient (above :data:`REDUCE_BUCKET_BYTES`)."""
 
 
@@ -76,9 +78,14 @@ def reduce_bucket_bytes(gradient_bytes: int, fuse_bytes: int) -> int:
     and round costs gloo CPU time, which small buckets multiply (stage 2
     on the 6.56M-parameter benchmark MLP, 2 ranks: 512 KB buckets took
     1.46x-1.57x the CPU time of the unsharded step, an eighth of the
-    gradient 1.08x-1.19x, on a shared 2-core host). So a bucket is an
-    eighth of the gradient, at least :data:`REDUCE_BUCKET_BYTES` and at
-    most ``fuse_bytes`` (``fuse_grad_size_in_MB``).
+    gradient 1.08x-1.19x, on a shared 2-core host). An eighth left stage 2
+    of O2 BF16 AdamW on the 2.40M-parameter MLP of the memory test at
+    11.3 bytes per parameter on 2 ranks (0.63x of sharding off; buckets
+    open and rounds in flight held 1.9 of them), above the 0.60x the
+    sharded stages promise; a sixteenth (at least 256 KiB) holds half as
+    much: 10.2 (0.56x). Its CPU cost has not been measured. So a bucket is
+    a sixteenth of the gradient, at least :data:`REDUCE_BUCKET_BYTES` and
+    at most ``fuse_bytes`` (``fuse_grad_size_in_MB``).
     """
     return max(1, min(fuse_bytes, max(REDUCE_BUCKET_BYTES, gradient_bytes // BUCKET_FRACTION)))
 
@@ -164,6 +171,7 @@ class ShardedGradReduce:
         self._unsent: deque[_Exchange] = deque()  # exchanges with elements in the pool, in order
         self._queued: deque[_RoundExchange] = deque()  # rounds not yet launched, in order
         self._running: deque[_RoundExchange] = deque()  # rounds on the wire, in launch order
+        self.bucket_bytes = bucket_bytes
         round_elements = max(1, bucket_bytes // wire_dtype.itemsize)
         limit = round_bytes(process_group)
         share = max(1, round_elements // self.world_size)
@@ -239,6 +247,13 @@ class ShardedGradReduce:
         bucket future) completed with it; without ``done`` the buffer's
         storage is freed (the stage-2 reducer's own buckets). ``last``: the
         last bucket of this backward, after which every element goes out.
+
+        With ``max_open``, a bucket larger than ``max_open`` buckets (a
+        parameter's gradient lent as its own bucket) goes out at once with
+        everything waiting, and this call returns only when all is summed:
+        backward then computes the next gradient after that one is freed,
+        not while it is on the wire. Whether a bucket is that large depends on
+        its size only, so every rank decides alike.
         """
         while self.max_open is not None and len(self.open) >= self.max_open and (self._running or self._queued):
             self._advance(block=True)  # bound the open buckets when the wire is slower than backward
@@ -254,9 +269,10 @@ class ShardedGradReduce:
             for rank, entries in enumerate(plan.per_rank):
                 self._pool[rank].extend((exchange, *entry) for entry in entries)
                 self._pool_sizes[rank] += sum(entry[1] for entry in entries)
+        large = self.max_open is not None and plan.numel * self.wire_dtype.itemsize > self.max_open * self.bucket_bytes
         self._form_rounds(flush=last)
         self._complete_done()  # a bucket with nothing to send
-        self.finish_completed(wait=False)
+        self.finish_completed(wait=large)
 
     def _form_rounds(self, flush: bool) -> None:
         """Queue the rounds the pool allows: balanced ones; the oldest bucket's when too many wait; all on ``flush``."""
@@ -384,18 +400,13 @@ class _RoundExchange:
         return self.work is not None and self.work.is_completed()
 
     def finish(self, world: int) -> None:
-        """Sum the received copies in FP32 into the owners' slices and free the round's buffers."""
+        """Sum the received copies in FP32 into the owners' slices (:func:`_sum_into_slices`) and free the round's
+        buffers."""
         if self.work is None or self.received_copies is None or self.send is None:
             raise RuntimeError("finish() before start()")
         self.work.wait()
         if self.received:
-            # Each rank's 16-bit copy, divided by W, added in FP32 straight into the owners' FP32 slices
-            # (no FP32 temporary): exact for a power-of-two W, where dividing is exact.
-            n, lengths = self.received, [length for _, _, length in self.dest]
-            targets = [shard.grads.buffer[start : start + length] for shard, start, length in self.dest]
-            for r in range(world):
-                copies = list(self.received_copies[r * n : (r + 1) * n].split(lengths))
-                foreach_add_(targets, copies, alpha=1 / world)
+            _sum_into_slices(self.received_copies, self.received, self.dest, world)
         # Free the exchange buffers here and now: the communication thread may still hold them a moment
         # (and would then free them where the profiler does not look). On CUDA this is stream-safe:
         # work.wait() made the current stream (the buffers' allocation stream, whose blocks the caching
@@ -409,6 +420,41 @@ class _RoundExchange:
             exchange.rounds_open -= 1
         self.exchanges = ()
         self.parts = ()
+
+
+SUM_SLAB = 1 << 13
+"""Elements a 16-bit gradient slice receives per FP32 partial sum: a 32 KiB temporary (and as much for the cast of
+each copy to FP32), whatever the round."""
+
+
+def _sum_into_slices(received: torch.Tensor, n: int, dest: tuple[tuple[SliceOwner, int, int], ...],
+                     world: int) -> None:
+    """Add the mean of the ``world`` received copies (``n`` elements each, end to end) into the owners' slices.
+
+    Each copy is divided by W and added in FP32, rank by rank: exact
+    division for a power-of-two W. An FP32 slice takes the copies straight
+    (no FP32 temporary); a 16-bit slice gets the FP32 sum of every copy
+    rounded once into it, as the unsharded all-reduce on 2 ranks rounds
+    ``g0/2 + g1/2`` once into the 16-bit ``.grad``, built :data:`SUM_SLAB`
+    elements at a time.
+    """
+    lengths = [length for _, _, length in dest]
+    targets = [shard.grads.buffer[start : start + length] for shard, start, length in dest]
+    if all(t.dtype == torch.float32 for t in targets):
+        for r in range(world):
+            foreach_add_(targets, list(received[r * n : (r + 1) * n].split(lengths)), alpha=1 / world)
+        return
+    partial = torch.empty(min(n, SUM_SLAB), dtype=torch.float32, device=received.device)
+    position = 0
+    for target, length in zip(targets, lengths, strict=True):
+        for lo in range(0, length, SUM_SLAB):
+            m = min(SUM_SLAB, length - lo)
+            acc = partial[:m].zero_()
+            for r in range(world):
+                start = r * n + position + lo
+                acc.add_(received[start : start + m], alpha=1 / world)
+            target[lo : lo + m].add_(acc)
+        position += length
 
 
 @dataclass(eq=False)

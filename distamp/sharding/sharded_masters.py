@@ -7,10 +7,12 @@ slice only:
 * the FP32 values the inner optimizer updates: in O2 a flat FP32 buffer
   (the masters), in O1 and with AMP off views of the FP32 model parameters
   themselves;
-* the FP32 gradient ("main grad", as Megatron-LM calls it): a flat buffer
-  (:class:`~distamp.sharding.slice_grads.SliceGrads`) summed into by the
-  reduce-scatter during backward (stages 1 and 2), or filled from the
-  model's ``.grad`` at step time when no data-parallel model reduces;
+* the reduced gradient: a flat buffer
+  (:class:`~distamp.sharding.slice_grads.SliceGrads`), in FP32 ("main
+  grad", as Megatron-LM calls it) or in O2 without gradient merge in the
+  model's 16-bit dtype, summed into by the reduce-scatter during backward
+  (stages 1 and 2), or filled from the model's ``.grad`` at step time when
+  no data-parallel model reduces;
 * one ``nn.Parameter`` per piece, a 1-D view of both, which is what the
   inner optimizer's param groups hold, so its state is the slice's too.
 
@@ -48,7 +50,7 @@ class ShardedMasters:
         inner = torch.optim.AdamW(model.parameters())
         masters.install(inner)           # inner's groups now hold this rank's pieces
         ...backward (gradients reduce-scattered into masters.grads)...
-        masters.grads.collect()          # my slice of the gradients, in FP32
+        masters.grads.collect()          # my slice of the gradients
         inner.step()
         masters.refresh_model()          # all-gather: every rank's model is updated
 
@@ -59,6 +61,8 @@ class ShardedMasters:
         rank: this process's rank in ``group``.
         world_size: the number of ranks in ``group``.
         chunk_bytes: at most this many bytes per all-gather round.
+        grad_dtype: the gradient slice's dtype: FP32, or in O2 without
+            gradient merge ``low_dtype`` (see :mod:`distamp.sharding.slice_grads`).
 
     Raises:
         TypeError: a parameter of another dtype than FP32 (or, in O2, the
@@ -74,6 +78,7 @@ class ShardedMasters:
         rank: int,
         world_size: int,
         chunk_bytes: int = 25 * 2**20,
+        grad_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.low_dtype = low_dtype
         self.model_params: list[nn.Parameter] = list(dict.fromkeys(params))  # distinct, by identity
@@ -91,7 +96,7 @@ class ShardedMasters:
         if low_dtype is not None:
             self._build_masters(world_size)
         self.masters: list[nn.Parameter] = [self._make_piece(piece) for piece in self.pieces]
-        self.grads = SliceGrads(self.model_params, self.pieces, self.masters, self.lo, self.hi)
+        self.grads = SliceGrads(self.model_params, self.pieces, self.masters, self.lo, self.hi, grad_dtype)
         self.gather = SliceAllGather(self.layout, rank, group, chunk_bytes)
         self._refreshing: GatherInFlight | DirectGather | None = None
         if low_dtype is not None:

@@ -4,14 +4,19 @@ It runs the same loop as the unsharded plugins of
 :mod:`distamp.core.precision`, on the slice of the flat parameter space
 this rank owns (:class:`~distamp.sharding.sharded_masters.ShardedMasters`):
 
-* the FP32 gradient slice was summed there during backward by the
+* the gradient slice was summed there during backward by the
   reduce-scatter (DDP's comm hook in stage 1, distamp's reducer in stage 2),
-  or, with no data-parallel model, is taken from the model's ``.grad``;
-* unscaling and the inf/NaN check run on the slice (one fused kernel); the
-  verdict is all-reduced (MAX) before anyone decides, so a non-finite value
-  that only another rank's slice holds still skips the step everywhere;
-* the inner optimizer steps the slice; the slices are all-gathered into
-  every rank's model;
+  or, with no data-parallel model, is taken from the model's ``.grad``; it
+  is FP32, or in O2 without gradient merge 16-bit, the reduced sum rounded
+  once as unsharded O2 rounds it into ``.grad``
+  (:mod:`distamp.sharding.slice_grads`);
+* unscaling and the inf/NaN check run on the slice (one fused kernel; on a
+  16-bit slice one FP32 chunk at a time, as unsharded O2 does,
+  :mod:`distamp.core.chunked_update`); the verdict is all-reduced (MAX)
+  before anyone decides, so a non-finite value that only another rank's
+  slice holds still skips the step everywhere;
+* the inner optimizer steps the slice (a 16-bit slice chunk by chunk); the
+  slices are all-gathered into every rank's model;
 * ``clip_grad_norm_`` sums the slices' norms into one global norm,
   identical on every rank.
 """
@@ -25,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.core.chunked_update import check_in_chunks, chunk_numel, room_below_peak, step_in_chunks, steps_in_chunks
 from distamp.core.grad_accumulator import Fp32GradAccumulator
 from distamp.core.precision import FullPrecision, MixedPrecision
 from distamp.distributed.flag_sync import all_reduce_max
@@ -39,7 +45,10 @@ from distamp.torch_compat import amp_foreach_non_finite_check_and_unscale_, tens
 
 __all__ = ["ShardedPrecision"]
 
-# all_gather_single is the non-deprecated name from torch 2.13 on.
+
+def _chunk(pairs: Sequence[tuple[object, nn.Parameter]]) -> int:
+    """Elements per FP32 chunk of a 16-bit slice's update (as unsharded O2 chunks the whole model)."""
+    return chunk_numel(sum(master.numel() for _, master in pairs), room_below_peak(pairs[0][1].device))
 
 
 def _gather_bytes(params: Sequence[nn.Parameter], strategy: DistributedStrategy, itemsize: int) -> int:
@@ -79,14 +88,18 @@ class ShardedPrecision(MixedPrecision):
         """Whether a model's forward finishes the gather (:mod:`distamp.sharding.param_gather_hooks`)."""
         pure = strategy.amp and config.use_pure_fp16
         self.mode = "O2" if pure else ("O1" if strategy.amp else "off")
+        merging = strategy.gradient_merge and strategy.gradient_merge_config.k_steps > 1
         self.master_weights = ShardedMasters(
             params, config.torch_dtype if pure else None, group, group_rank(group), group_size(group),
             chunk_bytes=_gather_bytes(params, strategy, 2 if pure or strategy.amp else 4),
+            # O2 without gradient merge: 16 bits, as unsharded O2's .grad; merge sums micro-batches in FP32.
+            grad_dtype=config.torch_dtype if pure and not merging else torch.float32,
         )
         self.scaler = build_loss_scaler(config) if strategy.amp else None
         self.consecutive_stuck = 0
         self.grad_accumulator: Fp32GradAccumulator | None = None
         self._exposed: list[tuple[torch.Tensor, int]] | None = None
+        self._inv_scale = 1.0
 
     @property
     def loss_scale(self) -> float:
@@ -106,7 +119,11 @@ class ShardedPrecision(MixedPrecision):
             self.grad_accumulator.add_and_zero()
 
     def unscale_and_check(self, group: dist.ProcessGroup | None) -> tuple[bool, float | None]:
-        """Fill and unscale this rank's FP32 gradient slice, check it, agree on the verdict over every rank.
+        """Fill this rank's gradient slice, unscale and check it, agree on the verdict over every rank.
+
+        An FP32 slice is unscaled in place; a 16-bit one is checked one FP32
+        chunk at a time and left as it is (its chunks are unscaled again,
+        with the same kernels, when the step is applied).
 
         Raises:
             TypeError: a gradient is sparse.
@@ -119,14 +136,26 @@ class ShardedPrecision(MixedPrecision):
         if self.grad_accumulator is not None:
             extra = self.grad_accumulator.take()
             self.grad_accumulator.reset()
-        masters.grads.collect(extra)
+        slice_grads = masters.grads
+        slice_grads.collect(extra)
         if self.scaler is None:
             return False, None  # AMP off: applied as they are, as without sharding
-        grads = masters.grads.buffer
-        flags = torch.zeros(2, dtype=torch.float32, device=grads.device)
-        if grads.numel():
-            found = torch.zeros(1, dtype=torch.float32, device=grads.device)
-            factor = torch.full((1,), 1.0 / self.scaler.scale, dtype=torch.float32, device=grads.device)
+        # Like GradScaler: the reciprocal in double, rounded once to float32 (in the kernels).
+        self._inv_scale = 1.0 / self.scaler.scale
+        device = slice_grads.device
+        flags = torch.zeros(2, dtype=torch.float32, device=device)
+        grads = slice_grads.fp32_buffer
+        if grads is None:  # a 16-bit slice: FP32 one chunk at a time
+            pairs = slice_grads.pairs()
+            if pairs:
+                found, grad_max = check_in_chunks(pairs, None, self._inv_scale, self.scaler.needs_grad_max,
+                                                  _chunk(pairs))
+                flags[0] = found[0]
+                if grad_max is not None:
+                    flags[1] = grad_max
+        elif grads.numel():
+            found = torch.zeros(1, dtype=torch.float32, device=device)
+            factor = torch.full((1,), self._inv_scale, dtype=torch.float32, device=device)
             amp_foreach_non_finite_check_and_unscale_([grads], found, factor)
             flags[0] = found[0]
             if self.scaler.needs_grad_max:
@@ -136,7 +165,12 @@ class ShardedPrecision(MixedPrecision):
         return found_inf > 0, (grad_max if self.scaler.needs_grad_max else None)
 
     def expose_unscaled_grads(self) -> None:
-        """Make the model's ``.grad`` hold this rank's slice of the unscaled gradients and zeros elsewhere."""
+        """Make the model's ``.grad`` hold this rank's slice of the unscaled gradients and zeros elsewhere.
+
+        A 16-bit slice gets its whole unscaled FP32 copy first, which the
+        step then applies (clipping changes it).
+        """
+        self.master_weights.grads.materialize(self._inv_scale)
         self._exposed = self.master_weights.grads.expose()
 
     def take_user_grad_changes(self) -> None:
@@ -169,6 +203,27 @@ class ShardedPrecision(MixedPrecision):
         """
         self.master_weights.refresh_model(overlap=self.overlap_param_gather and self.gather_hooked)
 
+    def apply_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step the inner optimizer on this rank's slice, then all-gather (:meth:`after_applied_step`).
+
+        A 16-bit slice without its whole FP32 copy is stepped one FP32 chunk
+        at a time when the inner optimizer allows it, else on a whole FP32
+        copy made for this step; the copy is freed after the step.
+        """
+        slice_grads = self.master_weights.grads
+        if slice_grads.fp32_buffer is None:
+            if steps_in_chunks(optimizer):
+                pairs = slice_grads.pairs()
+                if pairs:
+                    step_in_chunks(optimizer, pairs, None, self._inv_scale, _chunk(pairs), into_model=False)
+            else:
+                slice_grads.materialize(self._inv_scale)
+                optimizer.step()
+        else:
+            optimizer.step()
+        slice_grads.drop_fp32()
+        self.after_applied_step()
+
     def update(self, found_inf: bool, grad_max: float | None) -> None:
         """Update the loss scale as without sharding (nothing with AMP off)."""
         if self.scaler is not None:
@@ -184,7 +239,9 @@ class ShardedPrecision(MixedPrecision):
         Raises:
             RuntimeError: ``error_if_nonfinite`` and the norm is inf or NaN.
         """
-        flat = self.master_weights.grads.buffer
+        flat = self.master_weights.grads.fp32_buffer
+        if flat is None:  # not reached through the meta-optimizer, which exposes (unscales) first
+            raise RuntimeError("clip_grad_norm_ before expose_unscaled_grads: the 16-bit slice has no FP32 copy")
         norm_type = float(norm_type)
         local = torch.zeros(1, dtype=torch.float32, device=flat.device)
         if flat.numel():

@@ -18,12 +18,15 @@ __all__ = ["GradSlice", "SliceOwner"]
 
 
 class GradSlice(Protocol):
-    """A rank's FP32 gradient slice: the buffer the reduce-scatter sums into."""
+    """A rank's gradient slice (FP32, or O2's 16-bit dtype): the buffer the reduce-scatter sums into."""
 
-    buffer: torch.Tensor
     reduced: bool
     arrived: set[int]  # indices (in the owner's model_params) of parameters whose gradient was summed here
     deliveries: int  # backward passes whose gradients the stage-2 reducer summed here, ever
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The slice's elements, in the owner's flat order from its ``lo``."""
 
 
 class SliceOwner(Protocol):

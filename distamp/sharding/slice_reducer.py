@@ -23,9 +23,11 @@ replaces DDP for stage 2, as DeepSpeed's stage 2 does with its IPG buckets
   (those with a parameter that got no gradient) are sent and every
   exchange is finished.
 
-Between backward and ``step()`` a rank therefore holds its FP32 gradient
-slice and no ``.grad`` at all; during backward, at most the buckets being
-filled plus :data:`OPEN_BUCKETS` handed over. Buckets are sized from the model
+Between backward and ``step()`` a rank therefore holds its gradient slice
+and no ``.grad`` at all; during backward, at most the buckets being filled
+plus :data:`OPEN_BUCKETS` handed over, and a gradient lent as a bucket larger
+than :data:`OPEN_BUCKETS` buckets is summed before backward goes on
+(:meth:`~distamp.sharding.reduce_scatter.ShardedGradReduce.launch`). Buckets are sized from the model
 (:func:`~distamp.sharding.reduce_scatter.reduce_bucket_bytes`), as
 DeepSpeed's ``reduce_bucket_size`` sizes its buckets independently of
 anything else. A parameter alone in its bucket whose gradient already has

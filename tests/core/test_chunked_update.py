@@ -165,3 +165,31 @@ def test_parameters_that_are_their_own_masters_step_and_unused_ones_stay(small_c
     assert torch.equal(own.detach(), ref_own.detach())
     assert torch.equal(opt.master_weights.master_for(unused).detach(), unused_before)
     assert opt.master_weights.master_for(unused) not in opt.inner_opt.state
+
+
+class _Source:
+    """A gradient source that is not a model parameter (as a piece of a sharded 16-bit gradient slice)."""
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        self.grad = grad
+
+
+def test_sources_that_are_not_parameters_step_their_masters_and_nothing_is_copied_back():
+    g = torch.Generator().manual_seed(3)
+    masters = [nn.Parameter(torch.randn(n, generator=g)) for n in (5000, 300, 9000)]
+    grads16 = [torch.randn(m.numel(), generator=g).bfloat16() * 64 for m in masters]
+    sources = [_Source(grad.clone()) for grad in grads16]
+    reference = [nn.Parameter(m.detach().clone()) for m in masters]
+    for ref, grad in zip(reference, grads16, strict=True):
+        ref.grad = grad.float() / 64  # exact: a power of two
+    torch.optim.AdamW(reference, lr=1e-2).step()
+    optimizer = torch.optim.AdamW(masters, lr=1e-2)
+    pairs = list(zip(sources, masters, strict=True))
+    found, grad_max = chunked_update.check_in_chunks(pairs, None, 1 / 64, True, SLICE_ALIGN)
+    assert found.item() == 0
+    assert grad_max.item() == max(grad.float().abs().max().item() / 64 for grad in grads16)
+    chunked_update.step_in_chunks(optimizer, pairs, None, 1 / 64, SLICE_ALIGN, into_model=False)
+    for master, ref in zip(masters, reference, strict=True):
+        assert torch.equal(master, ref)  # elementwise: chunks of 4096 elements step as the whole
+    assert all(torch.equal(s.grad, grad) for s, grad in zip(sources, grads16, strict=True))  # left as they were
+    assert [m.grad for m in masters] == [None, None, None]

@@ -477,7 +477,7 @@ def _attribute_and_no_sync(rank, world_size, stage):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_require_backward_grad_sync_false_accumulates_locally_as_ddp_does(stage):
     """DDP's attribute, set as nanoGPT and Accelerate set it, communicates once per optimizer step."""
     out = run_workers(_attribute_and_no_sync, 2, stage, timeout=130)
@@ -490,6 +490,56 @@ def test_require_backward_grad_sync_false_accumulates_locally_as_ddp_does(stage)
         assert runs["no_sync"][:2] == (calls, updates)
         assert torch.equal(params, runs["no_sync"][2])  # the same sums as under no_sync()
         assert torch.equal(params, out[0]["attribute"][2])  # and the ranks agree
+
+
+def _stage1_across_the_bucket_rebuild(rank, world_size, touch):
+    """Stage 1 without zero_grad: step, then a no_sync micro-batch (DDP rebuilds its buckets in its forward)."""
+    from distamp import fleet
+
+    strategy = make_strategy(dtype="bfloat16", use_pure_fp16=True)
+    strategy.sharding = True
+    strategy.sharding_configs = {"stage": 1}
+    fleet.init()
+    model = tiny_mlp()
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), strategy)
+    wrapped = fleet.distributed_model(model)
+    batches = [shard(b, rank, world_size) for b in global_batches(3, world_size, per_rank=2)]
+    with fleet.auto_cast():
+        opt.backward(F.mse_loss(wrapped(batches[0][0]), batches[0][1]))
+    assert opt.step()
+    zeroed = all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    if touch:
+        model[0].bias.grad.fill_(1.0)  # a value the user left in .grad: DDP's rebuild carries it over
+    with wrapped.no_sync():
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(batches[1][0]), batches[1][1])
+        freed = [p.grad is None for p in model.parameters()]
+        opt.backward(loss)
+    with fleet.auto_cast():
+        opt.backward(F.mse_loss(wrapped(batches[2][0]), batches[2][1]))
+    assert opt.step()
+    state = opt.fp32_state_dict(wrapped)
+    return zeroed, freed, torch.cat([state[k].reshape(-1) for k in sorted(state)])
+
+
+def _stage1_rebuild_runs(rank, world_size):
+    return {touch: _stage1_across_the_bucket_rebuild(rank, world_size, touch) for touch in (False, True)}
+
+
+@pytest.mark.timeout(120)
+def test_stage_1_frees_the_zeroed_grads_before_ddp_rebuilds_its_buckets_and_keeps_any_other():
+    """After a reduce-scatter every .grad is a zeroed view of a DDP bucket; freeing them before the forward in
+    which DDP rebuilds its buckets lets the old buckets go before the new ones are allocated. The next backward
+    makes them again, so training is unchanged; a .grad holding anything else is kept and accumulated into."""
+    out = run_workers(_stage1_rebuild_runs, 2, timeout=100)
+    for runs in out:
+        zeroed, freed, masters = runs[False]
+        assert zeroed
+        assert freed == [True] * 4
+        _, touched_freed, touched = runs[True]
+        assert touched_freed == [True, False, True, True]  # 0.weight, 0.bias (kept), 2.weight, 2.bias
+        assert not torch.equal(touched, masters)  # the kept 1.0 was reduced with the next gradients
+        assert torch.equal(masters, out[0][False][2])  # the ranks agree
 
 
 class Scale(nn.Module):

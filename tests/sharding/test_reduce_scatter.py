@@ -124,6 +124,42 @@ def test_rounds_on_gloo_carry_as_much_for_each_destination_and_sum_the_same():
         assert result["in_flight"] == 0
 
 
+def _reduce_into_16_bit_slice(rank, world, dtype, slab):
+    """O2 without gradient merge: a 16-bit bucket reduce-scattered into a 16-bit slice, and the unsharded path."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from distamp.sharding import reduce_scatter
+    from distamp.sharding.sharded_masters import ShardedMasters
+
+    reduce_scatter.SUM_SLAB = slab
+    params = [nn.Parameter(torch.zeros(5)), nn.Parameter(torch.zeros(2, 2))]
+    shard = ShardedMasters(params, dtype, None, rank, world, grad_dtype=dtype)
+    state = reduce_scatter.ShardedGradReduce([shard], dtype)
+    bucket = _grads(rank).to(dtype)
+    # What unsharded O2's all-reduce hook leaves in .grad: the halves (exact) summed by gloo in the 16-bit dtype.
+    unsharded = bucket / world
+    dist.all_reduce(unsharded)
+    reduce_scatter.reduce_scatter_hook(state, Bucket(bucket.clone(), params)).wait()
+    return shard.grads.buffer.clone(), unsharded
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("slab", [1 << 15, 2])
+def test_a_16_bit_slice_gets_the_fp32_mean_rounded_once_as_the_unsharded_all_reduce_leaves_it(slab):
+    # slab 2: the FP32 partial sums are built 2 elements at a time, across the split of parameter 0 too.
+    out = run_workers(_reduce_into_16_bit_slice, 2, torch.bfloat16, slab, timeout=100)
+    rounded = [_grads(r).to(torch.bfloat16).float() for r in range(2)]
+    fp32_mean = rounded[0] / 2 + rounded[1] / 2
+    expected = fp32_mean.to(torch.bfloat16)
+    assert not torch.equal(expected.float(), fp32_mean)  # the slice's rounding does show
+    assert out[0][0].dtype == torch.bfloat16
+    assert torch.equal(out[0][0], expected[:4])
+    assert torch.equal(out[1][0], expected[4:])
+    for result in out:
+        assert torch.equal(result[1], expected)  # bitwise what the unsharded all-reduce gives on 2 ranks
+
+
 def _reversed_and_accumulated(rank, world):
     from torch import nn
 
@@ -205,6 +241,40 @@ def test_a_bound_on_open_buckets_sends_the_oldest_as_it_is_when_too_many_wait():
     for _, splits, still_open in out:
         assert splits == [(0, 2), (0, 2), (2, 2), (2, 2), (2, 0), (2, 0)]
         assert still_open == 0
+
+
+def _large_lent_gradient(rank, world):
+    """Stage 2's hand-over: a 12-element gradient (48 bytes) with room for 2 open buckets of 16 bytes, then 4 more."""
+    from torch import nn
+
+    from distamp.sharding.reduce_scatter import ShardedGradReduce
+    from distamp.sharding.sharded_masters import ShardedMasters
+
+    params = [nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(12))]
+    shard = ShardedMasters(params, None, None, rank, world)
+    state = ShardedGradReduce([shard], torch.float32, bucket_bytes=16, max_open=2)
+    rounds = _recorded_rounds()
+    g = torch.arange(16, dtype=torch.float32) * (rank + 1)
+    large = g[4:].clone()
+    state.launch(large, [params[1]])
+    after_large = (len(state.open), large.untyped_storage().nbytes(), len(rounds))
+    state.launch(g[:4].clone(), [params[0]], last=True)
+    state.finish_completed(wait=True)
+    return shard.grads.buffer.clone(), [r["input_splits"] for r in rounds], after_large
+
+
+@pytest.mark.timeout(120)
+def test_a_bucket_larger_than_the_open_bound_is_summed_and_freed_before_backward_goes_on():
+    # Rank 0 owns 4 of the large bucket's elements, rank 1 8: balanced rounds would leave rank 1's last 4
+    # waiting; a bucket larger than max_open buckets goes out whole instead, and launch() returns when it is
+    # summed, so autograd computes the next gradient after this one is freed.
+    out = run_workers(_large_lent_gradient, 2, timeout=100)
+    mean = torch.arange(16, dtype=torch.float32) * 1.5
+    assert torch.equal(out[0][0], mean[:8])
+    assert torch.equal(out[1][0], mean[8:])
+    for _, splits, after_large in out:
+        assert after_large == (0, 0, 4)  # nothing open, the gradient's storage freed, in 4 rounds
+        assert splits == [(2, 2), (2, 2), (0, 2), (0, 2), (2, 0), (2, 0)]
 
 
 def _unsupported(rank, world):

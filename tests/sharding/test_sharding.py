@@ -50,13 +50,13 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
 
 
-def _run(rank, world, strategy, inject=False, clip=False, minimize=False):
+def _run(rank, world, strategy, inject=False, clip=False, minimize=False, inner_type=torch.optim.AdamW):
     """Train; with ``inject``, rank 0 puts an inf into the last bias's gradient, before communication."""
     from distamp import fleet
 
     fleet.init()
     model = _model()
-    inner = torch.optim.AdamW([{"params": list(model.parameters())[:2]},
+    inner = inner_type([{"params": list(model.parameters())[:2]},
                                {"params": list(model.parameters())[2:], "lr": 5e-3}], lr=1e-2)
     opt = fleet.distributed_optimizer(inner, strategy)
     wrapped = fleet.distributed_model(model, strategy)
@@ -150,11 +150,12 @@ def test_two_ranks_o2_bf16_adamw_sharded_like_unsharded_and_one_inf_skips_everyw
     """O2 BF16 AdamW on 2 ranks, sharding off / stage 1 / stage 2; step 3 has an inf put, on rank 0 before
     communication, into the last bias's gradient, which rank 1 owns.
 
-    - Stages 1 and 2 both reduce-scatter: each rank's 16-bit gradients are summed in FP32 (and divided once)
-      into the owners' slices, whatever the buckets (DDP's for stage 1, the reducer's for stage 2), so the two
-      stages train bitwise alike.
-    - The unsharded all-reduce sums pre-divided BF16 values in BF16: the gradients differ in their last bits,
-      so the sharded parameters agree with it within BF16 rounding (2 spacings), not bitwise.
+    - Stages 1 and 2 both reduce-scatter: each rank's 16-bit gradients are divided by 2 and summed in FP32, and
+      the sum is rounded once into the owners' BF16 slices, whatever the buckets (DDP's for stage 1, the
+      reducer's for stage 2). The unsharded all-reduce sums the same halves (exact in BF16) on 2 ranks once, in
+      FP32 arithmetic rounded to BF16 (gloo's BF16 sum): the same reduced gradients, bit for bit. The update
+      (unscale and AdamW, one FP32 chunk at a time) is elementwise, so the FP32 masters and the model of all
+      three runs are bitwise equal.
     - Every rank ends bitwise equal: each slice is applied once and all-gathered.
     - The inf reaches only rank 1's slice (only rank 1 receives it), yet every rank skips step 3, because the
       verdict is all-reduced before anyone decides.
@@ -169,8 +170,9 @@ def test_two_ranks_o2_bf16_adamw_sharded_like_unsharded_and_one_inf_skips_everyw
     assert torch.equal(out[0][1]["params"], out[0][2]["params"])
     assert torch.equal(out[1][1]["fp32"], out[0][2]["fp32"])  # whole FP32 masters, gathered from the slices
     for stage in (1, 2):
-        assert not torch.equal(out[0][stage]["params"], out[0][0]["params"])
-        assert_within_bf16_rounding(out[0][stage]["params"], out[0][0]["params"])
+        assert torch.equal(out[0][stage]["params"], out[0][0]["params"]), stage
+        assert torch.equal(out[0][stage]["fp32"], out[0][0]["fp32"]), stage
+    assert not torch.equal(out[0][0]["fp32"], _flat(_model()))  # it trained
 
     # The wire: both stages send each gradient once, in BF16, as many bytes as the all-reduce hook of stage 0;
     # the parameter all-gather sends BF16 (FP32 for the LayerNorm kept in FP32): less than FP32 would.
@@ -184,6 +186,56 @@ def test_two_ranks_o2_bf16_adamw_sharded_like_unsharded_and_one_inf_skips_everyw
     assert set(out[0][0]["grads"]) == {"reduced"}
     assert set(out[0][1]["grads"]) == {"zero"}
     assert set(out[0][2]["grads"]) == {"freed"}
+
+
+def _o2_fp16_three_ways(rank, world):
+    fp16 = {"use_pure_fp16": True, "dtype": "float16", "init_loss_scaling": 2.0**16}
+    return {stage: _run(rank, world, _strategy(stage, **fp16), inject=True) for stage in (0, 1, 2)}
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_o2_fp16_sharded_bitwise_like_unsharded_with_the_same_skips():
+    """FP16 as BF16 above: the 16-bit slice holds the FP32 mean rounded once, as the unsharded FP16 all-reduce
+    leaves it (these gradients are far above FP16's subnormals, where pre-dividing in FP16 could lose bits),
+    so the runs skip the same steps (the first overflows at 2**16, the third holds rank 0's inf) and end equal."""
+    out = run_workers(_o2_fp16_three_ways, 2, timeout=150)
+    for stage in (0, 1, 2):
+        for rank in (0, 1):
+            assert out[rank][stage]["applied"] == [False, True, False, True, True], (stage, rank)
+            assert out[rank][stage]["scale"] == out[0][0]["scale"]
+            assert torch.equal(out[rank][stage]["params"], out[0][0]["params"]), (stage, rank)
+            assert torch.equal(out[rank][stage]["fp32"], out[0][0]["fp32"]), (stage, rank)
+
+
+class _UnslicedAdamW(torch.optim.AdamW):
+    """AdamW under another type: the update is never cut into chunks for it (only the listed types are)."""
+
+
+def _o2_clipped_and_unsliced(rank, world):
+    bf16 = {"use_pure_fp16": True, "dtype": "bfloat16"}
+    out = {("clip", stage): _run(rank, world, _strategy(stage, **bf16), clip=True) for stage in (0, 1, 2)}
+    for stage in (1, 2):
+        out["chunks", stage] = _run(rank, world, _strategy(stage, **bf16))
+        out["whole", stage] = _run(rank, world, _strategy(stage, **bf16), inner_type=_UnslicedAdamW)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_o2_bf16_clipping_and_an_optimizer_that_is_not_cut_step_on_the_whole_fp32_slice():
+    """A 16-bit gradient slice is stepped one FP32 chunk at a time; clipping (which changes the whole unscaled
+    gradient) and an inner optimizer that may not be cut into slices get the whole FP32 slice for that step,
+    built with the chunks' kernels: the latter trains bitwise like the chunked update. Clipped, stages 1 and 2
+    train bitwise alike (one global norm from the slices) and within BF16 rounding of the unsharded clip, whose
+    norm sums the squares in another order."""
+    out = run_workers(_o2_clipped_and_unsliced, 2, timeout=150)
+    for key, result in out[0].items():
+        assert result["applied"] == [True] * STEPS, key
+        assert torch.equal(out[1][key]["params"], result["params"]), key
+    assert torch.equal(out[0]["clip", 1]["fp32"], out[0]["clip", 2]["fp32"])
+    assert_within_bf16_rounding(out[0]["clip", 2]["params"], out[0]["clip", 0]["params"])
+    assert not torch.equal(out[0]["clip", 2]["fp32"], out[0]["chunks", 2]["fp32"])  # the clip did clip
+    for stage in (1, 2):
+        assert torch.equal(out[0]["whole", stage]["fp32"], out[0]["chunks", stage]["fp32"]), stage
 
 
 def _modes(rank, world):

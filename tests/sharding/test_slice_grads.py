@@ -89,3 +89,62 @@ def test_rank_with_an_empty_slice_and_no_params():
     none = SliceGrads([], [], [], 0, 0)
     none.collect()
     assert none.buffer.device == torch.device("cpu")
+
+
+def _setup_16_bit():
+    params, pieces, masters, _ = _setup()
+    layout = FlatLayout([6, 0, 4], 2)
+    return params, masters, SliceGrads(params, pieces, masters, *layout.range_of(1), dtype=torch.bfloat16)
+
+
+def test_a_16_bit_slice_is_read_in_place_and_its_fp32_copy_is_made_only_when_asked():
+    params, masters, grads = _setup_16_bit()
+    assert grads.buffer.dtype == torch.bfloat16
+    assert grads.low
+    grads.buffer.copy_(torch.tensor([1.0, 2, 3, 4, 5]) * 1024 + 1)  # 1025, 2049, ...: not all BF16 numbers
+    grads.reduced = True
+    params[0].grad = torch.zeros(2, 3)  # stage 1: DDP's zeroed bucket; the slice holds the reduced values
+    grads.arrived.add(2)  # stage 2: the reducer summed parameter 2 and freed its .grad
+    grads.collect()
+    assert [m.grad for m in masters] == [None, None]  # no FP32 gradient yet
+    assert [s.grad.data_ptr() for s, _ in grads.pairs()] == [grads.buffer.data_ptr(), grads.buffer[1:].data_ptr()]
+    assert grads.fp32_buffer is None
+    grads.materialize(1 / 1024)
+    expected = grads.buffer.float() / 1024  # exact: a power of two
+    assert torch.equal(grads.fp32, expected)
+    assert grads.fp32_buffer is grads.fp32
+    assert masters[1].grad.data_ptr() == grads.fp32[1:].data_ptr()
+    assert [i for i, _ in grads.reduced_grads()] == [0, 2]
+    grads.drop_fp32()
+    assert grads.fp32 is None
+    assert [m.grad for m in masters] == [None, None]
+    assert [g.dtype for _, g in grads.reduced_grads()] == [torch.bfloat16, torch.bfloat16]  # the slice itself
+    grads.zero()
+    assert grads.pairs() == []
+    assert not grads.buffer.any()
+
+
+def test_a_16_bit_slice_not_reduced_reads_the_model_gradients_without_rounding():
+    params, _, grads = _setup_16_bit()
+    params[0].grad = torch.arange(6, dtype=torch.float32).view(2, 3) + 0.001  # an FP32-kept parameter's gradient
+    grads.collect()
+    (source, _), = grads.pairs()  # parameter 2 has no gradient: skipped
+    assert source.grad.data_ptr() == params[0].grad[1, 2:].data_ptr()  # no copy
+    assert source.grad.dtype == torch.float32
+    grads.materialize(1.0)
+    assert torch.equal(grads.fp32[:1], torch.tensor([5.001]))
+    assert not grads.buffer.any()
+    grads.fp32.fill_(7.0)  # a copy a skipped step left: collect() starts afresh
+    grads.collect({id(params[0]): torch.ones(6)})  # a gradient-merge sum: added to a fresh FP32 copy
+    assert torch.equal(grads.fp32[:1], torch.tensor([5.001]) + 1)
+
+
+def test_a_16_bit_slice_is_made_only_when_something_sums_into_it():
+    params, _, grads = _setup_16_bit()
+    params[0].grad = torch.ones(2, 3)
+    grads.collect()  # nothing reduced: .grad is read in place
+    grads.zero()
+    assert grads._buffer is None  # one rank, or no data-parallel model: no 2 bytes per parameter for nothing
+    assert grads.buffer.dtype == torch.bfloat16  # what a reduce-scatter asks for
+    assert grads.buffer.numel() == 5
+    assert grads._buffer is not None
