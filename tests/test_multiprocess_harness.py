@@ -26,6 +26,7 @@ def _both_fail(rank: int, world: int) -> None:
         time.sleep(0.5)
     raise ValueError(f"error on {rank}")
 
+
 @pytest.mark.timeout(120)
 def test_every_rank_that_fails_is_reported():
     with pytest.raises(AssertionError) as e:

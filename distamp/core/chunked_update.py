@@ -55,8 +55,9 @@ from torch import nn
 
 from distamp.torch_compat import amp_foreach_non_finite_check_and_unscale_, foreach_add_, foreach_copy_, foreach_norm
 
-__all__ = ["SLICEABLE_OPTIMIZERS", "SLICE_ALIGN", "GradSource", "Pair", "Piece", "check_in_chunks", "chunk_numel",
-           "plan_chunks", "room_below_peak", "step_in_chunks", "step_only", "steps_in_chunks"]
+__all__ = ["SLICEABLE_OPTIMIZERS", "SLICE_ALIGN", "GradSource", "Pair", "Piece", "check_in_chunks", "chunk_limit",
+           "chunk_numel", "copy_and_unscale_", "plan_chunks", "room_below_peak", "step_in_chunks", "step_only",
+           "steps_in_chunks"]
 
 SLICEABLE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 """Optimizers whose update of an element depends on that element's gradient and state only."""
@@ -92,6 +93,11 @@ def chunk_numel(total: int, room_bytes: int = 0) -> int:
     """
     per_chunk = max(_MIN_CHUNK, math.ceil(total / _CHUNKS), min(total, room_bytes // _BYTES_PER_ELEMENT))
     return math.ceil(per_chunk / SLICE_ALIGN) * SLICE_ALIGN
+
+
+def chunk_limit(pairs: Sequence[Pair]) -> int:
+    """:func:`chunk_numel` for ``pairs`` (on one device): their masters' elements, the room below that device's peak."""
+    return chunk_numel(sum(master.numel() for _, master in pairs), room_below_peak(pairs[0][1].device))
 
 
 def room_below_peak(device: torch.device) -> int:
@@ -182,11 +188,23 @@ class _Filler:
             if extra is not None:
                 add_dst.append(view)
                 add_src.append(extra.view(master.shape) if piece.whole else extra.view(-1)[piece.lo : piece.hi])
-        foreach_copy_(dst, src)
-        if add_dst:
-            foreach_add_(add_dst, add_src)
-        amp_foreach_non_finite_check_and_unscale_(dst, self.found, self.factor)
+        copy_and_unscale_(dst, src, self.found, self.factor, add_dst, add_src)
         return dst
+
+
+def copy_and_unscale_(dst: list[torch.Tensor], src: list[torch.Tensor], found: torch.Tensor, factor: torch.Tensor,
+                      add_dst: Sequence[torch.Tensor] = (), add_src: Sequence[torch.Tensor] = ()) -> None:
+    """Copy 16-bit ``src`` into FP32 ``dst``, add ``add_src`` into ``add_dst`` (views of ``dst``), then unscale.
+
+    The unscale is ``GradScaler``'s fused kernel with the one-element
+    ``factor``; ``found`` becomes nonzero on an inf or NaN. Every FP32
+    gradient built from 16-bit ones, a chunk or a whole copy, is made here,
+    so they hold the same bits.
+    """
+    foreach_copy_(dst, src)
+    if add_dst:
+        foreach_add_(list(add_dst), list(add_src))
+    amp_foreach_non_finite_check_and_unscale_(dst, found, factor)
 
 
 def check_in_chunks(pairs: Sequence[Pair], extra: dict[int, torch.Tensor] | None,

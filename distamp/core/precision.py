@@ -30,8 +30,7 @@ from torch import nn
 
 from distamp.core.chunked_update import (
     check_in_chunks,
-    chunk_numel,
-    room_below_peak,
+    chunk_limit,
     step_in_chunks,
     step_only,
     steps_in_chunks,
@@ -331,7 +330,7 @@ class PureLowPrecision(MixedPrecision):
         flags = torch.zeros(2, dtype=torch.float32, device=device)
         maxima = []
         for pairs in _pairs_by_device(masters.pairs_with_grads()):
-            found, grad_max = check_in_chunks(pairs, self._merge_sum, self._inv_scale, needs_max, _limit(pairs))
+            found, grad_max = check_in_chunks(pairs, self._merge_sum, self._inv_scale, needs_max, chunk_limit(pairs))
             flags[0] += found.to(device)[0]
             if grad_max is not None:
                 maxima.append(grad_max.to(device))
@@ -399,7 +398,7 @@ class PureLowPrecision(MixedPrecision):
         masters = self.master_weights
         if not masters.has_master_grads and steps_in_chunks(optimizer):
             for pairs in _pairs_by_device(masters.pairs_with_grads()):
-                step_in_chunks(optimizer, pairs, self._merge_sum, self._inv_scale, _limit(pairs))
+                step_in_chunks(optimizer, pairs, self._merge_sum, self._inv_scale, chunk_limit(pairs))
             own = [p for p in masters.model_params if masters.master_for(p) is p and p.grad is not None]
             if own:
                 step_only(optimizer, own)
@@ -421,10 +420,6 @@ def _pairs_by_device(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> list[lis
     for pair in pairs:
         groups.setdefault(pair[1].device, []).append(pair)
     return list(groups.values())
-
-
-def _limit(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> int:
-    return chunk_numel(sum(master.numel() for _, master in pairs), room_below_peak(pairs[0][1].device))
 
 
 def _check_scaler_type(saved: str, scaler: LossScaler | None) -> None:

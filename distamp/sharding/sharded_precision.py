@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distamp.core.chunked_update import check_in_chunks, chunk_numel, room_below_peak, step_in_chunks, steps_in_chunks
+from distamp.core.chunked_update import check_in_chunks, chunk_limit, step_in_chunks, steps_in_chunks
 from distamp.core.grad_accumulator import Fp32GradAccumulator
 from distamp.core.precision import FullPrecision, MixedPrecision
 from distamp.distributed.flag_sync import all_reduce_max
@@ -44,11 +44,6 @@ from distamp.strategy import DistributedStrategy
 from distamp.torch_compat import amp_foreach_non_finite_check_and_unscale_, tensor_version
 
 __all__ = ["ShardedPrecision"]
-
-
-def _chunk(pairs: Sequence[tuple[object, nn.Parameter]]) -> int:
-    """Elements per FP32 chunk of a 16-bit slice's update (as unsharded O2 chunks the whole model)."""
-    return chunk_numel(sum(master.numel() for _, master in pairs), room_below_peak(pairs[0][1].device))
 
 
 def _gather_bytes(params: Sequence[nn.Parameter], strategy: DistributedStrategy, itemsize: int) -> int:
@@ -149,7 +144,7 @@ class ShardedPrecision(MixedPrecision):
             pairs = slice_grads.pairs()
             if pairs:
                 found, grad_max = check_in_chunks(pairs, None, self._inv_scale, self.scaler.needs_grad_max,
-                                                  _chunk(pairs))
+                                                  chunk_limit(pairs))
                 flags[0] = found[0]
                 if grad_max is not None:
                     flags[1] = grad_max
@@ -215,7 +210,7 @@ class ShardedPrecision(MixedPrecision):
             if steps_in_chunks(optimizer):
                 pairs = slice_grads.pairs()
                 if pairs:
-                    step_in_chunks(optimizer, pairs, None, self._inv_scale, _chunk(pairs), into_model=False)
+                    step_in_chunks(optimizer, pairs, None, self._inv_scale, chunk_limit(pairs), into_model=False)
             else:
                 slice_grads.materialize(self._inv_scale)
                 optimizer.step()

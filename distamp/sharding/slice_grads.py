@@ -27,13 +27,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from distamp.core.chunked_update import copy_and_unscale_
 from distamp.sharding.flat_layout import Piece
-from distamp.torch_compat import (
-    amp_foreach_non_finite_check_and_unscale_,
-    foreach_copy_,
-    foreach_zero_,
-    tensor_version,
-)
+from distamp.torch_compat import foreach_copy_, foreach_zero_, tensor_version
 
 __all__ = ["PieceGrad", "SliceGrads"]
 
@@ -83,10 +79,10 @@ class SliceGrads:
         self.dtype = dtype
         self.numel = hi - lo
         self.low = dtype != torch.float32
+        """Whether the slice is 16-bit: the masters' FP32 gradients are made per chunk or by :meth:`materialize`."""
         # A 16-bit slice is made when a reduce-scatter first sums into it: with nothing to reduce (one rank, or
         # no data-parallel model) the model's .grad is read in place, and the slice would cost 2 bytes/param.
         self._buffer = None if self.low else torch.zeros(self.numel, dtype=dtype, device=self.device)
-        """Whether the slice is 16-bit: the masters' FP32 gradients are made per chunk or by :meth:`materialize`."""
         self.sources = [PieceGrad() for _ in pieces]
         """Per piece, where its 16-bit gradient is after :meth:`collect` (16-bit slices only)."""
         self.fp32: torch.Tensor | None = None
@@ -190,10 +186,9 @@ class SliceGrads:
             dst.append(master.grad)
             src.append(source.grad.view_as(master))
         if dst:
-            foreach_copy_(dst, src)
             found = torch.zeros(1, dtype=torch.float32, device=self.fp32.device)
             factor = torch.full((1,), inv_scale, dtype=torch.float32, device=self.fp32.device)
-            amp_foreach_non_finite_check_and_unscale_(dst, found, factor)
+            copy_and_unscale_(dst, src, found, factor)
 
     @property
     def fp32_buffer(self) -> torch.Tensor | None:
