@@ -7,11 +7,14 @@ FSDP2 reduce-scatters each unit's gradients in the policy's
 *sum* in 16 bits. distamp sets ``reduce_dtype`` to the wire dtype
 (``comm_dtype``, default ``dtype``), so FSDP's buffers are 16-bit, and
 installs :class:`WireReduceScatter` as the collective
-(``FSDPModule.set_custom_reduce_scatter``): one ``all_to_all_single``
-sends each rank its chunk, and the received chunks are added in FP32, slice
-by slice, in rank order, then rounded once to the output's dtype. FSDP then
-widens that into the FP32 sharded gradient, where micro-batches accumulate
-in FP32. (For FP16, FSDP still divides the gradients by about sqrt(world)
+(``FSDPModule.set_custom_reduce_scatter``): each rank gets its chunk from
+every other, and the chunks are added in FP32, slice by slice, in rank
+order, then rounded once to the output's dtype. On gloo the chunks travel
+as pairwise messages of at most 2 MiB received into two buffers of one
+message (``all_to_all_single`` would receive a whole copy of the input,
+the largest transient of a unit's reduce); elsewhere as one
+``all_to_all_single``. FSDP then widens the sum into the FP32 sharded
+gradient, where micro-batches accumulate in FP32. (For FP16, FSDP still divides the gradients by about sqrt(world)
 before this call and by the rest after it.) Stages 1 and 2 keep the FP32
 sum itself; stage 3 rounds it once to 16 bits, which keeps FSDP's
 reduce-scatter buffers at 16 bits (an FP32 ``reduce_dtype`` doubles them,
@@ -48,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from distamp.distributed.comm_hooks import CommStats
+from distamp.sharding.pairwise import on_gloo, peers, receive, send
 from distamp.torch_compat import FSDPAllGather, FSDPReduceScatter
 
 __all__ = ["InPlaceAllGather", "WireReduceScatter"]
@@ -152,31 +156,93 @@ class WireReduceScatter(FSDPReduceScatter):
         """
         if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
             raise ValueError(f"WireReduceScatter sums or averages; FSDP asked for {op!r}")
-        world = dist.get_world_size(group)
-        received = torch.empty_like(input_tensor)
-        dist.all_to_all_single(received, input_tensor, group=group)
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.stats.calls += 1
         self.stats.bytes += input_tensor.numel() * input_tensor.element_size()
-        cpu = input_tensor.device.type == "cpu"
-        if cpu and self._inputs.get(id(input_tensor)) is input_tensor:
-            # FSDP's buffer from allocate(), sent: FSDP keeps it until the next unit's reduce-scatter, for CUDA
-            # streams, and nothing reads it again. Freed before the sum, which needs ``received`` only.
-            input_tensor.untyped_storage().resize_(0)
-        chunks = received.view(world, -1)
+        ours = input_tensor.device.type == "cpu" and self._inputs.get(id(input_tensor)) is input_tensor
         divisor = world if op == dist.ReduceOp.AVG else 1
-        # Slices bound the FP32 temporaries; rank order: every rank adds the same numbers in the same order.
-        for lo in range(0, output_tensor.numel(), _SLICE):
-            hi = min(lo + _SLICE, output_tensor.numel())
-            total = chunks[0, lo:hi].float()
-            for chunk in chunks[1:]:
-                total += chunk[lo:hi]
-            if divisor != 1:
-                total /= divisor
-            output_tensor[lo:hi].copy_(total)
-        if cpu:
-            received.untyped_storage().resize_(0)  # here, not whenever gloo's thread drops its Work (see _release)
+        if on_gloo(group) and world > 1:
+            _reduce_pairwise(output_tensor, input_tensor, group, world, rank, divisor)
+        else:
+            received = torch.empty_like(input_tensor)
+            dist.all_to_all_single(received, input_tensor, group=group)
+            if ours:
+                # FSDP's buffer from allocate(), sent: FSDP keeps it until the next unit's reduce-scatter, for CUDA
+                # streams, and nothing reads it again. Freed before the sum, which needs ``received`` only.
+                input_tensor.untyped_storage().resize_(0)
+            chunks = received.view(world, -1)
+            for lo in range(0, output_tensor.numel(), _SLICE):
+                hi = min(lo + _SLICE, output_tensor.numel())
+                _sum_into(output_tensor[lo:hi], [chunk[lo:hi] for chunk in chunks], divisor)
+            if input_tensor.device.type == "cpu":
+                received.untyped_storage().resize_(0)  # here, not whenever gloo's thread drops its Work (see _release)
+        if ours:
+            input_tensor.untyped_storage().resize_(0)  # see above (the pairwise sum read this rank's chunk from it)
         return None
 
 
-_SLICE = 1 << 16
-"""Elements summed at once in FP32 (256 KiB of temporaries)."""
+def _sum_into(output: torch.Tensor, chunks: Sequence[torch.Tensor], divisor: int) -> None:
+    """``output = sum(chunks) / divisor``, added in FP32 in the order given, rounded once to ``output``'s dtype."""
+    total = chunks[0].float()
+    for chunk in chunks[1:]:
+        total += chunk
+    if divisor != 1:
+        total /= divisor
+    output.copy_(total)
+
+
+def _reduce_pairwise(output: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, world: int,
+                     rank: int, divisor: int) -> None:
+    """The reduce-scatter as pairwise messages (gloo) of at most :data:`_MESSAGE` elements.
+
+    Every message to every peer is posted at once, straight from
+    ``input_tensor``; the peers' messages for this rank are received into
+    two buffers of one message each (the next arrives while this one is
+    summed) and added, in rank order, to this rank's own chunk read from
+    ``input_tensor``. So nothing the size of the input is allocated, where
+    ``all_to_all_single`` receives into a whole copy of it.
+    """
+    chunks = input_tensor.view(world, -1)
+    others = peers(rank, world)
+    bounds = [(lo, min(lo + _MESSAGE, output.numel())) for lo in range(0, output.numel(), _MESSAGE)]
+    outgoing = [chunks[peer, lo:hi].detach() for lo, hi in bounds for peer in others]
+    sends = [send(view, group, others[i % len(others)], TAG_REDUCE_SCATTER + i // len(others))
+             for i, view in enumerate(outgoing)]
+    buffers = [torch.empty((world - 1, min(_MESSAGE, output.numel())), dtype=input_tensor.dtype,
+                           device=input_tensor.device) for _ in range(min(2, len(bounds)))]
+
+    def post(k: int) -> tuple[list[torch.Tensor], list[dist.Work]]:
+        lo, hi = bounds[k]
+        slots = [row[: hi - lo].detach() for row in buffers[k % 2]]
+        tag = TAG_REDUCE_SCATTER + k
+        return slots, [receive(slot, group, peer, tag) for slot, peer in zip(slots, others, strict=True)]
+
+    pending = {k: post(k) for k in range(len(buffers))}
+    for k, (lo, hi) in enumerate(bounds):
+        slots, works = pending.pop(k)
+        for work in works:
+            work.wait()
+        by_rank = {peer: buffers[k % 2][i, : hi - lo] for i, peer in enumerate(others)}
+        by_rank[rank] = chunks[rank, lo:hi]
+        for start in range(0, hi - lo, _SLICE):
+            stop = min(start + _SLICE, hi - lo)
+            _sum_into(output[lo + start : lo + stop], [by_rank[r][start:stop] for r in range(world)], divisor)
+        _release(slots)
+        if k + 2 < len(bounds):
+            pending[k + 2] = post(k + 2)
+    for work in sends:
+        work.wait()
+    _release(outgoing)
+
+
+TAG_REDUCE_SCATTER = 0x5A3 << 16
+"""The first tag of the reduce-scatter's pairwise messages (slice ``k`` adds ``k``)."""
+
+_SLICE = 1 << 15
+"""Elements summed at once in FP32 (128 KiB temporaries)."""
+
+_MESSAGE = 1 << 20
+"""Elements per pairwise message on gloo (2 MiB of BF16): a unit's chunk up to that size is one message per
+peer. Each message costs: reducing a 1M-element chunk on loopback (2 ranks) took 3.2-5.8 ms as one message,
+6.5-7.2 ms as 256K-element messages and 5.3-6.8 ms with ``all_to_all_single``; on the 6.56M MLP 32K-element
+messages made the step 1.32x torch's FSDP2."""

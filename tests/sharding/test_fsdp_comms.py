@@ -41,6 +41,33 @@ def test_reduce_scatter_adds_the_chunks_in_fp32_and_rounds_once():
         assert (calls, sent) == (2, 3 * world * 2 + 3 * world * 4)
 
 
+def _reduce_scatter_in_messages(rank, world):
+    from distamp.sharding import fsdp_comms
+
+    comm = fsdp_comms.WireReduceScatter()
+    n = 2 * fsdp_comms._MESSAGE + 123  # two whole messages and a partial one per chunk, each summed in slices
+    g = torch.Generator().manual_seed(rank)
+    mine = (torch.randn(world * n, generator=g) * 2.0 ** torch.randint(-12, 12, (world * n,), generator=g))
+    fsdp_input = comm.allocate((world * n,), dtype=torch.bfloat16, device=torch.device("cpu"))
+    fsdp_input.copy_(mine)
+    every = [torch.empty(world * n, dtype=torch.bfloat16) for _ in range(world)]
+    dist.all_gather(every, fsdp_input)
+    expected = every[0].view(world, n)[rank].float()
+    for other in every[1:]:  # FP32, in rank order, rounded once
+        expected += other.view(world, n)[rank]
+    summed = torch.empty(n, dtype=torch.bfloat16)
+    comm(summed, fsdp_input, dist.group.WORLD, dist.ReduceOp.SUM)
+    assert fsdp_input.untyped_storage().nbytes() == 0  # FSDP's buffer is freed once reduced
+    return torch.equal(summed, expected.to(torch.bfloat16)), summed.float().sum().item()
+
+
+@pytest.mark.timeout(120)
+def test_reduce_scatter_on_gloo_goes_in_messages_and_adds_every_ranks_chunk_bitwise_in_rank_order():
+    results = run_workers(_reduce_scatter_in_messages, 3, timeout=100)
+    assert all(equal for equal, _ in results)
+    assert len({total for _, total in results}) == 3  # each rank got its own chunk
+
+
 def _all_gather(rank, world):
     from distamp.sharding.fsdp_comms import InPlaceAllGather
 
