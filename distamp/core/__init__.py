@@ -11,7 +11,8 @@ what is defined here:
   at step it unscales and checks (``unscale_and_check``), runs the inner
   step and writes masters back on an applied step (``apply_update``; O2 chunk
   by chunk, :mod:`~distamp.core.chunked_update`), applies the agreed verdict
-  to its scaler (``update``) and clips (``clip_grad_norm_``); at save and
+  to its scaler (``update``), ends the step (``end_step``: stage 3 frees its
+  gradient shards there) and clips (``clip_grad_norm_``); at save and
   load it gives and takes its state (``checkpoint_state`` /
   ``load_checkpoint_state``). ``MixedPrecision`` (O1) and
   ``PureLowPrecision`` (O2) are here; sharding's plugins subclass them.

@@ -41,6 +41,12 @@ Sharding stages 1 and 2 use the same two functions on one rank's 16-bit
 gradient slice: there the gradient comes from a :class:`GradSource` per
 piece rather than from a model parameter, and the updated masters reach the
 model through the all-gather, not through :func:`step_in_chunks`.
+
+Stage 3's gradients are FP32 already (FSDP2's sharded gradients), so
+nothing is rebuilt there; :func:`step_and_free_in_chunks` steps whole
+parameters a chunk at a time, smallest first, and frees each chunk's
+gradients once it has stepped, so the inner optimizer's temporaries for the
+largest parameters come when the other gradients are gone.
 """
 
 from __future__ import annotations
@@ -56,8 +62,8 @@ from torch import nn
 from distamp.torch_compat import amp_foreach_non_finite_check_and_unscale_, foreach_add_, foreach_copy_, foreach_norm
 
 __all__ = ["SLICEABLE_OPTIMIZERS", "SLICE_ALIGN", "GradSource", "Pair", "Piece", "check_in_chunks", "chunk_limit",
-           "chunk_numel", "copy_and_unscale_", "plan_chunks", "room_below_peak", "step_in_chunks", "step_only",
-           "steps_in_chunks"]
+           "chunk_numel", "copy_and_unscale_", "plan_chunks", "room_below_peak", "step_and_free_in_chunks",
+           "step_in_chunks", "step_only", "steps_in_chunks"]
 
 SLICEABLE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 """Optimizers whose update of an element depends on that element's gradient and state only."""
@@ -297,6 +303,56 @@ def step_only(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) 
             group["params"][:] = members
 
 
+def step_and_free_in_chunks(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter], limit: int) -> None:
+    """Step ``optimizer`` on ``params`` a chunk at a time, smallest parameters first, freeing each parameter's
+    ``.grad`` once all of it has stepped (those without a gradient are left alone, as ``step()`` leaves them).
+
+    A chunk holds at most ``limit`` elements of this device's tensors (a
+    DTensor's local shard): whole parameters, or one slice of a larger one
+    (stepped on the local tensors, with the matching slices of its state).
+    The gradients exist whole already; what the chunks bound is the inner
+    optimizer's temporaries (a for-loop AdamW makes two the size of what it
+    updates), and the largest parameters step last, when the other gradients
+    are freed. ``optimizer`` must satisfy :func:`steps_in_chunks`, so no
+    element's arithmetic depends on what steps with it: the result is
+    bitwise one ``optimizer.step()``'s.
+    """
+    ordered = sorted((p for p in params if p.grad is not None), key=lambda p: _local(p).numel())
+    group_of = {id(p): gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    fresh = {id(p) for p in ordered if not optimizer.state.get(p)}
+    before: dict[int, dict[str, object]] = {}
+    sliceable = [_local(p).is_contiguous() and _local(p.grad).is_contiguous() for p in ordered]
+    chunks = plan_chunks([_local(p).numel() for p in ordered], limit, sliceable)
+    left = [sum(1 for chunk in chunks for piece in chunk if piece.index == i) for i in range(len(ordered))]
+    for chunk in chunks:
+        if chunk[0].whole:
+            step_only(optimizer, [ordered[piece.index] for piece in chunk])
+        else:
+            piece = chunk[0]
+            master = ordered[piece.index]
+            target = _slice_param(optimizer, master, piece, id(master) in fresh, before)
+            target.grad = _local(master.grad).view(-1)[piece.lo : piece.hi]
+            saved = [list(group["params"]) for group in optimizer.param_groups]
+            try:
+                for gi, group in enumerate(optimizer.param_groups):
+                    group["params"][:] = [target] if gi == group_of[id(master)] else []
+                optimizer.step()
+            finally:
+                for group, members in zip(optimizer.param_groups, saved, strict=True):
+                    group["params"][:] = members
+            _merge_slice_state(optimizer, master, piece, target)
+        for piece in chunk:
+            left[piece.index] -= 1
+            if not left[piece.index]:
+                ordered[piece.index].grad = None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (``to_local`` keeps autograd out), or the tensor itself."""
+    local = getattr(tensor, "_local_tensor", None)
+    return tensor if local is None else local
+
+
 def _contiguous(source: GradSource) -> bool:
     grad = source.grad
     return grad is not None and grad.is_contiguous()
@@ -309,13 +365,13 @@ def _slice_param(optimizer: torch.optim.Optimizer, master: nn.Parameter, piece: 
     ``before`` keeps, per master, its state's other values as they were
     before its first slice stepped, so that every slice starts from them.
     """
-    target = nn.Parameter(master.detach().view(-1)[piece.lo : piece.hi], requires_grad=master.requires_grad)
+    target = nn.Parameter(_local(master).detach().view(-1)[piece.lo : piece.hi], requires_grad=master.requires_grad)
     whole = optimizer.state.get(master)
     if whole and not fresh:
         kept = before.setdefault(id(master), {k: v.clone() if torch.is_tensor(v) else v
                                               for k, v in whole.items() if not _elementwise(v, master)})
         optimizer.state[target] = {
-            k: v.view(-1)[piece.lo : piece.hi] if _elementwise(v, master) else _copy(kept[k])
+            k: _local(v).view(-1)[piece.lo : piece.hi] if _elementwise(v, master) else _copy(kept[k])
             for k, v in whole.items()
         }
     return target
@@ -338,9 +394,10 @@ def _merge_slice_state(optimizer: torch.optim.Optimizer, master: nn.Parameter, p
     for key, value in sliced.items():
         if torch.is_tensor(value) and value.dim() == 1 and value.numel() == n and value.numel() != 1:
             if key not in whole or not torch.is_tensor(whole[key]) or whole[key].shape != master.shape:
-                # The first step made this state for the slice: the whole tensor is assembled slice by slice.
-                whole[key] = torch.empty(master.shape, dtype=value.dtype, device=value.device)
-            dest = whole[key].view(-1)[piece.lo : piece.hi]
+                # The first step made this state for the slice: the whole tensor (a DTensor for a DTensor master,
+                # as the optimizer's own zeros_like makes) is assembled slice by slice.
+                whole[key] = torch.empty_like(master.detach(), dtype=value.dtype)
+            dest = _local(whole[key]).view(-1)[piece.lo : piece.hi]
             if dest.data_ptr() != value.data_ptr():
                 dest.copy_(value)
         elif torch.is_tensor(value) and torch.is_tensor(whole.get(key)) and whole[key].shape == value.shape:

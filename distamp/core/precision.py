@@ -104,6 +104,9 @@ class FullPrecision:
         optimizer.step()
         self.after_applied_step()
 
+    def end_step(self) -> None:
+        """After a step was applied or skipped (the scale updated): the gradients stay until ``zero_grad``."""
+
     @property
     def grads_are_slices(self) -> bool:
         """Whether the model's ``.grad`` holds only this rank's slice after unscaling (stages 1-2, several ranks)."""

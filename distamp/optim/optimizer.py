@@ -260,6 +260,10 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         With ``amp_configs["overflow_retries"] = N`` an overflowing step
         lowers the loss scale at once and calls the closure again, up to N
         times, on every rank together, so the batch is not dropped.
+
+        Under sharding stage 3 a step that was applied or skipped frees the
+        gradient shards (``.grad`` is ``None`` after it, as DeepSpeed's
+        engine zeroes the gradients after its step).
         """
         self.finish_param_gather()
         steps_before = self.policy.step_number

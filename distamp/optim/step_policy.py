@@ -162,6 +162,7 @@ class StepPolicy:
         else:
             self.steps_applied += 1
         self.precision.update(found_inf, self.grad_max)
+        self.precision.end_step()
         self.watch.after_step()
         self.merge.publish()
         return not found_inf

@@ -19,6 +19,14 @@ whose local shard FSDP2 has already reduce-scattered (summed in FP32). So:
   rank updates the loss scale identically.
 * **Clipping** sums the shards' norms into one global norm, combined in rank
   order, so the clip factor is bitwise identical everywhere.
+* **Gradients end with the step.** The inner optimizer steps a chunk at a
+  time (its temporaries are a chunk's, not the largest parameter's), and
+  each FP32 gradient shard is freed once its parameter has stepped; a
+  skipped step frees them too. So after ``step()`` the parameters' ``.grad`` is ``None``, as
+  DeepSpeed's engine zeroes the gradients after its step: a gradient is not
+  kept past its use, through the next forward of a loop that calls
+  ``zero_grad`` late. Read or change them between ``backward`` and
+  ``step()``.
 
 :class:`ShardedParameters` is the masters surface the meta-optimizer
 expects (:class:`~distamp.core.master_weights.MasterWeightsSurface`): each
@@ -36,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from distamp.core.chunked_update import chunk_numel, room_below_peak, step_and_free_in_chunks, steps_in_chunks
 from distamp.core.master_weights import check_saved_masters, clear_grads
 from distamp.core.precision import FullPrecision, MixedPrecision
 from distamp.scaling.loss_scaler import build_loss_scaler
@@ -256,6 +265,28 @@ class FullyShardedPrecision(MixedPrecision):
         """Update the loss scale (nothing with AMP off)."""
         if self.scaler is not None:
             super().update(found_inf, grad_max)
+
+    def apply_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step the inner optimizer on the gradient shards and free them.
+
+        An elementwise optimizer (:func:`~distamp.core.chunked_update.steps_in_chunks`)
+        steps a chunk at a time, smallest parameters first, a larger one in
+        slices of its local shard, each gradient freed once its parameter has
+        stepped (bitwise one ``step()``; a chunk is 1/16 of this rank's
+        shards, or on CUDA as much as fits below the allocator's peak); any
+        other optimizer steps once.
+        """
+        params = [p for p in self.master_weights.model_params if p.grad is not None]
+        if params and steps_in_chunks(optimizer):
+            total = sum(local_shard(p).numel() for p in params)
+            step_and_free_in_chunks(optimizer, params, chunk_numel(total, room_below_peak(params[0].device)))
+        else:
+            optimizer.step()
+        self.after_applied_step()
+
+    def end_step(self) -> None:
+        """Free the gradient shards, applied or skipped: nothing reads them after the step."""
+        self.master_weights.zero_grads(set_to_none=True)
 
     def lower_scale_now(self) -> bool:
         """Lower the loss scale at once (an overflow retry); False with AMP off or at the minimum."""

@@ -193,3 +193,30 @@ def test_sources_that_are_not_parameters_step_their_masters_and_nothing_is_copie
         assert torch.equal(master, ref)  # elementwise: chunks of 4096 elements step as the whole
     assert all(torch.equal(s.grad, grad) for s, grad in zip(sources, grads16, strict=True))  # left as they were
     assert [m.grad for m in masters] == [None, None, None]
+
+
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n != "rmsprop"])
+def test_stepping_and_freeing_in_chunks_is_bitwise_one_step_and_leaves_no_gradient(name):
+    """Whole small parameters together, the large ones cut in slices with their state, smallest first: two steps
+    (the first makes the state slice by slice) give the parameters and state of two plain ``step()`` calls, and
+    every ``.grad`` is freed."""
+    torch.manual_seed(0)
+    shapes = [(300, 130), (7,), (64, 64), (30, 20), (5000,)]  # 39000 and 4096 elements pass a 3 * 4096 limit
+    reference = [nn.Parameter(torch.randn(shape)) for shape in shapes]
+    chunked = [nn.Parameter(p.detach().clone()) for p in reference]
+    whole_opt, chunked_opt = OPTIMIZERS[name](reference), OPTIMIZERS[name](chunked)
+    assert steps_in_chunks(chunked_opt)
+    for step in range(2):
+        grads = [torch.randn(shape) for shape in shapes]
+        for p, q, g in zip(reference, chunked, grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        chunked[1].grad = reference[1].grad = None  # a parameter without a gradient stays as it is
+        whole_opt.step()
+        chunked_update.step_and_free_in_chunks(chunked_opt, chunked, 3 * SLICE_ALIGN)
+        assert all(q.grad is None for q in chunked)
+        for p, q in zip(reference, chunked, strict=True):
+            assert torch.equal(p, q), (name, step)
+            assert whole_opt.state[p].keys() == chunked_opt.state[q].keys()
+            for key, value in whole_opt.state[p].items():
+                assert torch.equal(value, chunked_opt.state[q][key]), (name, step, key)
+    assert [len(g["params"]) for g in chunked_opt.param_groups] == [len(shapes)]

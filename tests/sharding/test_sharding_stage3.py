@@ -431,3 +431,56 @@ def test_stage3_refuses_a_cast_after_sharding_with_what_to_do():
             assert "Cast the model before fleet.distributed_model" in message
         assert messages[0].startswith("model.half() after fleet.distributed_model would cast the sharded "
                                       "torch.float32 parameters to torch.float16")
+
+
+class _WholeStepAdamW(torch.optim.AdamW):
+    """AdamW that distamp may not cut (not an exact torch type): stepped once, on whole gradient shards."""
+
+
+def _chunked_and_whole_steps(rank, world):
+    """Stage 3 O2 BF16 with AdamW (stepped a chunk at a time: the 512 x 512 weight's 131072-element shard is cut
+    in slices) and with an AdamW distamp steps whole, on the same data; an inf on rank 1 at the second step."""
+    from distamp import fleet
+
+    fleet.init()
+    out = {}
+    for name, optimizer_type in (("chunked", torch.optim.AdamW), ("whole", _WholeStepAdamW)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 4))
+        strategy = _strategy(3, use_pure_fp16=True, dtype="bfloat16")
+        opt = fleet.distributed_optimizer(optimizer_type(model.parameters(), lr=1e-2, weight_decay=0.1), strategy)
+        wrapped = fleet.distributed_model(model, strategy)
+        g = torch.Generator().manual_seed(rank)
+        grads_after_step, applied = [], []
+        for step in range(4):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            if rank == 1 and step == 1:
+                x[0, 0] = float("inf")
+            with fleet.auto_cast():
+                loss = F.mse_loss(wrapped(x).float(), y)
+            opt.zero_grad()
+            opt.backward(loss)
+            assert all(p.grad is not None for p in wrapped.module.parameters())  # the shards, until the step
+            applied.append(opt.step())
+            grads_after_step.append(sum(p.grad is not None for p in wrapped.module.parameters()))
+        out[name] = {"params": _flat(opt.fp32_state_dict(wrapped)), "applied": applied,
+                     "grads_after_step": grads_after_step,
+                     # DTensors, as AdamW makes them for DTensor parameters (full_tensor fails on a plain one).
+                     "moments": [opt.inner_opt.state[p][k].full_tensor() for group in opt.inner_opt.param_groups
+                                 for p in group["params"] for k in ("exp_avg", "exp_avg_sq")],
+                     "steps": [float(s["step"]) for s in opt.inner_opt.state.values()]}
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_stage3_steps_in_chunks_bitwise_like_one_step_and_frees_the_gradient_shards_after_every_step():
+    for out in run_workers(_chunked_and_whole_steps, 2, timeout=100):
+        chunked, whole = out["chunked"], out["whole"]
+        assert chunked["applied"] == whole["applied"] == [True, False, True, True]
+        assert torch.equal(chunked["params"], whole["params"])
+        assert len(chunked["moments"]) == len(whole["moments"]) == 12
+        assert all(torch.equal(a, b) for a, b in zip(chunked["moments"], whole["moments"], strict=True))
+        assert chunked["steps"] == whole["steps"] == [3.0] * 6
+        # Applied or skipped, the step ends the gradient shards (a loop that zeroes late holds nothing through
+        # the next forward).
+        assert chunked["grads_after_step"] == whole["grads_after_step"] == [0, 0, 0, 0]
