@@ -58,8 +58,15 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from distamp.torch_compat import amp_foreach_non_finite_check_and_unscale_, foreach_add_, foreach_copy_, foreach_norm
+from distamp.torch_compat import (
+    amp_foreach_non_finite_check_and_unscale_,
+    dtensor_local,
+    foreach_add_,
+    foreach_copy_,
+    foreach_norm,
+)
 
 __all__ = ["SLICEABLE_OPTIMIZERS", "SLICE_ALIGN", "GradSource", "Pair", "Piece", "check_in_chunks", "chunk_limit",
            "chunk_numel", "copy_and_unscale_", "plan_chunks", "room_below_peak", "step_and_free_in_chunks",
@@ -348,9 +355,8 @@ def step_and_free_in_chunks(optimizer: torch.optim.Optimizer, params: Sequence[n
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (``to_local`` keeps autograd out), or the tensor itself."""
-    local = getattr(tensor, "_local_tensor", None)
-    return tensor if local is None else local
+    """A DTensor's local shard (the stored tensor itself), or the tensor itself."""
+    return dtensor_local(tensor) if isinstance(tensor, DTensor) else tensor
 
 
 def _contiguous(source: GradSource) -> bool:
