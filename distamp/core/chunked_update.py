@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -328,7 +328,7 @@ def step_and_free_in_chunks(optimizer: torch.optim.Optimizer, params: Sequence[n
     group_of = {id(p): gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
     fresh = {id(p) for p in ordered if not optimizer.state.get(p)}
     before: dict[int, dict[str, object]] = {}
-    sliceable = [_local(p).is_contiguous() and _local(p.grad).is_contiguous() for p in ordered]
+    sliceable = [_local(p).is_contiguous() and _local(cast(torch.Tensor, p.grad)).is_contiguous() for p in ordered]
     chunks = plan_chunks([_local(p).numel() for p in ordered], limit, sliceable)
     left = [sum(1 for chunk in chunks for piece in chunk if piece.index == i) for i in range(len(ordered))]
     for chunk in chunks:
@@ -338,7 +338,7 @@ def step_and_free_in_chunks(optimizer: torch.optim.Optimizer, params: Sequence[n
             piece = chunk[0]
             master = ordered[piece.index]
             target = _slice_param(optimizer, master, piece, id(master) in fresh, before)
-            target.grad = _local(master.grad).view(-1)[piece.lo : piece.hi]
+            target.grad = _local(cast(torch.Tensor, master.grad)).view(-1)[piece.lo : piece.hi]
             saved = [list(group["params"]) for group in optimizer.param_groups]
             try:
                 for gi, group in enumerate(optimizer.param_groups):
