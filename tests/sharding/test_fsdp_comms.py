@@ -41,31 +41,37 @@ def test_reduce_scatter_adds_the_chunks_in_fp32_and_rounds_once():
         assert (calls, sent) == (2, 3 * world * 2 + 3 * world * 4)
 
 
-def _reduce_scatter_in_messages(rank, world):
+def _reduce_scatter_in_messages(rank, world, dtype):
     from distamp.sharding import fsdp_comms
 
     comm = fsdp_comms.WireReduceScatter()
-    n = 2 * fsdp_comms._MESSAGE + 123  # two whole messages and a partial one per chunk, each summed in slices
+    n = 2 * fsdp_comms._MESSAGE + 123  # two whole messages and a partial one per chunk
     g = torch.Generator().manual_seed(rank)
-    mine = (torch.randn(world * n, generator=g) * 2.0 ** torch.randint(-12, 12, (world * n,), generator=g))
-    fsdp_input = comm.allocate((world * n,), dtype=torch.bfloat16, device=torch.device("cpu"))
+    mine = (torch.randn(world * n, generator=g) * 2.0 ** torch.randint(-10, 10, (world * n,), generator=g))
+    fsdp_input = comm.allocate((world * n,), dtype=dtype, device=torch.device("cpu"))
     fsdp_input.copy_(mine)
-    every = [torch.empty(world * n, dtype=torch.bfloat16) for _ in range(world)]
+    every = [torch.empty(world * n, dtype=dtype) for _ in range(world)]
     dist.all_gather(every, fsdp_input)
     expected = every[0].view(world, n)[rank].float()
     for other in every[1:]:  # FP32, in rank order, rounded once
         expected += other.view(world, n)[rank]
-    summed = torch.empty(n, dtype=torch.bfloat16)
+    summed = torch.empty(n, dtype=dtype)
     comm(summed, fsdp_input, dist.group.WORLD, dist.ReduceOp.SUM)
     assert fsdp_input.untyped_storage().nbytes() == 0  # FSDP's buffer is freed once reduced
-    return torch.equal(summed, expected.to(torch.bfloat16)), summed.float().sum().item()
+    rounded_twice = (every[0].view(world, n)[rank] + every[-1].view(world, n)[rank]) if world > 2 else None
+    return (torch.equal(summed, expected.to(dtype)), summed.float().sum().item(),
+            rounded_twice is None or not torch.equal(summed, (rounded_twice + every[1].view(world, n)[rank])))
 
 
 @pytest.mark.timeout(120)
-def test_reduce_scatter_on_gloo_goes_in_messages_and_adds_every_ranks_chunk_bitwise_in_rank_order():
-    results = run_workers(_reduce_scatter_in_messages, 3, timeout=100)
-    assert all(equal for equal, _ in results)
-    assert len({total for _, total in results}) == 3  # each rank got its own chunk
+@pytest.mark.parametrize(("world", "dtype"), [(2, torch.bfloat16), (2, torch.float16), (3, torch.bfloat16)])
+def test_reduce_scatter_on_gloo_goes_in_messages_and_adds_every_ranks_chunk_bitwise_in_rank_order(world, dtype):
+    """Each rank's sum is bitwise the FP32 sum of every rank's chunk in rank order, rounded once (two chunks are
+    one torch.add, which adds 16-bit tensors in FP32 and rounds once; three are summed in FP32 slices)."""
+    results = run_workers(_reduce_scatter_in_messages, world, dtype, timeout=100)
+    assert all(equal for equal, _, _ in results)
+    assert all(differs for _, _, differs in results)  # three chunks: 16-bit sums of pairs would round twice
+    assert len({total for _, total, _ in results}) == world  # each rank got its own chunk
 
 
 def _all_gather(rank, world):
