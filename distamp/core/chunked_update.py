@@ -43,10 +43,11 @@ piece rather than from a model parameter, and the updated masters reach the
 model through the all-gather, not through :func:`step_in_chunks`.
 
 Stage 3's gradients are FP32 already (FSDP2's sharded gradients), so
-nothing is rebuilt there; :func:`step_and_free_in_chunks` steps whole
-parameters a chunk at a time, smallest first, and frees each chunk's
-gradients once it has stepped, so the inner optimizer's temporaries for the
-largest parameters come when the other gradients are gone.
+nothing is rebuilt there; :func:`step_and_free_in_chunks` steps a chunk at
+a time (small parameters whole, larger ones in slices of their local shard),
+smallest first, and frees each gradient once its parameter has stepped, so
+the inner optimizer's temporaries are a chunk's and come for the largest
+parameters when the other gradients are gone.
 """
 
 from __future__ import annotations

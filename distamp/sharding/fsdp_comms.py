@@ -8,14 +8,15 @@ FSDP2 reduce-scatters each unit's gradients in the policy's
 (``comm_dtype``, default ``dtype``), so FSDP's buffers are 16-bit, and
 installs :class:`WireReduceScatter` as the collective
 (``FSDPModule.set_custom_reduce_scatter``): each rank gets its chunk from
-every other, and the chunks are added in FP32, slice by slice, in rank
-order, then rounded once to the output's dtype. On gloo the chunks travel
-as pairwise messages of at most 2 MiB received into two buffers of one
-message (``all_to_all_single`` would receive a whole copy of the input,
-the largest transient of a unit's reduce); elsewhere as one
-``all_to_all_single``. FSDP then widens the sum into the FP32 sharded
-gradient, where micro-batches accumulate in FP32. (For FP16, FSDP still divides the gradients by about sqrt(world)
-before this call and by the rest after it.) Stages 1 and 2 keep the FP32
+every other, and the chunks are added in FP32 in rank order, then rounded
+once to the output's dtype (two chunks in one ``torch.add``, more in FP32
+slices). On gloo the chunks travel as pairwise messages of at most 2 MiB
+received into two buffers of one message (``all_to_all_single`` would
+receive a whole copy of the input, the largest transient of a unit's
+reduce); elsewhere as one ``all_to_all_single``. FSDP then widens the sum
+into the FP32 sharded gradient, where micro-batches accumulate in FP32.
+(For FP16, FSDP still divides the gradients by about sqrt(world) before
+this call and by the rest after it.) Stages 1 and 2 keep the FP32
 sum itself; stage 3 rounds it once to 16 bits, which keeps FSDP's
 reduce-scatter buffers at 16 bits (an FP32 ``reduce_dtype`` doubles them,
 and they are the largest transient of backward).

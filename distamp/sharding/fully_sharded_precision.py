@@ -22,11 +22,11 @@ whose local shard FSDP2 has already reduce-scattered (summed in FP32). So:
 * **Gradients end with the step.** The inner optimizer steps a chunk at a
   time (its temporaries are a chunk's, not the largest parameter's), and
   each FP32 gradient shard is freed once its parameter has stepped; a
-  skipped step frees them too. So after ``step()`` the parameters' ``.grad`` is ``None``, as
-  DeepSpeed's engine zeroes the gradients after its step: a gradient is not
-  kept past its use, through the next forward of a loop that calls
-  ``zero_grad`` late. Read or change them between ``backward`` and
-  ``step()``.
+  skipped step frees them too. So after ``step()`` the parameters'
+  ``.grad`` is ``None``, as DeepSpeed's engine zeroes the gradients after
+  its step: a gradient is not kept past its use, through the next forward
+  of a loop that calls ``zero_grad`` late. Read or change them between
+  ``backward`` and ``step()``.
 
 :class:`ShardedParameters` is the masters surface the meta-optimizer
 expects (:class:`~distamp.core.master_weights.MasterWeightsSurface`): each
