@@ -313,7 +313,7 @@ def step_only(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) 
 
 def step_and_free_in_chunks(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter], limit: int) -> None:
     """Step ``optimizer`` on ``params`` a chunk at a time, smallest parameters first, freeing each parameter's
-    ``.grad`` once all of it has stepped (those without a gradient are left alone, as ``step()`` leaves them).
+    ``.grad`` once all of it has stepped (those without a gradient, or not in ``optimizer``, are left alone).
 
     A chunk holds at most ``limit`` elements of this device's tensors (a
     DTensor's local shard): whole parameters, or one slice of a larger one
@@ -325,8 +325,9 @@ def step_and_free_in_chunks(optimizer: torch.optim.Optimizer, params: Sequence[n
     element's arithmetic depends on what steps with it: the result is
     bitwise one ``optimizer.step()``'s.
     """
-    ordered = sorted((p for p in params if p.grad is not None), key=lambda p: _local(p).numel())
     group_of = {id(p): gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    stepped = (p for p in params if p.grad is not None and id(p) in group_of)
+    ordered = sorted(stepped, key=lambda p: _local(p).numel())
     fresh = {id(p) for p in ordered if not optimizer.state.get(p)}
     before: dict[int, dict[str, object]] = {}
     sliceable = [_local(p).is_contiguous() and _local(cast(torch.Tensor, p.grad)).is_contiguous() for p in ordered]

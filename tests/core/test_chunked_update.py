@@ -211,9 +211,13 @@ def test_stepping_and_freeing_in_chunks_is_bitwise_one_step_and_leaves_no_gradie
         for p, q, g in zip(reference, chunked, grads, strict=True):
             p.grad, q.grad = g.clone(), g.clone()
         chunked[1].grad = reference[1].grad = None  # a parameter without a gradient stays as it is
+        outsider = nn.Parameter(torch.ones(50_000))  # not the optimizer's: not stepped, its gradient kept
+        outsider.grad = torch.ones(50_000)
         whole_opt.step()
-        chunked_update.step_and_free_in_chunks(chunked_opt, chunked, 3 * SLICE_ALIGN)
+        chunked_update.step_and_free_in_chunks(chunked_opt, [*chunked, outsider], 3 * SLICE_ALIGN)
         assert all(q.grad is None for q in chunked)
+        assert torch.equal(outsider, torch.ones(50_000))
+        assert outsider.grad is not None
         for p, q in zip(reference, chunked, strict=True):
             assert torch.equal(p, q), (name, step)
             assert whole_opt.state[p].keys() == chunked_opt.state[q].keys()
