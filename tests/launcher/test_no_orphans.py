@@ -60,8 +60,10 @@ WORKER = """
     if role == "hang_ignoring_sigterm":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if role == "crash":
-        # Crash only once the early exit has happened, so every path is taken.
-        while not os.path.exists("pids.0") or not gone(int(open("pids.0").read().split()[0])):
+        # Crash only once every rank has written its pids and the early exit has happened, so every path is
+        # taken (a rank still starting on a loaded host would be torn down before it wrote them).
+        while (not all(os.path.exists(f"pids.{r}") for r in range(len(sys.argv) - 1))
+               or not gone(int(open("pids.0").read().split()[0]))):
             time.sleep(0.05)
         raise RuntimeError("rank crashed on purpose")
     time.sleep(300)
