@@ -110,8 +110,9 @@ def chunk_numel(total: int, room_bytes: int = 0) -> int:
 
 
 def chunk_limit(pairs: Sequence[Pair]) -> int:
-    """:func:`chunk_numel` for ``pairs`` (on one device): their masters' elements, the room below that device's peak."""
-    return chunk_numel(sum(master.numel() for _, master in pairs), room_below_peak(pairs[0][1].device))
+    """:func:`chunk_numel` for ``pairs`` (on one device): the elements their masters hold on it (a DTensor's local
+    shard), the room below that device's peak."""
+    return chunk_numel(sum(_local(master).numel() for _, master in pairs), room_below_peak(pairs[0][1].device))
 
 
 def room_below_peak(device: torch.device) -> int:
@@ -261,54 +262,51 @@ def step_in_chunks(optimizer: torch.optim.Optimizer, pairs: Sequence[Pair],
     model parameters: the sharded stages all-gather the masters instead).
     """
     group_of = {id(p): gi for gi, group in enumerate(optimizer.param_groups) for p in group["params"]}
-    saved = [list(group["params"]) for group in optimizer.param_groups]
     # Masters the optimizer has no state for yet: each of their slices starts from nothing, as the whole would.
     fresh = {id(m) for _, m in pairs if not optimizer.state.get(m)}
     # Per-parameter scalars (Adam's step) as they were before the step: every slice advances its own copy.
     before: dict[int, dict[str, object]] = {}
     filler = _Filler(pairs, extra, inv_scale, limit)
-    chunks = plan_chunks([m.numel() for _, m in pairs], limit, [_contiguous(p) for p, _ in pairs])
-    try:
-        for chunk in chunks:
-            pieces = [p for p in chunk if id(pairs[p.index][1]) in group_of]
-            if not pieces:
-                continue
-            grads = filler.fill(pieces)
-            members: list[list[nn.Parameter]] = [[] for _ in saved]
-            slices: list[tuple[Piece, nn.Parameter]] = []
-            for piece, grad in zip(pieces, grads, strict=True):
-                master = pairs[piece.index][1]
-                target = master if piece.whole else _slice_param(optimizer, master, piece, id(master) in fresh, before)
-                target.grad = grad
-                members[group_of[id(master)]].append(target)
-                if not piece.whole:
-                    slices.append((piece, target))
-            for group, params in zip(optimizer.param_groups, members, strict=True):
-                group["params"][:] = params
-            optimizer.step()
-            for piece, target in slices:
-                _merge_slice_state(optimizer, pairs[piece.index][1], piece, target)
-            if into_model:
-                _round_into_model(pairs, pieces)
-            for chunk_params in members:
-                for target in chunk_params:
-                    target.grad = None
-    finally:
-        for group, params in zip(optimizer.param_groups, saved, strict=True):
-            group["params"][:] = params
+    for chunk in plan_chunks([m.numel() for _, m in pairs], limit, [_contiguous(p) for p, _ in pairs]):
+        pieces = [p for p in chunk if id(pairs[p.index][1]) in group_of]
+        if not pieces:
+            continue
+        grads = filler.fill(pieces)
+        members: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
+        slices: list[tuple[Piece, nn.Parameter]] = []
+        for piece, grad in zip(pieces, grads, strict=True):
+            master = pairs[piece.index][1]
+            target = master if piece.whole else _slice_param(optimizer, master, piece, id(master) in fresh, before)
+            target.grad = grad
+            members[group_of[id(master)]].append(target)
+            if not piece.whole:
+                slices.append((piece, target))
+        _step_with(optimizer, members)
+        for piece, target in slices:
+            _merge_slice_state(optimizer, pairs[piece.index][1], piece, target)
+        if into_model:
+            _round_into_model(pairs, pieces)
+        for chunk_params in members:
+            for target in chunk_params:
+                target.grad = None
 
 
 def step_only(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) -> None:
     """``optimizer.step()`` with its param groups holding only those of ``params`` they hold (restored after)."""
     wanted = {id(p) for p in params}
+    _step_with(optimizer, [[p for p in group["params"] if id(p) in wanted] for group in optimizer.param_groups])
+
+
+def _step_with(optimizer: torch.optim.Optimizer, members: Sequence[Sequence[nn.Parameter]]) -> None:
+    """``optimizer.step()`` with param group ``i`` holding ``members[i]`` only; the groups are restored after."""
     saved = [list(group["params"]) for group in optimizer.param_groups]
     try:
-        for group, members in zip(optimizer.param_groups, saved, strict=True):
-            group["params"][:] = [p for p in members if id(p) in wanted]
+        for group, params in zip(optimizer.param_groups, members, strict=True):
+            group["params"][:] = params
         optimizer.step()
     finally:
-        for group, members in zip(optimizer.param_groups, saved, strict=True):
-            group["params"][:] = members
+        for group, params in zip(optimizer.param_groups, saved, strict=True):
+            group["params"][:] = params
 
 
 def step_and_free_in_chunks(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter], limit: int) -> None:
@@ -331,9 +329,8 @@ def step_and_free_in_chunks(optimizer: torch.optim.Optimizer, params: Sequence[n
     fresh = {id(p) for p in ordered if not optimizer.state.get(p)}
     before: dict[int, dict[str, object]] = {}
     sliceable = [_local(p).is_contiguous() and _local(cast(torch.Tensor, p.grad)).is_contiguous() for p in ordered]
-    chunks = plan_chunks([_local(p).numel() for p in ordered], limit, sliceable)
-    left = [sum(1 for chunk in chunks for piece in chunk if piece.index == i) for i in range(len(ordered))]
-    for chunk in chunks:
+    numels = [_local(p).numel() for p in ordered]
+    for chunk in plan_chunks(numels, limit, sliceable):
         if chunk[0].whole:
             step_only(optimizer, [ordered[piece.index] for piece in chunk])
         else:
@@ -341,18 +338,11 @@ def step_and_free_in_chunks(optimizer: torch.optim.Optimizer, params: Sequence[n
             master = ordered[piece.index]
             target = _slice_param(optimizer, master, piece, id(master) in fresh, before)
             target.grad = _local(cast(torch.Tensor, master.grad)).view(-1)[piece.lo : piece.hi]
-            saved = [list(group["params"]) for group in optimizer.param_groups]
-            try:
-                for gi, group in enumerate(optimizer.param_groups):
-                    group["params"][:] = [target] if gi == group_of[id(master)] else []
-                optimizer.step()
-            finally:
-                for group, members in zip(optimizer.param_groups, saved, strict=True):
-                    group["params"][:] = members
+            _step_with(optimizer, [[target] if gi == group_of[id(master)] else []
+                                   for gi in range(len(optimizer.param_groups))])
             _merge_slice_state(optimizer, master, piece, target)
         for piece in chunk:
-            left[piece.index] -= 1
-            if not left[piece.index]:
+            if piece.hi == numels[piece.index]:  # all of it has stepped (whole, or its last slice)
                 ordered[piece.index].grad = None
 
 

@@ -164,6 +164,8 @@ class WireReduceScatter(FSDPReduceScatter):
         divisor = world if op == dist.ReduceOp.AVG else 1
         if on_gloo(group) and world > 1:
             _reduce_pairwise(output_tensor, input_tensor, group, world, rank, divisor)
+            if ours:
+                input_tensor.untyped_storage().resize_(0)  # as below, once the sum has read this rank's chunk
         else:
             received = torch.empty_like(input_tensor)
             dist.all_to_all_single(received, input_tensor, group=group)
@@ -174,8 +176,6 @@ class WireReduceScatter(FSDPReduceScatter):
             _sum_into(output_tensor, list(received.view(world, -1).unbind()), divisor)
             if input_tensor.device.type == "cpu":
                 received.untyped_storage().resize_(0)  # here, not whenever gloo's thread drops its Work (see _release)
-        if ours:
-            input_tensor.untyped_storage().resize_(0)  # see above (the pairwise sum read this rank's chunk from it)
         return None
 
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distamp.core.chunked_update import chunk_numel, room_below_peak, step_and_free_in_chunks, steps_in_chunks
+from distamp.core.chunked_update import chunk_limit, step_and_free_in_chunks, steps_in_chunks
 from distamp.core.master_weights import check_saved_masters, clear_grads
 from distamp.core.precision import FullPrecision, MixedPrecision
 from distamp.scaling.loss_scaler import build_loss_scaler
@@ -278,8 +278,8 @@ class FullyShardedPrecision(MixedPrecision):
         """
         params = [p for p in self.master_weights.model_params if p.grad is not None]
         if params and steps_in_chunks(optimizer):
-            total = sum(local_shard(p).numel() for p in params)
-            step_and_free_in_chunks(optimizer, params, chunk_numel(total, room_below_peak(params[0].device)))
+            # Each parameter is its own master and gradient source.
+            step_and_free_in_chunks(optimizer, params, chunk_limit([(p, p) for p in params]))
         else:
             optimizer.step()
         self.after_applied_step()
