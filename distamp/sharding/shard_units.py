@@ -9,9 +9,11 @@ transient small without paying a collective per tiny tensor.
 Default (``sharding_configs["units"]`` empty): every child holding
 parameters of each ``nn.ModuleList`` or ``nn.Sequential`` (a transformer's
 blocks, an MLP's layers), the outermost containers first; a block's own
-containers are not searched again. A model with no such container: every
-submodule holding parameters of its own. The root is always sharded last and
-holds what no unit took.
+containers are not searched again. A model with no such container: the
+outermost submodules holding parameters of their own, each with everything
+below it (``nn.MultiheadAttention`` reads ``out_proj.weight`` in its own
+forward, so splitting ``out_proj`` off would leave it sharded when read). The
+root is always sharded last and holds what no unit took.
 
 Example::
 
@@ -54,11 +56,22 @@ def choose_units(model: nn.Module, patterns: Sequence[str]) -> list[tuple[str, n
     blocks = _repeated_blocks(model)
     if blocks:
         return blocks
-    return [(name, module) for name, module in named if any(True for _ in module.parameters(recurse=False))]
+    return _outermost_owners(named)
 
 
 def _holds_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
+
+
+def _outermost_owners(named: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """The modules of ``named`` holding parameters of their own that lie inside no other such module."""
+    owners: list[tuple[str, nn.Module]] = []
+    for name, module in named:
+        if any(name.startswith(f"{taken}.") for taken, _ in owners):
+            continue
+        if any(True for _ in module.parameters(recurse=False)):
+            owners.append((name, module))
+    return owners
 
 
 def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -51,6 +51,17 @@ def test_without_containers_every_module_holding_parameters_of_its_own_is_a_unit
     assert _names(choose_units(_Flat(), ())) == ["fc1", "inner.fc2"]
 
 
+def test_without_containers_a_module_holding_parameters_keeps_its_children_in_its_unit():
+    # nn.MultiheadAttention reads out_proj.weight itself: out_proj must not be a unit of its own.
+    model = nn.Module()
+    model.embed = nn.Embedding(10, 8)
+    model.attn = nn.MultiheadAttention(8, 2)
+    model.encoder = nn.TransformerEncoderLayer(8, 2, 16)
+    assert _names(choose_units(model, ())) == [
+        "embed", "attn", "encoder.self_attn", "encoder.linear1", "encoder.linear2", "encoder.norm1",
+        "encoder.norm2"]
+
+
 def test_patterns_choose_the_matching_modules_that_hold_parameters():
     assert _names(choose_units(_Gpt(), ["blocks.*.mlp", "head"])) == ["blocks.0.mlp", "blocks.1.mlp", "head"]
     assert _names(choose_units(_Gpt(), ["blocks.0"])) == ["blocks.0"]

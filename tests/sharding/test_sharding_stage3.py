@@ -484,3 +484,46 @@ def test_stage3_steps_in_chunks_bitwise_like_one_step_and_frees_the_gradient_sha
         # Applied or skipped, the step ends the gradient shards (a loop that zeroes late holds nothing through
         # the next forward).
         assert chunked["grads_after_step"] == whole["grads_after_step"] == [0, 0, 0, 0]
+
+
+class _Attention(nn.Module):
+    """No ModuleList or Sequential: the default units are the modules holding parameters of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)  # reads out_proj.weight in its forward
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x).unsqueeze(0)
+        return self.head(self.attn(h, h, h, need_weights=False)[0].squeeze(0))
+
+
+def _train_attention(rank, world, stage):
+    from distamp import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = _Attention()
+    strategy = _strategy(stage, use_pure_fp16=True, dtype="bfloat16")
+    # SGD, not AdamW: the key bias's gradient is zero up to rounding (softmax ignores it), which AdamW would
+    # turn into full-size steps of either sign.
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    for x, y in _batches(world, 3):
+        x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(x).float(), y)
+        opt.zero_grad()
+        opt.backward(loss)
+        assert opt.step()
+    return _flat(opt.fp32_state_dict(wrapped))
+
+
+@pytest.mark.timeout(120)
+def test_default_units_keep_multihead_attention_whole_and_train_like_unsharded():
+    # out_proj as a unit of its own would stay sharded when nn.MultiheadAttention reads its weight.
+    for unsharded, sharded in zip(run_workers(_train_attention, 2, 0, timeout=100),
+                                  run_workers(_train_attention, 2, 3, timeout=100), strict=True):
+        assert_within_bf16_rounding(sharded, unsharded, ulps=8)
