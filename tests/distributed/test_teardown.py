@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -30,7 +31,8 @@ from tests.multiprocess import free_port, run_workers
 _TORCH_RELEASE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 
 
-def _train_destroy_free(rank: int, world_size: int, port: int, iterations: int, pure: bool) -> int:
+def _train_destroy_free(rank: int, world_size: int, port: int, iterations: int, pure: bool,
+                        progress: str | None = None) -> int:
     # The main thread keeps the GIL for up to 0.1 s of Python work (the default is 5 ms), as a busy
     # interpreter would: gloo's thread then still waits for it when the model is freed, every time.
     sys.setswitchinterval(0.1)
@@ -50,6 +52,9 @@ def _train_destroy_free(rank: int, world_size: int, port: int, iterations: int, 
         optimizer.step()
         dist.destroy_process_group()  # the user's teardown, then the model goes out of scope
         del model, optimizer, module, loss
+        if progress is not None:
+            with open(f"{progress}.{rank}", "w") as file:
+                file.write(f"{it + 1} {time.time()}")
     dist.init_process_group("gloo", store=dist.PrefixStore("last", store), rank=rank, world_size=world_size)
     # A rank may return from init before its peer finished connecting: a rank that exited at once
     # closed its sockets under the peer's handshake ("connection closed by peer").
@@ -63,12 +68,12 @@ def test_freeing_the_model_after_destroy_process_group_does_not_hang(pure):
     assert run_workers(_train_destroy_free, 2, free_port(), 8, pure, timeout=90) == [8, 8]
 
 
-def _without_the_wait(rank: int, world_size: int, port: int, iterations: int, how: str) -> int:
+def _without_the_wait(rank: int, world_size: int, port: int, iterations: int, how: str, progress: str) -> int:
     if how == "no-op finalizer":
         ddp_preparation.wait_for_comm_threads = lambda: None
     else:  # the threads are not found by name, as on a torch that renamed them
         comm_threads.GLOO_WORKER_THREAD_NAME = "pt_renamed_loop"
-    return _train_destroy_free(rank, world_size, port, iterations, False)
+    return _train_destroy_free(rank, world_size, port, iterations, False, progress)
 
 
 @pytest.mark.timeout(120)
@@ -77,12 +82,21 @@ def _without_the_wait(rank: int, world_size: int, port: int, iterations: int, ho
     "on torch 2.14.1 the sequence without the wait hangs only sometimes (seen both ways on this host, "
     "depending on load), so it cannot show the wait is needed; the wait itself is tested above and in "
     "test_comm_threads.py"))
-def test_without_waiting_for_the_threads_it_found_the_sequence_hangs(how):
+def test_without_waiting_for_the_threads_it_found_the_sequence_hangs(how, tmp_path):
     """The test above can fail: the same sequence, without distamp's wait acting, hangs on torch 2.11 and
-    2.13 (30 iterations take ~10 s when nothing hangs; on a loaded host an iteration sometimes gets
-    through, so several run)."""
+    2.13, quietly at the first or second iteration; on a loaded host some iterations get through first.
+    So the workers run until the timeout, and a hang is a rank whose last finished iteration is at least
+    15 s older than the timeout: a slow rank that kept finishing iterations fails the test."""
+    progress = str(tmp_path / "progress")
     with pytest.raises(TimeoutError, match="did not finish within 45"):
-        run_workers(_without_the_wait, 2, free_port(), 30, how, timeout=45)
+        run_workers(_without_the_wait, 2, free_port(), 10_000, how, progress, timeout=45)
+    stalled = []
+    for rank in range(2):
+        path = pathlib.Path(f"{progress}.{rank}")
+        done, at = path.read_text().split() if path.exists() else ("0", "0")
+        if time.time() - float(at) >= 15.0:
+            stalled.append(f"rank {rank} after {done} iterations")
+    assert stalled, "no rank hung: both kept finishing iterations until the timeout"
 
 
 # A fleet script that never calls destroy_process_group(): a DDP model with distamp's comm hook (O1
