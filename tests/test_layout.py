@@ -29,7 +29,7 @@ LAYER_OF = {area: i for i, areas in enumerate(LAYERS) for area in areas}
 
 
 def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
-    """``distamp/sharding/flat_state.py`` -> ``distamp.sharding.flat_state``."""
+    """``distamp/sharding/flat_state.py`` -> ``distamp.checkpoint.flat_state``."""
     parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
@@ -122,6 +122,20 @@ def test_no_import_circle():
     assert import_cycles(import_graph(ROOT)) == []
 
 
+CAPABILITIES = {"amp", "sharding", "compression"}
+
+
+def capability_imports(graph: dict[str, set[str]], importer: str) -> list[str]:
+    """Imports from the area ``importer`` into a capability's package."""
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() if area(m) == importer
+                  for t in targets if area(t) in CAPABILITIES)
+
+
+def test_checkpoints_reach_a_capabilitys_state_only_through_the_core():
+    # The precision plugin's checkpoint_layout (distamp.core) says where the state lies; no sharding internals.
+    assert capability_imports(import_graph(ROOT), "checkpoint") == []
+
+
 @pytest.fixture
 def tree(tmp_path):
     def write(files: dict[str, str]) -> pathlib.Path:
@@ -153,3 +167,17 @@ def test_the_checks_find_a_sideways_import_an_upward_one_and_a_circle(tree):
     ]
     assert sorted(import_cycles(graph)) == [["distamp.amp.b", "distamp.sharding.a"],
                                             ["distamp.core.c", "distamp.optim.d"]]
+
+
+def test_the_check_finds_a_checkpoint_module_importing_a_capability(tree):
+    root = tree({
+        "distamp/__init__.py": "",
+        "distamp/checkpoint/__init__.py": "",
+        "distamp/checkpoint/save.py": "from distamp.core import plugin\nfrom distamp.sharding import flat_state\n",
+        "distamp/core/__init__.py": "",
+        "distamp/core/plugin.py": "",
+        "distamp/sharding/__init__.py": "",
+        "distamp/sharding/flat_state.py": "",
+    })
+    assert capability_imports(import_graph(root), "checkpoint") == [
+        "distamp.checkpoint.save -> distamp.sharding.flat_state"]

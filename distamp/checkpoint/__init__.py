@@ -50,7 +50,7 @@ parameter space; rank 0 commits one manifest listing every part once all
 are written, and nothing is gathered to rank 0. A reader verifies and
 loads only the parts it needs: the common one and the saved slices that
 overlap its own, so any world size, sharded or not, can resume any
-checkpoint (:mod:`distamp.sharding.flat_state` re-slices). Sharding stage 3
+checkpoint (:mod:`distamp.checkpoint.flat_state` re-slices). Sharding stage 3
 (FSDP2) puts its DTensors (the model's FP32 parameters, which are also the
 O2 masters, and the optimizer's per-element state) on
 ``torch.distributed.checkpoint`` (DCP, :mod:`~distamp.checkpoint.dcp_tensors`):

@@ -36,7 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distamp.sharding.shard_rows import like_local_rows
+from distamp.core.shard_rows import like_local_rows
 
 __all__ = ["fill", "is_slot", "read", "slots", "split", "targets", "write"]
 

@@ -12,10 +12,9 @@ import torch
 from torch import nn
 
 from distamp.distributed.process_group import validate_timeout
-from distamp.sharding import flat_state
 from distamp.user_warning import warn_user
 
-from . import dcp_tensors, model_shards, rng, storage
+from . import dcp_tensors, flat_state, model_shards, rng, storage
 from .collective import Coordinator
 from .manifest import COMMON, CheckpointCorrupt, Manifest, manifest_name, rank_part
 from .state import (

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distamp.sharding.shard_rows import like_local_rows, local_rows
+from distamp.core.shard_rows import like_local_rows, local_rows
 
 __all__ = ["assemble", "parts_needed", "rows_needed"]
 

@@ -15,9 +15,8 @@ from torch import nn
 
 from distamp.distributed.process_group import validate_timeout
 from distamp.optim.optimizer import AmpOptimizer
-from distamp.sharding import flat_state
 
-from . import dcp_tensors, rng, storage
+from . import dcp_tensors, flat_state, rng, storage
 from .atomic import sha256_of
 from .collective import Coordinator
 from .manifest import COMMON, Manifest, PayloadFile, dcp_directory_name, dcp_part, rank_part

@@ -17,9 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distamp.sharding import flat_state
-
-from . import dcp_tensors, model_shards
+from . import dcp_tensors, flat_state, model_shards
 from .manifest import FORMAT, LEGACY_FORMAT
 
 __all__ = [
@@ -156,7 +154,7 @@ def build_payload(
 
 
 def build_shard_payload(step: int, rank: int, shard: dict) -> dict[str, Any]:
-    """A rank's part: its share of the sharded optimizer state (see :mod:`distamp.sharding.flat_state`)."""
+    """A rank's part: its share of the sharded optimizer state (see :mod:`distamp.checkpoint.flat_state`)."""
     return {"format": FORMAT, "step": step, "rank": rank, "optimizer_shard": shard}
 
 

@@ -14,7 +14,9 @@ what is defined here:
   to its scaler (``update``), ends the step (``end_step``: stage 3 frees its
   gradient shards there) and clips (``clip_grad_norm_``); at save and
   load it gives and takes its state (``checkpoint_state`` /
-  ``load_checkpoint_state``). ``MixedPrecision`` (O1) and
+  ``load_checkpoint_state``) and says where that state lies in the flat
+  parameter space (``checkpoint_layout``: whole, a slice, or per-parameter
+  rows), which is all ``distamp.checkpoint`` needs to re-slice it. ``MixedPrecision`` (O1) and
   ``PureLowPrecision`` (O2) are here; sharding's plugins subclass them.
 * :mod:`~distamp.core.attached`: the model side's protocols
   (``AttachedOptimizer``, ``FullyShardedOptimizer``: what a wrapper reads of
@@ -24,7 +26,11 @@ what is defined here:
 * :mod:`~distamp.core.master_weights` and :mod:`~distamp.core.grad_accumulator`:
   O2's FP32 masters and FP32 gradient merge, which the plugins hold;
   :mod:`~distamp.core.reused_leaf_grads`: O2 lets autograd sum a tied
-  parameter's gradients in place (one copy fewer of the largest gradient).
+  parameter's gradients in place (one copy fewer of the largest gradient);
+  :mod:`~distamp.core.flat_layout` (the parameters laid end to end, cut into
+  one slice per rank) and :mod:`~distamp.core.shard_rows` (the dim-0 rows of
+  FSDP2's shards): the two layouts sharded state comes in, shared by
+  ``distamp.sharding`` and ``distamp.checkpoint``.
 
 Whether a capability applies to a strategy is decided before any of this
 runs, by ``distamp.strategy.applicability`` (Fleet's ``_can_apply``).

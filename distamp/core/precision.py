@@ -132,6 +132,22 @@ class FullPrecision:
         """
         return self.state_dict(), inner_opt.state_dict()
 
+    def checkpoint_layout(self, param_groups: Sequence[dict]) -> tuple[list[list[int]], dict | None]:
+        """``(groups, sharding)``: where this rank's optimizer state lies, for checkpoints that re-slice it.
+
+        ``groups``: each param group's parameters as indices into
+        ``master_weights.model_params``; ``sharding``: None when this rank
+        holds the whole state, else the layout of its part as plain numbers
+        (world size, rank, parameter sizes and shapes, and the flat slice
+        bounds or per-parameter ranges every rank holds), the one its
+        ``state_dict`` records under ``"sharding"``.
+
+        Args:
+            param_groups: the inner optimizer's param groups.
+        """
+        index = {id(m): i for i, m in enumerate(self.master_weights.masters)}
+        return [[index[id(p)] for p in group["params"]] for group in param_groups], None
+
     def load_checkpoint_state(self, inner_opt: torch.optim.Optimizer, state: dict) -> None:
         """Restore :meth:`checkpoint_state`'s output (an optimizer state dict): scaler, inner state, O2 masters."""
         self.load_state_dict(state)

@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
+from distamp.core.flat_layout import FlatLayout, Piece
 from distamp.distributed.comm_hooks import CommStats
 from distamp.sharding import wire_rounds
-from distamp.sharding.flat_layout import FlatLayout, Piece
 from distamp.sharding.pairwise import peers, receive, send
 from distamp.torch_compat import DisableTorchFunction, foreach_copy_
 

@@ -13,7 +13,7 @@ Two forms of a stage-3 ``AmpOptimizer`` state:
   state, :func:`wrap_loaded` turns loaded local shards back into DTensors,
   and :func:`stage3_ranges` says which flat ranges each rank holds (one per
   parameter: FSDP2 cuts every parameter on dim 0, see
-  :mod:`distamp.sharding.shard_rows`), so :mod:`distamp.sharding.flat_state`
+  :mod:`distamp.core.shard_rows`), so :mod:`distamp.checkpoint.flat_state`
   can re-slice the state for any world size and stage.
 """
 
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from distamp.sharding.shard_rows import like_local_rows, row_numel, rows_of_every_rank
+from distamp.core.shard_rows import like_local_rows, row_numel, rows_of_every_rank
 
 __all__ = ["gather_full", "local_inner", "reshard_loaded", "shard_like", "stage3_ranges", "wrap_loaded"]
 

@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from distamp.core.chunked_update import chunk_limit, step_and_free_in_chunks, steps_in_chunks
 from distamp.core.master_weights import check_saved_masters, clear_grads
 from distamp.core.precision import FullPrecision, MixedPrecision
+from distamp.core.shard_rows import local_rows
 from distamp.scaling.loss_scaler import build_loss_scaler
 from distamp.sharding.dtensor_state import (
     gather_full,
@@ -57,7 +58,6 @@ from distamp.sharding.dtensor_state import (
     wrap_loaded,
 )
 from distamp.sharding.global_clip import global_clip
-from distamp.sharding.shard_rows import local_rows
 from distamp.strategy import DistributedStrategy
 from distamp.torch_compat import dtensor_local, foreach_mul_, foreach_norm
 
@@ -346,6 +346,16 @@ class FullyShardedPrecision(MixedPrecision):
                 f"the shards, but this optimizer's parameters are not sharded yet: call "
                 f"model = fleet.distributed_model(model) first (on every rank), {then}"
             )
+
+    def checkpoint_layout(self, param_groups: Sequence[dict]) -> tuple[list[list[int]], dict | None]:
+        """``(groups, layout)`` of this rank's shards (see the base class).
+
+        Raises:
+            RuntimeError: the parameters are not sharded yet (no ``fleet.distributed_model``).
+        """
+        groups, _ = super().checkpoint_layout(param_groups)
+        self.require_sharded("loading a checkpoint", "then load it")
+        return groups, self.layout_state(groups)
 
     def layout_state(self, groups: Sequence[Sequence[int]]) -> dict:
         """The stage-3 layout this rank's local state belongs to (:meth:`ShardedParameters.layout_state`)."""

@@ -1,7 +1,7 @@
 """All-gather of the slices each rank updated, into every rank's parameters.
 
 After a sharded step each rank holds the new values of its slice of the
-flat parameter space only (see :mod:`distamp.sharding.flat_layout`). This
+flat parameter space only (see :mod:`distamp.core.flat_layout`). This
 module puts every slice into every rank's copy of the parameters, in each
 parameter's own dtype on the wire: 16 bits for O2's low-precision
 parameters (half the bytes of FP32), FP32 for parameters kept in FP32 (so
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distamp.core.flat_layout import FlatLayout, Piece
 from distamp.distributed.comm_hooks import CommStats
 from distamp.sharding.direct_gather import DirectGather, write_own_slice
-from distamp.sharding.flat_layout import FlatLayout, Piece
 from distamp.sharding.pairwise import on_gloo
 from distamp.sharding.wire_rounds import round_bytes
 from distamp.torch_compat import DisableTorchFunction, foreach_copy_

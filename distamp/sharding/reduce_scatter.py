@@ -6,7 +6,7 @@ with the rest of backward); in stage 2 distamp's reducer
 (:mod:`distamp.sharding.slice_reducer`) hands over its own buckets
 through :meth:`ShardedGradReduce.launch`. Instead of all-reducing the bucket, the hook sends every rank
 the elements of the bucket that rank owns in the flat parameter space
-(:mod:`distamp.sharding.flat_layout`): one ``all_to_all_single`` of 16-bit
+(:mod:`distamp.core.flat_layout`): one ``all_to_all_single`` of 16-bit
 chunks with per-rank split sizes (gloo and NCCL both take split sizes), so
 each element crosses the wire once, where an all-reduce sends it twice.
 Each rank then adds the W received copies of its elements, divided by W,

@@ -1,7 +1,7 @@
 """One rank's slice of the optimizer: FP32 masters, FP32 gradients and the inner optimizer's pieces.
 
 With ``strategy.sharding`` each rank owns a balanced contiguous slice of the
-flat parameter space (:mod:`distamp.sharding.flat_layout`) and keeps, for that
+flat parameter space (:mod:`distamp.core.flat_layout`) and keeps, for that
 slice only:
 
 * the FP32 values the inner optimizer updates: in O2 a flat FP32 buffer
@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.core.flat_layout import FlatLayout, Piece
 from distamp.core.master_weights import clear_grads
 from distamp.sharding.direct_gather import DirectGather
-from distamp.sharding.flat_layout import FlatLayout, Piece
 from distamp.sharding.param_gather import GatherInFlight, SliceAllGather
 from distamp.sharding.slice_grads import SliceGrads
 

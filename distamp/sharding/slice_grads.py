@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from distamp.core.chunked_update import copy_and_unscale_
-from distamp.sharding.flat_layout import Piece
+from distamp.core.flat_layout import Piece
 from distamp.torch_compat import foreach_copy_, foreach_zero_, tensor_version
 
 __all__ = ["PieceGrad", "SliceGrads"]

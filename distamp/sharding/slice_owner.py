@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from distamp.sharding.flat_layout import FlatLayout
+from distamp.core.flat_layout import FlatLayout
 
 __all__ = ["GradSlice", "SliceOwner"]
 

@@ -23,6 +23,7 @@ from collections import Counter
 import pytest
 import torch
 
+from tests.checkpoint.test_flat_state import assert_same_state
 from tests.checkpoint.test_sharded_checkpoint import (
     END,
     SAVE_AT,
@@ -32,7 +33,6 @@ from tests.checkpoint.test_sharded_checkpoint import (
     recording_reads,
 )
 from tests.multiprocess import run_workers
-from tests.sharding.test_flat_state import assert_same_state
 from tests.sharding.test_sharding import assert_within_bf16_rounding
 
 SHAPES = {"0.weight": [16, 6], "0.bias": [16], "1.weight": [16], "1.bias": [16], "3.weight": [3, 16], "3.bias": [3]}

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distamp.sharding.flat_layout import FlatLayout
+from distamp.core.flat_layout import FlatLayout
 from distamp.sharding.param_gather import SliceAllGather
 from tests.multiprocess import run_workers
 

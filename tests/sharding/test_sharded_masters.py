@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from distamp.sharding.flat_layout import Piece
+from distamp.core.flat_layout import Piece
 from distamp.sharding.sharded_masters import ShardedMasters
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distamp.sharding.flat_layout import FlatLayout, Piece
+from distamp.core.flat_layout import FlatLayout, Piece
 from distamp.sharding.slice_grads import SliceGrads
 
 

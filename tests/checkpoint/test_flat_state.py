@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distamp.checkpoint import flat_state
+from distamp.core.flat_layout import FlatLayout
 from distamp.optim.optimizer import AmpOptimizer
-from distamp.sharding import flat_state
 from distamp.sharding.dtensor_state import stage3_ranges
-from distamp.sharding.flat_layout import FlatLayout
 from distamp.strategy import DistributedStrategy
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distamp.sharding.flat_layout import FlatLayout, Piece
+from distamp.core.flat_layout import FlatLayout, Piece
 
 
 def test_slices_are_contiguous_balanced_and_may_cut_parameters():

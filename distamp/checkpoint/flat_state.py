@@ -2,11 +2,11 @@
 
 A sharded :class:`~distamp.optim.optimizer.AmpOptimizer` holds, on each
 rank, the state of part of the flat parameter space
-(:mod:`distamp.sharding.flat_layout`: the parameters laid end to end):
+(:mod:`distamp.core.flat_layout`: the parameters laid end to end):
 
 * stages 1 and 2: one slice ``[lo, hi)``, cut anywhere (inside parameters too);
 * stage 3 (FSDP2): one range per parameter, the rows of its dim 0 that
-  this rank's DTensor shard holds (:mod:`distamp.sharding.shard_rows`),
+  this rank's DTensor shard holds (:mod:`distamp.core.shard_rows`),
   so several ranges ``[[lo, hi], ...]``, recorded for every rank under
   ``"ranges"`` in the layout (:mod:`distamp.sharding.dtensor_state`).
 
@@ -44,9 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distamp.sharding.flat_layout import FlatLayout, Piece
-from distamp.sharding.fully_sharded_precision import FullyShardedPrecision
-from distamp.sharding.shard_rows import row_numel, rows_of
+from distamp.core.flat_layout import FlatLayout, Piece
+from distamp.core.shard_rows import row_numel, rows_of
 
 __all__ = ["Target", "describe", "join", "parts_needed", "saved_ranges", "split"]
 
@@ -113,22 +112,19 @@ class Target:
 def describe(optimizer: Any) -> Target | None:
     """The :class:`Target` of a distamp ``AmpOptimizer`` (None for any other optimizer).
 
+    The layout comes from the optimizer's precision plugin
+    (``checkpoint_layout``): the one interface through which checkpoints
+    learn how a capability holds the state.
+
     Raises:
         RuntimeError: a stage-3 optimizer whose parameters are not sharded yet.
     """
-    masters = getattr(getattr(optimizer, "precision", None), "master_weights", None)
-    if masters is None:
+    precision = getattr(optimizer, "precision", None)
+    masters = getattr(precision, "master_weights", None)
+    if precision is None or masters is None:
         return None
     params = masters.model_params
-    sharding = optimizer.precision.state_dict()["sharding"] if hasattr(masters, "layout") else None
-    if sharding is not None:
-        groups = sharding["groups"]
-    else:
-        index = {id(m): i for i, m in enumerate(masters.masters)}
-        groups = [[index[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-        if isinstance(optimizer.precision, FullyShardedPrecision):
-            optimizer.precision.require_sharded("loading a checkpoint", "then load it")
-            sharding = optimizer.precision.layout_state(groups)
+    groups, sharding = precision.checkpoint_layout(optimizer.param_groups)
     distributed = dist.is_available() and dist.is_initialized()
     return Target(
         numels=tuple(p.numel() for p in params),
