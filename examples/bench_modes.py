@@ -16,7 +16,8 @@ Every mode trains the same model on the same batch with SGD + momentum:
   state sharded by whole parameters), the torch-native counterpart of the stage 1 and 2 modes.
 - ``distamp_o2_bf16_stage3``: sharding stage 3 (FSDP2 underneath) with its default units;
   ``torch_bf16_fsdp2``: torch's ``fully_shard`` on the same units with the same
-  ``MixedPrecisionPolicy`` (BF16 parameters, BF16 reduction) and ``torch.autocast(bfloat16)``,
+  ``MixedPrecisionPolicy`` (BF16 parameters, BF16 reduction; normalization layers as FP32
+  units, as O2 keeps them) and ``torch.autocast(bfloat16)``,
   no loss scaling and no verdict: what distamp adds on top of FSDP2 is the difference.
 - ``distamp_o2_bf16_powersgd``: O2 BF16 with ``strategy.powersgd`` (rank and start from
   ``build_runner``); ``torch_bf16_powersgd``: DDP + ``torch.autocast(bfloat16)`` + torch's
@@ -178,15 +179,25 @@ def _torch_runner(mode: str, model: nn.Module, loss_fn: LossFn, device: torch.de
 
 
 def _fully_shard_like_stage3(model: nn.Module, device: torch.device) -> None:
-    """torch's ``fully_shard`` on stage 3's default units, then the root: BF16 parameters and reduction."""
+    """torch's ``fully_shard`` on stage 3's default units, then the root: BF16 parameters and reduction.
+
+    Normalization layers are units of their own with FP32 parameters, as stage 3 makes O2's FP32
+    modules (``keep_norm_fp32``): a BF16 ``BatchNorm`` weight beside its FP32 running statistics
+    fails in ``batch_norm`` on CPU ("expected scalar type BFloat16 but found Float").
+    """
+    from distamp.amp.fp32_parameters import fp32_modules
     from distamp.sharding.shard_units import choose_units
 
     if not dist.is_initialized():
         raise RuntimeError("torch_bf16_fsdp2 shards over the process group: initialise it first")
     mesh = DeviceMesh.from_group(dist.group.WORLD, device.type)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    for _, unit in sorted(choose_units(model, ()), key=lambda item: -item[0].count(".")):
-        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.bfloat16)
+    norms = fp32_modules(model, (), True)
+    norm_ids = {id(m) for _, m in norms}
+    units = {id(m): (name, m) for name, m in [*choose_units(model, ()), *norms]}
+    for _, unit in sorted(units.values(), key=lambda item: -item[0].count(".")):
+        fully_shard(unit, mesh=mesh, mp_policy=fp32 if id(unit) in norm_ids else policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 

@@ -105,9 +105,10 @@ def test_benchmark_smoke_counts_half_the_bytes(tmp_path):
 
 
 @pytest.mark.timeout(150)
-def test_benchmark_stage3_sends_what_torch_fsdp2_sends_plus_the_verdict(tmp_path):
+@pytest.mark.parametrize("model", ["shallow", "cnn"])  # cnn: BatchNorm, an FP32 unit on both sides
+def test_benchmark_stage3_sends_what_torch_fsdp2_sends_plus_the_verdict(tmp_path, model):
     modes = "torch_bf16_fsdp2,distamp_o2_bf16_stage3"
-    distrun(tmp_path, "benchmark.py", "--model", "shallow", "--batch", "4", "--modes", modes,
+    distrun(tmp_path, "benchmark.py", "--model", model, "--batch", "4", "--modes", modes,
             "--reps", "2", "--steps", "1", "--warmup", "1", "--probe_steps", "1", "--json", "bench.json", timeout=130)
 
     rows = json.loads((tmp_path / "bench.json").read_text())["modes"]
