@@ -71,7 +71,7 @@ from distamp.torch_compat import (
 
 __all__ = ["SLICEABLE_OPTIMIZERS", "SLICE_ALIGN", "GradSource", "Pair", "Piece", "check_in_chunks", "chunk_limit",
            "chunk_numel", "copy_and_unscale_", "plan_chunks", "room_below_peak", "step_and_free_in_chunks",
-           "step_in_chunks", "step_only", "steps_in_chunks"]
+           "step_in_chunks", "step_makes_temporaries", "step_only", "steps_in_chunks"]
 
 SLICEABLE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 """Optimizers whose update of an element depends on that element's gradient and state only."""
@@ -247,6 +247,22 @@ def steps_in_chunks(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` may be stepped on slices of its parameters (elementwise, not differentiable)."""
     return type(optimizer) in SLICEABLE_OPTIMIZERS and not any(
         g.get("differentiable", False) for g in optimizer.param_groups)
+
+
+def step_makes_temporaries(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a ``step()`` of ``optimizer`` allocates tensors the size of the parameters it updates.
+
+    Adam and AdamW always do (``exp_avg_sq``'s square root, the update);
+    SGD only with weight decay, ``maximize`` or Nesterov momentum (the
+    gradient it steps on is then a new tensor), fused, or a tensor learning
+    rate (compiled, it multiplies the gradients out of place). Plain SGD,
+    with or without momentum, updates in place, for-loop or foreach:
+    stepping it in chunks bounds nothing.
+    """
+    if type(optimizer) is not torch.optim.SGD:
+        return True
+    return any(g.get("weight_decay", 0) != 0 or g.get("maximize") or g.get("nesterov") or g.get("fused")
+               or isinstance(g.get("lr"), torch.Tensor) for g in optimizer.param_groups)
 
 
 def step_in_chunks(optimizer: torch.optim.Optimizer, pairs: Sequence[Pair],

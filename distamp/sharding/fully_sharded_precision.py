@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distamp.core.chunked_update import chunk_limit, step_and_free_in_chunks, steps_in_chunks
+from distamp.core.chunked_update import chunk_limit, step_and_free_in_chunks, step_makes_temporaries, steps_in_chunks
 from distamp.core.master_weights import check_saved_masters, clear_grads
 from distamp.core.precision import FullPrecision, MixedPrecision
 from distamp.core.shard_rows import local_rows
@@ -270,14 +270,17 @@ class FullyShardedPrecision(MixedPrecision):
         """Step the inner optimizer on the gradient shards and free them.
 
         An elementwise optimizer (:func:`~distamp.core.chunked_update.steps_in_chunks`)
+        whose step makes temporaries the size of what it updates (Adam, AdamW,
+        SGD with weight decay; :func:`~distamp.core.chunked_update.step_makes_temporaries`)
         steps a chunk at a time, smallest parameters first, a larger one in
         slices of its local shard, each gradient freed once its parameter has
         stepped (bitwise one ``step()``; a chunk is 1/16 of this rank's
         shards, or on CUDA as much as fits below the allocator's peak); any
-        other optimizer steps once.
+        other optimizer steps once (plain SGD allocates nothing: chunks would
+        only cost a ``step()`` call each).
         """
         params = [p for p in self.master_weights.model_params if p.grad is not None]
-        if params and steps_in_chunks(optimizer):
+        if params and steps_in_chunks(optimizer) and step_makes_temporaries(optimizer):
             # Each parameter is its own master and gradient source.
             step_and_free_in_chunks(optimizer, params, chunk_limit([(p, p) for p in params]))
         else:

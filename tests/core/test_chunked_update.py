@@ -15,12 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import distamp.core.chunked_update as chunked_update
 from distamp.amp import auto_cast
 from distamp.core.chunked_update import SLICE_ALIGN, chunk_numel, plan_chunks, room_below_peak, steps_in_chunks
 from distamp.optim import AmpOptimizer
 from distamp.strategy import DistributedStrategy
+from distamp.torch_compat import tree_leaves
 
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=True),
@@ -224,3 +226,45 @@ def test_stepping_and_freeing_in_chunks_is_bitwise_one_step_and_leaves_no_gradie
             for key, value in whole_opt.state[p].items():
                 assert torch.equal(value, chunked_opt.state[q][key]), (name, step, key)
     assert [len(g["params"]) for g in chunked_opt.param_groups] == [len(shapes)]
+
+
+class _NewTensors(TorchDispatchMode):
+    """Records the largest tensor any op allocates (an output sharing no input's storage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize(("make", "expected"), [
+    (lambda p: torch.optim.SGD(p, lr=0.1), False),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), False),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True), False),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1), False),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01), True),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True), True),
+    (lambda p: torch.optim.SGD(p, lr=0.1, maximize=True), True),
+    (lambda p: torch.optim.Adam(p, lr=0.1), True),
+    (lambda p: torch.optim.AdamW(p, lr=0.1, foreach=True), True),
+], ids=["sgd", "momentum", "momentum-foreach", "dampening", "weight-decay", "nesterov", "maximize", "adam",
+        "adamw-foreach"])
+def test_step_makes_temporaries_says_whether_a_step_allocates_parameter_sized_tensors(make, expected):
+    # Measured, not assumed: a torch whose optimizer allocated differently would fail here.
+    params = [nn.Parameter(torch.randn(4096)) for _ in range(3)]
+    optimizer = make(params)
+    for p in params:
+        p.grad = torch.randn(4096)
+    optimizer.step()  # the first step creates the state (momentum buffers, moments): not temporaries
+    with _NewTensors() as seen:
+        optimizer.step()
+    assert (seen.largest >= 4096) is expected
+    assert chunked_update.step_makes_temporaries(optimizer) is expected
