@@ -251,13 +251,15 @@ class ShardedPrecision(MixedPrecision):
     def state_dict(self) -> dict:
         """Scaler state, this rank's FP32 slice (O2) and the layout it belongs to."""
         scaler = {"loss_scaler_type": "", "loss_scaler": {}} if self.scaler is None else super().state_dict()
-        _, layout = self.checkpoint_layout([])
-        return {**scaler, "master_weights": self.master_weights.state_dict(), "sharding": layout}
+        return {**scaler, "master_weights": self.master_weights.state_dict(), "sharding": self._layout()}
 
     def checkpoint_layout(self, param_groups: Sequence[dict]) -> tuple[list[list[int]], dict | None]:
         """``(groups, layout)`` of this rank's slice, as :meth:`state_dict` records it (see the base class)."""
-        layout = {**self.master_weights.layout_state(), "stage": self.stage, "mode": self.mode}
+        layout = self._layout()
         return layout["groups"], layout
+
+    def _layout(self) -> dict:
+        return {**self.master_weights.layout_state(), "stage": self.stage, "mode": self.mode}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the scaler after checking that ``state`` was saved by this rank of this layout.
