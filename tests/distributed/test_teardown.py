@@ -36,7 +36,10 @@ def _train_destroy_free(rank: int, world_size: int, port: int, iterations: int, 
     # The main thread keeps the GIL for up to 0.1 s of Python work (the default is 5 ms), as a busy
     # interpreter would: gloo's thread then still waits for it when the model is freed, every time.
     sys.setswitchinterval(0.1)
-    dist.destroy_process_group()  # the harness's group; each iteration builds its own
+    # The harness's group; each iteration builds its own. The barrier first: a rank that destroyed it
+    # at once closed its sockets under a peer still connecting ("Connection closed by peer").
+    dist.barrier()
+    dist.destroy_process_group()
     store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0, timeout=datetime.timedelta(seconds=30))
     for it in range(iterations):
         dist.init_process_group("gloo", store=dist.PrefixStore(f"it{it}", store), rank=rank, world_size=world_size)
