@@ -105,6 +105,7 @@ class FullyShardedModel(nn.Module):
         self.module = module
         self.strategy = strategy
         self._black_modules = precision.keep_black_modules_in_fp32(module)
+        self._unit_names = [name for name, _ in units]
         group = process_group if process_group is not None else dist.group.WORLD
         if group is None:
             raise RuntimeError("sharding stage 3 needs a process group: call fleet.init() first")
@@ -208,8 +209,18 @@ class FullyShardedModel(nn.Module):
             self.require_backward_grad_sync = previous
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the sharded module (FSDP2 all-gathers each unit before it runs)."""
-        output = self.module(*args, **kwargs)
+        """Run the sharded module (FSDP2 all-gathers each unit before it runs).
+
+        Raises:
+            RuntimeError: the forward read a parameter outside its unit's
+                forward, where it is a shard; the message names the units.
+        """
+        try:
+            output = self.module(*args, **kwargs)
+        except RuntimeError as error:
+            if "mixed torch.Tensor and DTensor" not in str(error):
+                raise
+            raise RuntimeError(_read_outside_unit(self._unit_names)) from error
         if not self._ran_forward:
             # Every unit has been all-gathered once: its unsharded parameters exist (FSDP2 reuses them).
             self._ran_forward = True
@@ -276,6 +287,17 @@ class FullyShardedModel(nn.Module):
         Keys are the module's own (no ``module.`` prefix).
         """
         return fp32_model_state_dict(self.module, [opt.master_weights for opt in self._optimizers])
+
+
+def _read_outside_unit(units: list[str]) -> str:
+    shown = ", ".join(repr(u) for u in units[:8]) + (f", ... ({len(units)} in all)" if len(units) > 8 else "")
+    return (
+        "sharding stage 3: the forward used a parameter outside the forward of the unit that holds it, where "
+        "it is still a shard (FSDP2 gathers a unit's parameters only while that unit runs): e.g. a tied weight "
+        "read outside its embedding (x @ self.embed.weight.t()) or a module reading a child's weight. Put the "
+        "reader and the owner in one unit: name the units in sharding_configs['units'] so that the owner is "
+        f"not a unit apart (what no unit takes stays in the root). Units now: [{shown}]"
+    )
 
 
 _STRATEGY_MISMATCH = (

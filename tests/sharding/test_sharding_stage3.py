@@ -527,3 +527,43 @@ def test_default_units_keep_multihead_attention_whole_and_train_like_unsharded()
     for unsharded, sharded in zip(run_workers(_train_attention, 2, 0, timeout=100),
                                   run_workers(_train_attention, 2, 3, timeout=100), strict=True):
         assert_within_bf16_rounding(sharded, unsharded, ulps=8)
+
+
+class _TiedOutsideItsUnit(nn.Module):
+    """The forward reads the embedding's weight itself (a tied output head): outside the embedding's unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(31, 16)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.embed(x)) @ self.embed.weight.t()
+
+
+def _train_tied(rank, world, units):
+    from distamp import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = _TiedOutsideItsUnit()
+    strategy = _strategy(3, units=units, use_pure_fp16=True, dtype="bfloat16")
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    x = torch.randint(0, 31, (2, 5), generator=torch.Generator().manual_seed(rank))
+    try:
+        with fleet.auto_cast():
+            loss = F.cross_entropy(wrapped(x).float().flatten(0, 1), x.flatten())
+    except RuntimeError as error:
+        return str(error)
+    opt.backward(loss)
+    return opt.step()
+
+
+@pytest.mark.timeout(120)
+def test_a_parameter_read_outside_its_unit_fails_naming_the_units_and_the_named_units_train():
+    for message in run_workers(_train_tied, 2, (), timeout=100):
+        assert "used a parameter outside the forward of the unit that holds it" in message
+        assert "sharding_configs['units']" in message
+        assert "Units now: ['embed', 'proj']" in message
+    assert run_workers(_train_tied, 2, ["proj"], timeout=100) == [True, True]  # the embedding stays in the root
