@@ -51,6 +51,7 @@ __all__ = [
     "fsdp_unsharded_parameters",
     "grace_period_supported",
     "group_timeout",
+    "is_mixed_dtensor_error",
     "is_view",
     "launch_config_shutdown_timeout",
     "queue_autograd_callback",
@@ -108,6 +109,15 @@ def queue_autograd_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the current backward pass ends (what DDP's reducer and FSDP use;
     ``Variable._execution_engine.queue_callback`` on 2.11-2.14). Call only during a backward."""
     Variable._execution_engine.queue_callback(callback)
+
+
+def is_mixed_dtensor_error(error: BaseException) -> bool:
+    """Whether ``error`` is DTensor's refusal of an op that mixes a plain tensor and a DTensor.
+
+    torch has no exception type for it, only the message ("<op>: got mixed
+    torch.Tensor and DTensor, need to convert all ...", 2.11-2.14).
+    """
+    return isinstance(error, RuntimeError) and "got mixed torch.Tensor and DTensor" in str(error)
 
 
 def dtensor_local(tensor: DTensor) -> torch.Tensor:

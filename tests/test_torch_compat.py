@@ -169,7 +169,14 @@ def _fsdp_entries(rank, world_size):
     after = list(tc.fsdp_unsharded_parameters(model))
     weight = model[0].weight
     local = tc.dtensor_local(weight)
+    try:  # a plain tensor times a sharded parameter: DTensor's refusal
+        torch.ones(2, 6) @ weight
+        mixed = None
+    except RuntimeError as exc:
+        mixed = exc
     return {
+        "mixed_error": mixed is not None and tc.is_mixed_dtensor_error(mixed),
+        "other_error": tc.is_mixed_dtensor_error(RuntimeError("shape mismatch")),
         "dtensor": isinstance(weight, DTensor),
         "local_is_stored": local.data_ptr() == weight.to_local().data_ptr() and local.grad_fn is None,
         "local_shape": tuple(local.shape),
@@ -185,6 +192,8 @@ def test_fsdp2_unsharded_parameters_and_comm_interfaces_on_a_real_group():
     out = run_workers(_fsdp_entries, 2, timeout=100)
     for rank in (0, 1):
         assert out[rank]["dtensor"]
+        assert out[rank]["mixed_error"]
+        assert not out[rank]["other_error"]
         assert out[rank]["local_is_stored"]
         assert out[rank]["local_shape"] == (3, 4)  # 6 rows over 2 ranks
         assert "none of FSDP2's 4 parameters has _unsharded_param" in out[rank]["before"]

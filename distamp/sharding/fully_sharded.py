@@ -49,7 +49,7 @@ from distamp.sharding.fsdp_comms import InPlaceAllGather, WireReduceScatter
 from distamp.sharding.fsdp_policy import unit_policies
 from distamp.sharding.shard_units import choose_units
 from distamp.strategy import DistributedStrategy
-from distamp.torch_compat import fsdp_unsharded_parameters
+from distamp.torch_compat import fsdp_unsharded_parameters, is_mixed_dtensor_error
 
 __all__ = ["FullyShardedModel"]
 
@@ -218,7 +218,7 @@ class FullyShardedModel(nn.Module):
         try:
             output = self.module(*args, **kwargs)
         except RuntimeError as error:
-            if "mixed torch.Tensor and DTensor" not in str(error):
+            if not is_mixed_dtensor_error(error):
                 raise
             raise RuntimeError(_read_outside_unit(self._unit_names)) from error
         if not self._ran_forward:
