@@ -145,8 +145,12 @@ class FullPrecision:
         Args:
             param_groups: the inner optimizer's param groups.
         """
+        return self.group_indices(param_groups), None
+
+    def group_indices(self, param_groups: Sequence[dict]) -> list[list[int]]:
+        """Each of ``param_groups``' parameters (masters) as its index into ``master_weights.masters``."""
         index = {id(m): i for i, m in enumerate(self.master_weights.masters)}
-        return [[index[id(p)] for p in group["params"]] for group in param_groups], None
+        return [[index[id(p)] for p in group["params"]] for group in param_groups]
 
     def load_checkpoint_state(self, inner_opt: torch.optim.Optimizer, state: dict) -> None:
         """Restore :meth:`checkpoint_state`'s output (an optimizer state dict): scaler, inner state, O2 masters."""

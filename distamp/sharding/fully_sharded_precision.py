@@ -323,8 +323,7 @@ class FullyShardedPrecision(MixedPrecision):
         """``local`` (and sharded): this rank's shards and their layout, no collective; else whole tensors,
         gathered from the shards (collective)."""
         if local and self.master_weights.sharded:
-            index = {id(p): i for i, p in enumerate(self.master_weights.model_params)}
-            groups = [[index[id(p)] for p in group["params"]] for group in inner_opt.param_groups]
+            groups = self.group_indices(inner_opt.param_groups)
             return self.local_state_dict(groups), local_inner(inner_opt.state_dict())
         return self.state_dict(), gather_full(inner_opt.state_dict())
 
@@ -356,8 +355,8 @@ class FullyShardedPrecision(MixedPrecision):
         Raises:
             RuntimeError: the parameters are not sharded yet (no ``fleet.distributed_model``).
         """
-        groups, _ = super().checkpoint_layout(param_groups)
         self.require_sharded("loading a checkpoint", "then load it")
+        groups = self.group_indices(param_groups)
         return groups, self.layout_state(groups)
 
     def layout_state(self, groups: Sequence[Sequence[int]]) -> dict:
