@@ -4,7 +4,8 @@ distamp supports the latest five torch minors, **2.11 to 2.15** (``setup.cfg``:
 ``torch>=2.11,<2.16``). Everywhere else distamp uses torch's public API; what
 has none lives here, each entry with why, and each checked by reading the
 source of torch 2.11.0, 2.13.0 and 2.14.1 (2.15 shares 2.14's code for all of
-them) and by the suite, which CI runs on those three versions
+them) and by the suite, which passed whole on 2.11.0, 2.12.1, 2.13.0, 2.14.1
+and 2.15.0 and which CI runs on 2.11.0, 2.13.0 and 2.15.0
 (``tests/test_torch_compat.py`` exercises every entry on the torch it runs
 on; ``tests/test_private_torch_names.py`` fails when another module of
 distamp names a private torch attribute or module).
@@ -133,7 +134,7 @@ def dtensor_local(tensor: DTensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- torch.compile
 def aot_autograd_cache_keys_autocast_dtype() -> bool:
     """Whether AOTAutograd's compiled-graph cache key holds the autocast dtype, not only whether autocast
-    is on: from torch 2.13 (2.13.0, 2.14.1 checked; 2.11.0 lacks it; 2.12 unchecked, treated as 2.11)."""
+    is on: from torch 2.13 (2.13.0, 2.14.1, 2.15.0 checked; 2.11.0 and 2.12.1 lack it)."""
     return bool(torch.__version__ >= "2.13")
 
 
@@ -206,7 +207,7 @@ def __getattr__(name: str) -> Any:
 
 def _fsdp_param_groups(state: Any) -> list[Any]:
     """An FSDP2 state's parameter groups: one optional group on 2.11, a list from 2.12 on."""
-    if hasattr(state, "_fsdp_param_groups"):  # 2.12+ (2.13.0, 2.14.1 checked)
+    if hasattr(state, "_fsdp_param_groups"):  # 2.12+ (2.12.1, 2.13.0, 2.14.1, 2.15.0 checked)
         return list(state._fsdp_param_groups)
     if hasattr(type(state), "_fsdp_param_group") or "_fsdp_param_group" in vars(state):  # 2.11
         group = state._fsdp_param_group
@@ -249,8 +250,8 @@ def fsdp_unsharded_parameters(root: nn.Module) -> Iterator[tuple[torch.Tensor, t
 def launch_config_shutdown_timeout(seconds: int) -> dict[str, Any]:
     """``LaunchConfig`` keyword arguments for a ``seconds`` grace period between SIGTERM and SIGKILL.
 
-    ``LaunchConfig.shutdown_timeout`` exists from torch 2.12 on (2.13.0 and
-    2.14.1 checked); torch 2.11's agent always waits 30 seconds, so there
+    ``LaunchConfig.shutdown_timeout`` exists from torch 2.12 on (2.12.1,
+    2.13.0, 2.14.1 and 2.15.0 checked); torch 2.11's agent always waits 30 seconds, so there
     the argument is left out and ``--grace_period`` other than 30 is refused
     (:func:`grace_period_supported`).
     """

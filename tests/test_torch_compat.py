@@ -1,7 +1,8 @@
 """Every entry of distamp/torch_compat.py does what distamp relies on, on the torch this runs on.
 
-CI runs this on torch 2.11.0, 2.13.0 and 2.14.1 (.ci/run), so each
-version-dependent branch is taken on some torch of the matrix.
+CI runs this on torch 2.11.0, 2.13.0 and 2.15.0 (.ci/run; 2.14.1 where no
+Python 3.12 is found), so each version-dependent branch is taken on some
+torch of the matrix; it passed on 2.12.1 and 2.14.1 as well.
 """
 
 from __future__ import annotations

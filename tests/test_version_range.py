@@ -1,4 +1,4 @@
-"""setup.cfg's torch range is the latest five minors, and CI tests its floor, its newest installable and the pin."""
+"""setup.cfg's torch range is the latest five minors, and CI tests its floor, its ceiling and the pin."""
 
 import configparser
 import os
@@ -27,15 +27,18 @@ def release(version: str) -> tuple[int, ...]:
     return parts + (0,) * (3 - len(parts))
 
 
-def test_torch_is_the_latest_five_minors_and_ci_tests_the_floor_the_pin_and_the_newest():
+def test_torch_is_the_latest_five_minors_and_ci_tests_the_floor_the_pin_and_the_ceiling():
     requirement = torch_requirement()
     match = re.fullmatch(r"torch>=([0-9.]+),<([0-9.]+)", requirement)
     assert match, f"setup.cfg should require torch as a range '>=FLOOR,<CEILING', not {requirement!r}"
     floor, ceiling = (release(v) for v in match.groups())
     assert ceiling[0] == floor[0], f"{requirement!r} should stay within one major"
     assert ceiling[1] - floor[1] == SUPPORTED_MINORS, f"{requirement!r} should admit exactly {SUPPORTED_MINORS} minors"
-    tested = sorted(release(v) for v in [ci_variable("TORCH_MAIN"), *ci_variable("TORCH_RANGE").split()])
-    assert tested[0] == floor, f".ci/run should test the floor of {requirement!r}, tests {tested}"
-    assert all(floor <= v < ceiling for v in tested)
-    # The newest minor CI's Python 3.11 can install: 2.15 needs Python 3.12.
-    assert tested[-1][:2] >= (ceiling[0], ceiling[1] - 2)
+    tested = {name: release(ci_variable(name)) for name in ("TORCH_MAIN", "TORCH_FLOOR", "TORCH_CEILING",
+                                                            "TORCH_NEWEST_PY311")}
+    assert all(floor <= v < ceiling for v in tested.values()), (requirement, tested)
+    assert tested["TORCH_FLOOR"] == floor, f".ci/run should test the floor of {requirement!r}, tests {tested}"
+    newest_minor = (ceiling[0], ceiling[1] - 1)
+    assert tested["TORCH_CEILING"][:2] == newest_minor, f".ci/run should test torch {newest_minor}, tests {tested}"
+    # Where CI finds no Python 3.12 (which 2.15 needs), the newest minor with a wheel for Python 3.11.
+    assert tested["TORCH_NEWEST_PY311"][:2] == (ceiling[0], ceiling[1] - 2), tested

@@ -8,8 +8,9 @@ under FP16 autocast was handed back under BF16 autocast, and the "BF16"
 forward ran in FP16. Dynamo itself guards on the dtype and recompiles; it is
 the recompile that hits the stale entry, both in the same process (compile,
 then switch dtype) and across runs (the cache is on disk, under
-``TORCHINDUCTOR_CACHE_DIR``). Reproduced on CPU with torch 2.11; torch 2.13
-keys on the dtype (pytorch/pytorch#181564).
+``TORCHINDUCTOR_CACHE_DIR``). Reproduced on CPU with torch 2.11; 2.12.1's
+key is 2.11's (``disable_amp`` only, read in its ``autograd_cache.py``);
+torch 2.13 keys on the dtype (pytorch/pytorch#181564).
 
 On such a torch, :func:`keep_autocast_dtypes_apart` switches that cache off
 for the process (inductor's own FX-graph cache, keyed on the traced graph
