@@ -37,3 +37,15 @@ def test_an_o2_run_breaks_its_peak_down_into_groups_that_add_up_and_include_the_
     assert masters, result["groups"]
     # One flat FP32 buffer of every master: 4 bytes a parameter (the family's norms are masters too).
     assert masters[0]["bytes"] == 4 * result["params"]
+
+
+@pytest.mark.parametrize("steps", ["0", "-1"])
+def test_fewer_than_one_step_is_refused_naming_the_flag_before_any_model_is_built(steps, capsys, monkeypatch):
+    def never(*args: object) -> None:
+        raise AssertionError("a run started for a refused --steps")
+
+    monkeypatch.setattr(peak_breakdown, "breakdown", never)
+    with pytest.raises(SystemExit) as exit_info:
+        peak_breakdown.main(["--mode", "distamp_o2_bf16", "--steps", steps, "--model", "mlp"])
+    assert exit_info.value.code == 2
+    assert f"--steps must be >= 1, got {steps}" in capsys.readouterr().err
