@@ -79,7 +79,7 @@ def _without_the_wait(rank: int, world_size: int, port: int, iterations: int, ho
     return _train_destroy_free(rank, world_size, port, iterations, False, progress)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("how", ["no-op finalizer", "threads not found"])
 @pytest.mark.skipif(_TORCH_RELEASE >= (2, 14), reason=(
     "on torch 2.14.1 the sequence without the wait hangs only sometimes (seen both ways on this host, "
@@ -89,17 +89,25 @@ def test_without_waiting_for_the_threads_it_found_the_sequence_hangs(how, tmp_pa
     """The test above can fail: the same sequence, without distamp's wait acting, hangs on torch 2.11 and
     2.13, quietly at the first or second iteration; on a loaded host some iterations get through first.
     So the workers run until the timeout, and a hang is a rank whose last finished iteration is at least
-    15 s older than the timeout: a slow rank that kept finishing iterations fails the test."""
-    progress = str(tmp_path / "progress")
-    with pytest.raises(TimeoutError, match="did not finish within 45"):
-        run_workers(_without_the_wait, 2, free_port(), 10_000, how, progress, timeout=45)
-    stalled = []
-    for rank in range(2):
-        path = pathlib.Path(f"{progress}.{rank}")
-        done, at = path.read_text().split() if path.exists() else ("0", "0")
-        if time.time() - float(at) >= 15.0:
-            stalled.append(f"rank {rank} after {done} iterations")
-    assert stalled, "no rank hung: both kept finishing iterations until the timeout"
+    15 s older than the timeout: a slow rank that kept finishing iterations fails the test. Under heavy
+    load the race once missed a whole 45 s window on torch 2.13 (a clean-clone CI run with benchmarks
+    beside it), so a window without a hang is tried once more before the test fails."""
+    windows = []
+    for attempt in range(2):
+        progress = str(tmp_path / f"progress{attempt}")
+        with pytest.raises(TimeoutError, match="did not finish within 45"):
+            run_workers(_without_the_wait, 2, free_port(), 10_000, how, progress, timeout=45)
+        stalled, finished = [], []
+        for rank in range(2):
+            path = pathlib.Path(f"{progress}.{rank}")
+            done, at = path.read_text().split() if path.exists() else ("0", "0")
+            finished.append(done)
+            if time.time() - float(at) >= 15.0:
+                stalled.append(f"rank {rank} after {done} iterations")
+        if stalled:
+            return
+        windows.append(f"window {attempt + 1}: iterations finished per rank {finished}")
+    raise AssertionError(f"no rank hung: both kept finishing iterations until the timeout ({'; '.join(windows)})")
 
 
 # A fleet script that never calls destroy_process_group(): a DDP model with distamp's comm hook (O1
