@@ -77,7 +77,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       help=f"comma-separated, from {','.join(bench_modes.MODES)} (default: %(default)s)")
     what.add_argument("--lr", type=float, default=0.01, help="default: %(default)s")
     what.add_argument("--bucket_mb", type=float, default=25.0,
-                      help="DDP bucket size for every mode (default: %(default)s)")
+                      help="bucket size for every mode (fuse_grad_size_in_MB; at the default, distamp's "
+                           "sharding stages 1-2 size theirs from the model) (default: %(default)s)")
     what.add_argument("--powersgd_rank", type=int, default=4,
                       help="rank of the *_powersgd modes (default: %(default)s)")
     what.add_argument("--powersgd_start", type=int, default=2,

@@ -68,7 +68,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="optimizer steps (default: %(default)s)")
     p.add_argument("--merge_k", type=int, default=1, help="gradient merge micro-batches (default: %(default)s)")
     p.add_argument("--bucket_mb", type=float, default=25.0,
-                   help="fuse_grad_size_in_MB: DDP buckets and all-gather rounds, not stage 3 (default: %(default)s)")
+                   help="fuse_grad_size_in_MB: the bucket size of DDP and stages 1-2 (at the default they size "
+                        "their buckets from the model), not stage 3 (default: %(default)s)")
     p.add_argument("--stages", default="0,1,2,3",
                    help="comma-separated stages; 0 is sharding off, the ratios' base (default: %(default)s)")
     p.add_argument("--checkpoint", action="store_true",

@@ -105,8 +105,7 @@ class DDPPreparation:
     def _bucket_bytes(self) -> int:
         """The sharded stages' bucket size for this model's gradient (see ``reduce_bucket_bytes``)."""
         numel = sum(p.numel() for p in self.module.parameters() if p.requires_grad)
-        fuse = max(1, int(self.strategy.fuse_grad_size_in_MB * 2**20))
-        return reduce_bucket_bytes(numel * self._wire_dtype().itemsize, fuse)
+        return reduce_bucket_bytes(numel * self._wire_dtype().itemsize, self.strategy.fuse_grad_size_in_MB)
 
     def _build_reducer(self, optimizers: list[AttachedOptimizer]) -> SliceReducer:
         """Stage 2: hooks that reduce-scatter 16-bit buckets as gradients arrive (no DDP, no full-size gradient)."""

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
 from distamp.sharding.slice_owner import SliceOwner
 from distamp.sharding.wire_rounds import round_bytes
+from distamp.strategy import DEFAULT_FUSE_GRAD_SIZE_IN_MB
 from distamp.torch_compat import foreach_add_
 
 __all__ = ["BUCKET_FRACTION", "MAX_IN_FLIGHT", "REDUCE_BUCKET_BYTES", "ShardedGradReduce", "bucket_future",
@@ -67,10 +68,15 @@ BUCKET_FRACTION = 16
 """A bucket is at most this fraction of the model's 16-bit gradient (above :data:`REDUCE_BUCKET_BYTES`)."""
 
 
-def reduce_bucket_bytes(gradient_bytes: int, fuse_bytes: int) -> int:
+def reduce_bucket_bytes(gradient_bytes: int, fuse_grad_size_in_MB: float) -> int:
     """Bucket size (and round size) of the sharded stages for a gradient of ``gradient_bytes`` on the wire.
 
-    DeepSpeed's ``reduce_bucket_size``, chosen from the model: each of the
+    DeepSpeed's ``reduce_bucket_size``. A ``fuse_grad_size_in_MB`` other
+    than the default (:data:`~distamp.strategy.DEFAULT_FUSE_GRAD_SIZE_IN_MB`)
+    is the bucket size, as DDP's ``bucket_cap_mb`` and DeepSpeed's
+    ``reduce_bucket_size`` are: the user's trade of memory against time.
+
+    At the default the size is chosen from the model: each of the
     :data:`MAX_IN_FLIGHT` exchanges holds a packed copy and the W received
     copies of this rank's share (as many bytes as the bucket), so peak
     memory holds a few buckets, which a fixed 25 MB would make most of what
@@ -87,10 +93,13 @@ def reduce_bucket_bytes(gradient_bytes: int, fuse_bytes: int) -> int:
     ranks, stage 1 stepped in 1.17x-1.21x and stage 2 in 1.28x-1.35x of the
     unsharded time, where an eighth gave 1.04x-1.09x and 0.96x-1.26x (same
     host, runs interleaved). The memory bar is kept: a bucket is a sixteenth of
-    the gradient, at least :data:`REDUCE_BUCKET_BYTES` and at most
-    ``fuse_bytes`` (``fuse_grad_size_in_MB``).
+    the gradient, at least :data:`REDUCE_BUCKET_BYTES` and at most the
+    default's 25 MB.
     """
-    return max(1, min(fuse_bytes, max(REDUCE_BUCKET_BYTES, gradient_bytes // BUCKET_FRACTION)))
+    fuse_bytes = max(1, int(fuse_grad_size_in_MB * 2**20))
+    if fuse_grad_size_in_MB != DEFAULT_FUSE_GRAD_SIZE_IN_MB:
+        return fuse_bytes
+    return min(fuse_bytes, max(REDUCE_BUCKET_BYTES, gradient_bytes // BUCKET_FRACTION))
 
 
 _Entry = tuple[int, int, SliceOwner, int]  # (start in the bucket, length, slice owner, start in its grad slice)

@@ -49,7 +49,7 @@ __all__ = ["ShardedPrecision"]
 def _gather_bytes(params: Sequence[nn.Parameter], strategy: DistributedStrategy, itemsize: int) -> int:
     """Bytes the all-gather receives at a time: two of the reduce-scatter's buckets, at least GATHER_BYTES."""
     fuse = max(1, int(strategy.fuse_grad_size_in_MB * 2**20))
-    bucket = reduce_bucket_bytes(sum(p.numel() for p in params) * itemsize, fuse)
+    bucket = reduce_bucket_bytes(sum(p.numel() for p in params) * itemsize, strategy.fuse_grad_size_in_MB)
     return min(fuse, max(GATHER_BYTES, 2 * bucket))
 
 

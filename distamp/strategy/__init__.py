@@ -29,7 +29,7 @@ Modules:
 """
 
 from distamp.strategy.amp_config import AmpConfig
-from distamp.strategy.distributed_strategy import DistributedStrategy
+from distamp.strategy.distributed_strategy import DEFAULT_FUSE_GRAD_SIZE_IN_MB, DistributedStrategy
 
 # Pickles made while this package was one module name distamp.strategy._restore_strategy.
 from distamp.strategy.distributed_strategy import _restore_strategy as _restore_strategy
@@ -39,6 +39,7 @@ from distamp.strategy.powersgd_config import PowerSGDConfig
 from distamp.strategy.sharding_config import ShardingConfig
 
 __all__ = [
+    "DEFAULT_FUSE_GRAD_SIZE_IN_MB",
     "AmpConfig",
     "DistributedStrategy",
     "GradientMergeConfig",

@@ -38,9 +38,8 @@ def check_applicable(strategy: DistributedStrategy, world_size: int) -> None:
             above ``world_size``; ``find_unused_parameters=True`` or a
             ``fuse_grad_size_in_MB`` other than 25 with sharding stage 3.
     """
-    from distamp.strategy.distributed_strategy import _DEFAULTS
+    from distamp.strategy.distributed_strategy import DEFAULT_FUSE_GRAD_SIZE_IN_MB as default_bucket_mb
 
-    default_bucket_mb = _DEFAULTS["fuse_grad_size_in_MB"]  # the one place defaults live
     stage = strategy.sharding_config.stage if strategy.sharding else 0
     factor = strategy.amp_config.gradient_predivide_factor
     if strategy.amp and factor is not None:

@@ -15,14 +15,18 @@ from distamp.strategy.sharding_config import ShardingConfig
 from distamp.strategy.views import ConfigView
 from distamp.suggest import did_you_mean
 
-__all__ = ["DistributedStrategy"]
+__all__ = ["DEFAULT_FUSE_GRAD_SIZE_IN_MB", "DistributedStrategy"]
 
 _MAX_BUCKET_MB = 2**20
+
+DEFAULT_FUSE_GRAD_SIZE_IN_MB = 25
+"""``fuse_grad_size_in_MB`` left unset: DDP's 25 MB buckets; sharding stages 1 and 2 size theirs from the model."""
 
 _ATTRS = ("amp", "amp_configs", "gradient_merge", "gradient_merge_configs", "sharding", "sharding_configs",
           "powersgd", "powersgd_configs", "check_replicas_every", "find_unused_parameters", "fuse_grad_size_in_MB")
 _DEFAULTS = {"amp": False, "gradient_merge": False, "sharding": False, "powersgd": False,
-             "find_unused_parameters": False, "fuse_grad_size_in_MB": 25, "check_replicas_every": 0}
+             "find_unused_parameters": False, "fuse_grad_size_in_MB": DEFAULT_FUSE_GRAD_SIZE_IN_MB,
+             "check_replicas_every": 0}
 
 
 _SHARDING_WITH_POWERSGD = (
@@ -103,7 +107,10 @@ class DistributedStrategy:
       gradient compression with error feedback that survives overflows; see
       :class:`PowerSGDConfig`; same rules as amp_configs. Not with ``sharding``.
     * ``find_unused_parameters`` (bool, False): passed to DDP.
-    * ``fuse_grad_size_in_MB`` (number > 0, 25): DDP's gradient bucket size.
+    * ``fuse_grad_size_in_MB`` (number > 0, 25): the gradient bucket size of DDP
+      and of sharding stages 1 and 2; at the default 25 those stages size
+      their buckets from the model (see
+      :func:`distamp.sharding.reduce_scatter.reduce_bucket_bytes`).
     * ``check_replicas_every`` (int >= 0, 0): every N applied steps the ranks
       compare a hash of the parameters they hold and stop together when they
       differ (0: off); see :mod:`distamp.distributed.replica_check`.
@@ -239,7 +246,7 @@ class DistributedStrategy:
 
     @property
     def fuse_grad_size_in_MB(self) -> float:
-        """DDP gradient bucket size in MB (number > 0, default 25)."""
+        """Gradient bucket size in MB (number > 0, default 25; sharding stages 1-2 choose theirs at the default)."""
         return self._fuse_grad_size_in_MB
 
     @fuse_grad_size_in_MB.setter

@@ -86,7 +86,7 @@ def test_check_sharding_names_trainable_parameters_no_optimizer_owns():
     assert _preparation(model, _strategy(stage=2)).check_sharding([opt])
 
 
-def _prepare(rank: int, world: int, amp: bool, stage: int) -> dict:
+def _prepare(rank: int, world: int, amp: bool, stage: int, bucket_mb: float = 1.0) -> dict:
     from distamp import fleet
     from distamp.distributed.comm_hooks import LowPrecisionAllReduce
     from distamp.sharding.reduce_scatter import ShardedGradReduce
@@ -94,7 +94,7 @@ def _prepare(rank: int, world: int, amp: bool, stage: int) -> dict:
 
     torch.manual_seed(rank)  # different starting weights on each rank
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
-    strategy = _strategy(amp=amp, stage=stage, bucket_mb=1.0)
+    strategy = _strategy(amp=amp, stage=stage, bucket_mb=bucket_mb)
     fleet.init(strategy=strategy)
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
     prepared = DDPPreparation(model, strategy, None, None, find_unused_parameters=False).run([opt])
@@ -105,6 +105,7 @@ def _prepare(rank: int, world: int, amp: bool, stage: int) -> dict:
         "reduce_scatter": prepared.reduce_scatter,
         "bucket_bytes_cap": None if prepared.ddp is None else prepared.ddp.bucket_bytes_cap,
         "bucket_view": None if prepared.ddp is None else prepared.ddp.gradient_as_bucket_view,
+        "exchange_bucket_bytes": None if stage == 0 else (hook.exchange if stage == 2 else hook).bucket_bytes,
         "weights": [p.detach().clone() for p in model.parameters()],
         "masters": [m.detach().clone() for m in opt.master_weights.masters],
     }
@@ -135,3 +136,17 @@ def test_one_preparation_makes_ranks_identical_and_picks_the_comm_hook(amp, stag
         for m0, m1 in zip(out[0]["masters"], out[1]["masters"], strict=True):
             assert m0.dtype == torch.float32
             assert torch.equal(m0, m1)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize(("bucket_mb", "expected"), [(25, REDUCE_BUCKET_BYTES), (3, 3 * 2**20), (0.5, 2**19)])
+def test_the_sharded_stages_size_buckets_from_the_model_at_the_default_and_take_any_other_size_as_given(
+        stage, bucket_mb, expected):
+    # The model's BF16 gradient is 116 bytes: at the default 25 MB the smallest bucket (256 KiB); a size the
+    # user chose, above or below that, is the bucket (DDP's bucket_cap_mb, DeepSpeed's reduce_bucket_size).
+    out = run_workers(_prepare, 2, True, stage, bucket_mb, timeout=100)
+    for rank in (0, 1):
+        assert out[rank]["exchange_bucket_bytes"] == expected
+        if stage == 1:  # DDP's buckets are the same, never below DDP's first bucket (1 MiB)
+            assert out[rank]["bucket_bytes_cap"] == max(expected, 2**20)

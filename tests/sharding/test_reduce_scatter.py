@@ -356,3 +356,18 @@ def test_a_parameter_larger_than_a_bucket_goes_in_rounds_of_at_most_a_bucket_two
     half = total.numel() // 2
     assert torch.equal(out[0][2], total[:half])
     assert torch.equal(out[1][2], total[half:])
+
+
+def test_bucket_size_is_a_sixteenth_of_the_gradient_at_the_default_and_the_given_size_otherwise():
+    from distamp.sharding.reduce_scatter import BUCKET_FRACTION, REDUCE_BUCKET_BYTES, reduce_bucket_bytes
+    from distamp.strategy import DEFAULT_FUSE_GRAD_SIZE_IN_MB
+
+    mib = 2**20
+    assert DEFAULT_FUSE_GRAD_SIZE_IN_MB == 25
+    assert reduce_bucket_bytes(1000, 25) == REDUCE_BUCKET_BYTES  # a small model: the smallest bucket
+    assert reduce_bucket_bytes(64 * mib, 25) == 64 * mib // BUCKET_FRACTION
+    assert reduce_bucket_bytes(10_000 * mib, 25) == 25 * mib  # at most the default's 25 MB
+    assert reduce_bucket_bytes(1000, 3) == 3 * mib  # chosen: the size, however small the model
+    assert reduce_bucket_bytes(10_000 * mib, 100) == 100 * mib
+    assert reduce_bucket_bytes(64 * mib, 0.0002) == int(0.0002 * mib)
+    assert reduce_bucket_bytes(64 * mib, 1e-9) == 1

@@ -13,8 +13,8 @@ made FP32 one chunk at a time, as without sharding; the zeroed ``.grad`` are
 freed before DDP rebuilds its buckets, so the rebuild adds nothing) and
 stage 2 2 + 14/2 = 9 (only its BF16 gradient slice, no ``.grad``). Transient
 buffers (gradients just produced, buckets in flight, exchange rounds) come on
-top: they are capped in bytes whatever ``fuse_grad_size_in_MB`` says (a
-sixteenth of the gradient per bucket and round). Measured: stage 1 11.8 and
+top: a sixteenth of the gradient per bucket and round at the default
+``fuse_grad_size_in_MB``; 0.1 MB is smaller, and is the bucket size. Measured: stage 1 11.8 and
 11.6, stage 2 10.2 and 9.6 bytes per parameter (25 MB and 0.1 MB), against
 the bars' 12.6 and 10.8.
 
