@@ -62,6 +62,8 @@ __all__ = [
     "tree_flatten",
     "tree_leaves",
     "tree_map_only",
+    "unhooked_step",
+    "with_step_hooks",
 ]
 
 # --------------------------------------------------------------------------- fused tensor-list ops
@@ -129,6 +131,38 @@ def dtensor_local(tensor: DTensor) -> torch.Tensor:
     """
     with torch.no_grad():
         return tensor.to_local()
+
+
+# --------------------------------------------------------------------------- optimizer step hooks
+# torch.optim.Optimizer wraps each optimizer class's ``step`` once
+# (``_patch_step_function``: ``Optimizer.profile_hook_step``, with ``functools.wraps``, and marks it
+# ``hooked``), and that wrapper runs the global step hooks and the optimizer's own before and after
+# every call. A chunked update calls the inner ``step`` once per chunk; these two let it run the
+# hooks once around the whole update and each chunk without them. Same code on 2.11-2.15
+# (torch/optim/optimizer.py).
+def with_step_hooks(update: Callable[[torch.optim.Optimizer], None]) -> Callable[[torch.optim.Optimizer], None]:
+    """``update(optimizer)`` wrapped as torch wraps ``Optimizer.step``: the step pre-hooks (global, then
+    the optimizer's own) before it, the post-hooks (its own, then global) after it, and the profiler
+    range ``Optimizer.step#<class>.step`` around it."""
+    return torch.optim.Optimizer.profile_hook_step(update)
+
+
+def unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+    """``optimizer.step`` without torch's hook wrapper: the class's own ``step``, bound to ``optimizer``.
+
+    Raises:
+        RuntimeError: the class's ``step`` is not torch's hooked wrapper (it is
+            one for every optimizer ``torch.optim.Optimizer.__init__`` has run on).
+    """
+    step: Any = type(optimizer).step
+    if step.__dict__.get("hooked") is not True or "__wrapped__" not in step.__dict__:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step is not torch's hooked step wrapper (no 'hooked' and '__wrapped__' "
+            f"attributes) on torch {torch.__version__}: torch.optim.Optimizer._patch_step_function changed, or "
+            "the class's step was replaced after the optimizer was built; distamp cannot step it in chunks "
+            "without running its step hooks once per chunk"
+        )
+    return step.__wrapped__.__get__(optimizer)
 
 
 # --------------------------------------------------------------------------- torch.compile

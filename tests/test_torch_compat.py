@@ -222,3 +222,44 @@ def test_aot_autograd_cache_switch_and_the_version_whose_key_has_the_autocast_dt
         assert (aot_config.enable_autograd_cache, aot_config.enable_remote_autograd_cache) == (False, False)
     finally:
         aot_config.enable_autograd_cache, aot_config.enable_remote_autograd_cache = saved
+
+
+def test_step_hooks_run_once_around_an_update_whose_steps_run_without_them():
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from distamp.torch_compat import unhooked_step, with_step_hooks
+
+    param = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([param], lr=0.5)
+    calls: list[str] = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    handle = register_optimizer_step_pre_hook(lambda o, a, k: calls.append("global pre"))
+    try:
+        param.grad = torch.ones(3)
+        unhooked_step(opt)()
+        assert calls == []
+        assert torch.equal(param.detach(), torch.full((3,), 0.5))
+
+        def update(o: torch.optim.Optimizer) -> None:
+            calls.append("update")
+            unhooked_step(o)()
+            unhooked_step(o)()
+
+        with_step_hooks(update)(opt)
+        assert calls == ["global pre", "pre", "update", "post"]
+        assert torch.equal(param.detach(), torch.full((3,), -0.5))
+    finally:
+        handle.remove()
+
+
+def test_a_step_that_is_not_torchs_hooked_wrapper_is_refused_naming_the_class():
+    class Replaced(torch.optim.SGD):
+        pass
+
+    opt = Replaced([nn.Parameter(torch.ones(1))], lr=0.1)
+    Replaced.step = lambda self, closure=None: None  # replaced after torch patched it
+    from distamp.torch_compat import unhooked_step
+
+    with pytest.raises(RuntimeError, match=r"^Replaced\.step is not torch's hooked step wrapper"):
+        unhooked_step(opt)

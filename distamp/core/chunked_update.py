@@ -28,8 +28,14 @@ on a whole-model FP32 gradient gives; slice boundaries sit at multiples of
 :data:`SLICE_ALIGN` elements from the parameter's start, so every slice
 begins where a vectorized loop over the whole parameter would.
 
-Cost: the inner optimizer's ``step()`` runs once per chunk (its step hooks
-too), about 16 calls for a model of any size, each with its Python
+Step hooks see one step: the whole chunked update runs inside
+:func:`as_one_step`, so torch's step pre- and post-hooks (the optimizer's own,
+``register_step_pre_hook``, and the global ones) run once around it with the
+param groups whole, and the chunks step without them, as an EMA or a step
+counter registered on the optimizer expects.
+
+Cost: the inner optimizer's ``step()`` runs once per chunk, about 16 calls
+for a model of any size, each with its Python
 overhead, which on a GPU can outweigh the kernels. So on CUDA a chunk is as
 large as fits below the peak the device's allocator has already reached
 (:func:`room_below_peak`, counting 16 bytes per element for the scratch
@@ -53,7 +59,7 @@ parameters when the other gradients are gone.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast
 
@@ -67,9 +73,12 @@ from distamp.torch_compat import (
     foreach_add_,
     foreach_copy_,
     foreach_norm,
+    unhooked_step,
+    with_step_hooks,
 )
 
-__all__ = ["SLICEABLE_OPTIMIZERS", "SLICE_ALIGN", "GradSource", "Pair", "Piece", "check_in_chunks", "chunk_limit",
+__all__ = ["SLICEABLE_OPTIMIZERS", "SLICE_ALIGN", "GradSource", "Pair", "Piece", "as_one_step", "check_in_chunks",
+           "chunk_limit",
            "chunk_numel", "copy_and_unscale_", "plan_chunks", "room_below_peak", "step_and_free_in_chunks",
            "step_in_chunks", "step_makes_temporaries", "step_only", "steps_in_chunks"]
 
@@ -313,13 +322,26 @@ def step_only(optimizer: torch.optim.Optimizer, params: Sequence[nn.Parameter]) 
     _step_with(optimizer, [[p for p in group["params"] if id(p) in wanted] for group in optimizer.param_groups])
 
 
+def as_one_step(optimizer: torch.optim.Optimizer, update: Callable[[], None]) -> None:
+    """Run ``update``, which steps ``optimizer`` a chunk at a time, as one ``optimizer.step()`` to its hooks.
+
+    torch's step pre-hooks (global ones, then ``optimizer.register_step_pre_hook``'s)
+    run once before ``update`` and the post-hooks once after it, with the
+    param groups whole, as around one ``step()``; the chunks inside step
+    without them. Every chunked step (:func:`step_in_chunks`,
+    :func:`step_only`, :func:`step_and_free_in_chunks`) runs inside one.
+    """
+    with_step_hooks(lambda _: update())(optimizer)
+
+
 def _step_with(optimizer: torch.optim.Optimizer, members: Sequence[Sequence[nn.Parameter]]) -> None:
-    """``optimizer.step()`` with param group ``i`` holding ``members[i]`` only; the groups are restored after."""
+    """One chunk's ``step()`` (without step hooks: see :func:`as_one_step`), with param group ``i`` holding
+    ``members[i]`` only; the groups are restored after."""
     saved = [list(group["params"]) for group in optimizer.param_groups]
     try:
         for group, params in zip(optimizer.param_groups, members, strict=True):
             group["params"][:] = params
-        optimizer.step()
+        unhooked_step(optimizer)()
     finally:
         for group, params in zip(optimizer.param_groups, saved, strict=True):
             group["params"][:] = params

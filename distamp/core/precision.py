@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.core.chunked_update import (
+    as_one_step,
     check_in_chunks,
     chunk_limit,
     step_in_chunks,
@@ -420,11 +421,7 @@ class PureLowPrecision(MixedPrecision):
         """
         masters = self.master_weights
         if not masters.has_master_grads and steps_in_chunks(optimizer):
-            for pairs in _pairs_by_device(masters.pairs_with_grads()):
-                step_in_chunks(optimizer, pairs, self._merge_sum, self._inv_scale, chunk_limit(pairs))
-            own = [p for p in masters.model_params if masters.master_for(p) is p and p.grad is not None]
-            if own:
-                step_only(optimizer, own)
+            as_one_step(optimizer, lambda: self._step_in_chunks(optimizer))
         else:
             if not masters.has_master_grads:
                 self._whole_master_grads()
@@ -432,6 +429,14 @@ class PureLowPrecision(MixedPrecision):
             self.after_applied_step()
         masters.zero_master_grads()
         self._merge_sum = None
+
+    def _step_in_chunks(self, optimizer: torch.optim.Optimizer) -> None:
+        masters = self.master_weights
+        for pairs in _pairs_by_device(masters.pairs_with_grads()):
+            step_in_chunks(optimizer, pairs, self._merge_sum, self._inv_scale, chunk_limit(pairs))
+        own = [p for p in masters.model_params if masters.master_for(p) is p and p.grad is not None]
+        if own:
+            step_only(optimizer, own)
 
     def state_dict(self) -> dict:
         """Scaler state plus the FP32 masters."""

@@ -54,11 +54,19 @@ class DelegatingOptimizer(torch.optim.Optimizer):
         return self.inner_opt.defaults
 
     def register_step_pre_hook(self, hook: Callable) -> Any:
-        """Register a hook that runs before the inner optimizer's step."""
+        """Register a hook on the inner optimizer that runs once before each applied step (never on a skipped one).
+
+        It runs once even where the update steps the inner optimizer a chunk
+        at a time (O2, sharding), and sees the whole param groups.
+        """
         return self.inner_opt.register_step_pre_hook(hook)
 
     def register_step_post_hook(self, hook: Callable) -> Any:
-        """Register a hook that runs after the inner optimizer's step."""
+        """Register a hook on the inner optimizer that runs once after each applied step (never on a skipped one).
+
+        It runs once even where the update steps the inner optimizer a chunk
+        at a time (O2, sharding), and sees the whole param groups.
+        """
         return self.inner_opt.register_step_post_hook(hook)
 
     def __getstate__(self) -> dict:

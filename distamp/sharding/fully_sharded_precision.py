@@ -44,7 +44,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distamp.core.chunked_update import chunk_limit, step_and_free_in_chunks, step_makes_temporaries, steps_in_chunks
+from distamp.core.chunked_update import (
+    as_one_step,
+    chunk_limit,
+    step_and_free_in_chunks,
+    step_makes_temporaries,
+    steps_in_chunks,
+)
 from distamp.core.master_weights import check_saved_masters, clear_grads
 from distamp.core.precision import FullPrecision, MixedPrecision
 from distamp.core.shard_rows import local_rows
@@ -282,7 +288,8 @@ class FullyShardedPrecision(MixedPrecision):
         params = [p for p in self.master_weights.model_params if p.grad is not None]
         if params and steps_in_chunks(optimizer) and step_makes_temporaries(optimizer):
             # Each parameter is its own master and gradient source.
-            step_and_free_in_chunks(optimizer, params, chunk_limit([(p, p) for p in params]))
+            limit = chunk_limit([(p, p) for p in params])
+            as_one_step(optimizer, lambda: step_and_free_in_chunks(optimizer, params, limit))
         else:
             optimizer.step()
         self.after_applied_step()

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distamp.core.chunked_update import check_in_chunks, chunk_limit, step_in_chunks, steps_in_chunks
+from distamp.core.chunked_update import as_one_step, check_in_chunks, chunk_limit, step_in_chunks, steps_in_chunks
 from distamp.core.grad_accumulator import Fp32GradAccumulator
 from distamp.core.precision import FullPrecision, MixedPrecision
 from distamp.distributed.flag_sync import all_reduce_max
@@ -209,8 +209,12 @@ class ShardedPrecision(MixedPrecision):
         if slice_grads.fp32_buffer is None:
             if steps_in_chunks(optimizer):
                 pairs = slice_grads.pairs()
-                if pairs:
-                    step_in_chunks(optimizer, pairs, None, self._inv_scale, chunk_limit(pairs), into_model=False)
+
+                def update() -> None:
+                    if pairs:  # a rank whose slice holds nothing still runs the step's hooks
+                        step_in_chunks(optimizer, pairs, None, self._inv_scale, chunk_limit(pairs), into_model=False)
+
+                as_one_step(optimizer, update)
             else:
                 slice_grads.materialize(self._inv_scale)
                 optimizer.step()
