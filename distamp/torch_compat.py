@@ -52,6 +52,7 @@ __all__ = [
     "fsdp_unsharded_parameters",
     "grace_period_supported",
     "group_timeout",
+    "is_ddp_ready_twice_error",
     "is_mixed_dtensor_error",
     "is_view",
     "launch_config_shutdown_timeout",
@@ -121,6 +122,16 @@ def is_mixed_dtensor_error(error: BaseException) -> bool:
     torch.Tensor and DTensor, need to convert all ...", 2.11-2.14).
     """
     return isinstance(error, RuntimeError) and "got mixed torch.Tensor and DTensor" in str(error)
+
+
+def is_ddp_ready_twice_error(error: BaseException) -> bool:
+    """Whether ``error`` is DDP's reducer refusing a parameter whose gradient hook fired twice in one backward.
+
+    torch has no exception type for it, only the message ("Expected to mark a
+    variable ready only once. ...", raised from C++ as ``RuntimeError``,
+    2.11-2.15).
+    """
+    return isinstance(error, RuntimeError) and "Expected to mark a variable ready only once" in str(error)
 
 
 def dtensor_local(tensor: DTensor) -> torch.Tensor:

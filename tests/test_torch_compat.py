@@ -263,3 +263,9 @@ def test_a_step_that_is_not_torchs_hooked_wrapper_is_refused_naming_the_class():
 
     with pytest.raises(RuntimeError, match=r"^Replaced\.step is not torch's hooked step wrapper"):
         unhooked_step(opt)
+
+
+def test_ddp_ready_twice_error_is_told_by_torchs_message():
+    assert tc.is_ddp_ready_twice_error(RuntimeError("Expected to mark a variable ready only once. This error ..."))
+    assert not tc.is_ddp_ready_twice_error(RuntimeError("Expected all tensors to be on the same device"))
+    assert not tc.is_ddp_ready_twice_error(ValueError("Expected to mark a variable ready only once."))

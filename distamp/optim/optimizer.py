@@ -25,6 +25,7 @@ from torch import nn
 from distamp.amp.black_modules import BlackModulesHandle
 from distamp.core.attached import GradCompressor
 from distamp.core.precision import FullPrecision
+from distamp.distributed.ddp_errors import explain_ddp_errors
 from distamp.distributed.groups import data_parallel_group
 from distamp.distributed.timeouts import named_collective
 from distamp.model_views import fp32_model_state_dict, unwrap_model
@@ -178,7 +179,8 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         self.merge.count_backward()
         if self.merge.loss_divisor != 1:
             loss = loss / self.merge.loss_divisor
-        with named_collective(f"the gradient all-reduce of step {self.policy.step_number + 1} (in backward)"):
+        with (named_collective(f"the gradient all-reduce of step {self.policy.step_number + 1} (in backward)"),
+              explain_ddp_errors()):
             self.precision.scale_loss(loss).backward(**kwargs)
         self.precision.after_backward(window_open=self.merge.is_accumulating)
         self._watch.after_backward(self.precision.loss_scale)
