@@ -30,10 +30,17 @@ __all__ = ["gather_full", "local_inner", "reshard_loaded", "shard_like", "stage3
 
 
 def gather_full(inner_state: dict) -> dict:
-    """``inner_opt.state_dict()`` with every DTensor state value gathered whole (collective)."""
+    """``inner_opt.state_dict()`` with every DTensor state value gathered whole (collective).
+
+    The gathers go in parameter-index order: the inner optimizer's ``state``
+    is in the order each rank first stepped its parameters, which differs
+    between ranks (the chunked step takes the smallest local shards first),
+    and every rank must gather the same tensor at the same time.
+    """
     state = {
-        index: {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in entry.items()}
-        for index, entry in inner_state["state"].items()
+        index: {key: value.full_tensor() if isinstance(value, DTensor) else value
+                for key, value in inner_state["state"][index].items()}
+        for index in sorted(inner_state["state"])
     }
     return {**inner_state, "state": state}
 

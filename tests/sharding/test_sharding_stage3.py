@@ -567,3 +567,88 @@ def test_a_parameter_read_outside_its_unit_fails_naming_the_units_and_the_named_
         assert "sharding_configs['units']" in message
         assert "Units now: ['embed', 'proj']" in message
     assert run_workers(_train_tied, 2, ["proj"], timeout=100) == [True, True]  # the embedding stays in the root
+
+
+def _empty_shard(rank, world, algorithm, pure):
+    """A head of one output row: its weight and bias shards are empty on rank 1."""
+    from distamp import fleet
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 1))
+    dtype = "float16" if algorithm == "lognormal" else "bfloat16"
+    strategy = _strategy(3, use_pure_fp16=pure, dtype=dtype, loss_scaling_algorithm=algorithm, init_loss_scaling=256.0)
+    fleet.init()
+    opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), strategy)
+    wrapped = fleet.distributed_model(model)
+    g = torch.Generator().manual_seed(rank)
+    applied, norms = [], []
+    for i in range(3):
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(torch.randn(4, 6, generator=g)).float(), torch.randn(4, 1, generator=g))
+        if i == 1 and rank == 0:
+            loss = loss * float("inf")
+        opt.zero_grad()
+        opt.backward(loss)
+        if i != 1:
+            norms.append(float(opt.clip_grad_norm_(1.0, norm_type=float("inf"))))
+        applied.append(opt.step())
+    state = opt.state_dict()["inner"]["state"]
+    return {"applied": applied, "norms": norms, "overflow": opt.stats()["last_overflow"],
+            "state": {i: {k: v.clone() for k, v in entry.items()} for i, entry in state.items()}}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("algorithm", "pure"), [("backoff", True), ("backoff", False), ("lognormal", True)])
+def test_a_parameter_with_fewer_rows_than_ranks_skips_clips_and_gathers_its_state_on_every_rank(algorithm, pure):
+    # Rank 1's shards of the 1x32 weight and the 1-element bias are empty: the skipped step's names, the
+    # infinity-norm clip and the lognormal scaler's max |g| used to fail on the empty shard, and
+    # state_dict() gathered the state in the order each rank first stepped it (smallest shard first), which
+    # differs between the ranks: gloo aborted on the mismatched sizes.
+    out = run_workers(_empty_shard, 2, algorithm, pure, timeout=180)
+    for rank in (0, 1):
+        assert out[rank]["applied"] == [True, False, True]
+        assert out[rank]["overflow"]["step"] == 2
+        assert out[rank]["norms"] == out[0]["norms"]
+        assert list(out[rank]["state"]) == [0, 1, 2, 3]
+        for i in range(4):
+            for key, value in out[rank]["state"][i].items():
+                assert torch.equal(value, out[0]["state"][i][key]), (rank, i, key)
+    assert out[0]["state"][2]["exp_avg"].shape == (1, 32)
+
+
+def _batch_norm(rank, world, stage):
+    from distamp import fleet
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    fleet.init()
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      _strategy(stage, use_pure_fp16=True, dtype="bfloat16"))
+    wrapped = fleet.distributed_model(model)
+    g = torch.Generator().manual_seed(rank)  # each rank its own data: its own batch statistics
+    for _ in range(3):
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(torch.randn(8, 6, generator=g)).float(), torch.randn(8, 3, generator=g))
+        opt.zero_grad()
+        opt.backward(loss)
+        opt.step()
+    with torch.no_grad(), fleet.auto_cast():  # an evaluation forward: it reads rank 0's buffers already
+        wrapped.eval()
+        wrapped(torch.randn(8, 6, generator=g))
+    bn = model[1]
+    return [bn.running_mean.clone(), bn.running_var.clone(), bn.num_batches_tracked.clone()]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_buffers_follow_rank_zero_before_each_training_forward_as_ddp_broadcasts_them(stage):
+    # Stage 3 (FSDP2) synced no buffer: each rank kept its own BatchNorm statistics, and a checkpoint,
+    # which keeps rank 0's, resumed rank 1 with other values than it trained with.
+    out = run_workers(_batch_norm, 2, stage, timeout=180)
+    for a, b in zip(out[0], out[1], strict=True):
+        assert torch.equal(a, b)
+    assert int(out[0][2]) == 3
+    if stage == 3:
+        reference = run_workers(_batch_norm, 2, 2, timeout=180)  # stage 2 broadcasts as DDP does
+        for a, b in zip(out[0], reference[0], strict=True):
+            assert torch.equal(a, b)
