@@ -194,3 +194,38 @@ def test_closures_return_the_loss_and_a_closure_without_backward_is_a_warned_ski
         assert filename == "test_client_scenarios.py"  # the user's line, not distamp's
         if not amp:
             assert result["plain_backward"] == (True, False, 2)  # was: returned True, not the loss
+
+
+def _merge_with_torch_ddp_no_sync(rank: int, world_size: int, wrapper: str) -> list[torch.Tensor]:
+    import contextlib
+
+    fleet.init()
+    model = _model()
+    strategy = _strategy(True)
+    strategy.amp_configs = {"dtype": "bfloat16", "use_pure_fp16": True}
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": 2}
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.5), strategy)
+    wrapped = DistributedDataParallel(model) if wrapper == "torch" else fleet.distributed_model(model)
+    for step in range(3):
+        for micro in range(2):
+            x, y = _batch(rank, 2 * step + micro)
+            quiet = wrapped.no_sync() if wrapper == "torch" and micro == 0 else contextlib.nullcontext()
+            with quiet:
+                with fleet.auto_cast():
+                    loss = F.cross_entropy(wrapped(x), y)
+                optimizer.minimize(loss)
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(90)
+def test_o2_gradient_merge_in_torch_ddp_with_no_sync_keeps_the_ranks_equal():
+    # O2 moved the no_sync micro-batch's local gradient into its FP32 sum, out of the .grad that DDP's next
+    # synced backward all-reduces: each rank added its own, and the replicas silently diverged.
+    rank0, rank1 = run_workers(_merge_with_torch_ddp_no_sync, 2, "torch", timeout=60)
+    for a, b in zip(rank0, rank1, strict=True):
+        assert torch.equal(a, b)
+    # The same updates as fleet.distributed_model's window, up to the no_sync micro-batch summed in BF16 in .grad.
+    reference = run_workers(_merge_with_torch_ddp_no_sync, 2, "fleet", timeout=60)[0]
+    for a, b in zip(rank0, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=2**-7)

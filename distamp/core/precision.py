@@ -108,6 +108,11 @@ class FullPrecision:
     def end_step(self) -> None:
         """After a step was applied or skipped (the scale updated): the gradients stay until ``zero_grad``."""
 
+    def merge_sums(self) -> dict[int, torch.Tensor] | None:
+        """After :meth:`unscale_and_check`: ``{id(param): FP32 sum}`` of a gradient-merge window's earlier
+        micro-batches that this step adds to the gradients and ``.grad`` does not hold (O2), else None."""
+        return None
+
     @property
     def grads_are_slices(self) -> bool:
         """Whether the model's ``.grad`` holds only this rank's slice after unscaling (stages 1-2, several ranks)."""
@@ -329,6 +334,10 @@ class PureLowPrecision(MixedPrecision):
             if self.grad_accumulator is None:
                 self.grad_accumulator = Fp32GradAccumulator(self.master_weights.model_params)
             self.grad_accumulator.add_and_zero()
+
+    def merge_sums(self) -> dict[int, torch.Tensor] | None:
+        """The FP32 sum of the window's earlier micro-batches this step adds (None when a comm hook added it)."""
+        return self._merge_sum
 
     def unscale_and_check(self, group: dist.ProcessGroup | None) -> tuple[bool, float | None]:
         """Check the unscaled FP32 gradients chunk by chunk, all-reduce the verdict; one host sync.

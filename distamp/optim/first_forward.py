@@ -47,7 +47,8 @@ class _ModelAdopter(Protocol):
     def steps_skipped(self) -> int: ...
 
     def adopt_model(self, model: nn.Module, keep_fp32: list[nn.Parameter], *, reduces_grads: bool,
-                    black_modules: BlackModulesHandle | None = None) -> None: ...
+                    black_modules: BlackModulesHandle | None = None,
+                    torch_ddp: DistributedDataParallel | None = None) -> None: ...
 
 __all__ = ["FirstForwardFinder"]
 
@@ -84,15 +85,16 @@ class FirstForwardFinder:
         if not self._param_ids <= {id(p) for p in module.parameters()}:
             return
         self.remove()
-        reduces_grads = isinstance(module, DistributedDataParallel)
-        model: nn.Module = module.module if isinstance(module, DistributedDataParallel) else module
+        torch_ddp = module if isinstance(module, DistributedDataParallel) else None
+        model: nn.Module = torch_ddp.module if torch_ddp is not None else module
         if not optimizer.amp_enabled:
-            optimizer.adopt_model(model, [], reduces_grads=reduces_grads)
+            optimizer.adopt_model(model, [], reduces_grads=torch_ddp is not None, torch_ddp=torch_ddp)
             return
         cfg = optimizer.strategy.amp_config
         keep = fp32_parameters(model, cfg.custom_black_varnames, keep_norm_fp32=cfg.keep_norm_fp32)
         black = keep_in_fp32(model, cfg.custom_black_varnames) if cfg.custom_black_varnames else None
-        optimizer.adopt_model(model, keep, reduces_grads=reduces_grads, black_modules=black)
+        optimizer.adopt_model(model, keep, reduces_grads=torch_ddp is not None, black_modules=black,
+                              torch_ddp=torch_ddp)
 
     def remove(self) -> None:
         """Stop watching forwards."""

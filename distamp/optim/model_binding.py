@@ -18,15 +18,20 @@ calls) or, without it, at the model's first forward
   switched to FP32 (``fleet.distributed_model`` keeps its own);
 * remembers whether a data-parallel wrapper all-reduces the gradients, so
   that an optimizer used without one on several ranks fails at its first
-  step instead of letting each rank train on its own gradients.
+  step instead of letting each rank train on its own gradients; and, for
+  torch's own ``DistributedDataParallel`` (which has no distamp comm hook),
+  whether a backward runs inside its ``no_sync()`` and so leaves ``.grad``
+  local until its next synced backward reduces it.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from distamp.amp.black_modules import BlackModulesHandle
 from distamp.amp.fp32_parameters import NORM_LAYER_TYPES, unrecognised_norms, unrecognised_norms_message
@@ -60,6 +65,7 @@ class ModelBinding:
         self.checker: NanInfChecker | None = None
         self.black_modules: BlackModulesHandle | None = None
         self.reduces_grads = False
+        self._torch_ddp: weakref.ref[DistributedDataParallel] | None = None
         self._names: dict[int, str] = {}
 
     def name_of(self, param: nn.Parameter, index: int) -> str:
@@ -67,13 +73,18 @@ class ModelBinding:
         return self._names.get(id(param), f"params[{index}]")
 
     def adopt(self, model: nn.Module, keep_fp32: list[nn.Parameter], *, reduces_grads: bool = True,
-              black_modules: BlackModulesHandle | None = None) -> None:
+              black_modules: BlackModulesHandle | None = None, torch_ddp: DistributedDataParallel | None = None
+              ) -> None:
         """The model is known: names, O2's FP32-kept parameters, ``check_nan_inf`` hooks (once).
 
         ``reduces_grads`` says whether a data-parallel wrapper all-reduces the
-        model's gradients; ``black_modules`` are kept alive with the binding.
+        model's gradients; ``black_modules`` are kept alive with the binding;
+        ``torch_ddp`` is torch's own DDP wrapper around ``model``, if that is
+        what reduces them.
         """
         self.reduces_grads = self.reduces_grads or reduces_grads  # wrapped after a bare first forward
+        if torch_ddp is not None:
+            self._torch_ddp = weakref.ref(torch_ddp)
         if self.adopted:
             return
         self.adopted = True
@@ -99,6 +110,12 @@ class ModelBinding:
                 for name, buffer in module.named_buffers(recurse=False):
                     if buffer.is_floating_point():
                         setattr(module, name, buffer.to(low))
+
+    def backward_stays_local(self) -> bool:
+        """Whether the backward now running leaves ``.grad`` unreduced for a later one to reduce: torch's own
+        DDP inside ``no_sync()`` (its next synced backward all-reduces ``.grad``, whatever it holds)."""
+        ddp = self._torch_ddp() if self._torch_ddp is not None else None
+        return ddp is not None and not ddp.require_backward_grad_sync
 
     def check_grads_reduced(self, group: dist.ProcessGroup | None) -> None:
         """Raise when several ranks would each apply their own gradients.

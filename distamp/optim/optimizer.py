@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from distamp.amp.black_modules import BlackModulesHandle
 from distamp.core.attached import GradCompressor
@@ -145,7 +146,8 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         return fp32_model_state_dict(unwrap_model(model), [self.master_weights])
 
     def adopt_model(self, model: nn.Module, keep_fp32: list[nn.Parameter], *, reduces_grads: bool = True,
-                    black_modules: BlackModulesHandle | None = None) -> None:
+                    black_modules: BlackModulesHandle | None = None,
+                    torch_ddp: DistributedDataParallel | None = None) -> None:
         """The model is known (``fleet.distributed_model``, or its first forward); see :class:`ModelBinding`.
 
         Args:
@@ -155,11 +157,14 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
                 gradients (``fleet.distributed_model``, torch's DDP).
             black_modules: the ``custom_black_varnames`` modules switched to
                 FP32 for this optimizer (kept as long as the optimizer lives).
+            torch_ddp: torch's own DDP wrapper around ``model``, when that is
+                what reduces the gradients.
         """
         if self._finder is not None:
             self._finder.remove()
             self._finder = None
-        self.binding.adopt(model, keep_fp32, reduces_grads=reduces_grads, black_modules=black_modules)
+        self.binding.adopt(model, keep_fp32, reduces_grads=reduces_grads, black_modules=black_modules,
+                           torch_ddp=torch_ddp)
         self.replicas.watch_model(model)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -182,7 +187,9 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         with (named_collective(f"the gradient all-reduce of step {self.policy.step_number + 1} (in backward)"),
               explain_ddp_errors()):
             self.precision.scale_loss(loss).backward(**kwargs)
-        self.precision.after_backward(window_open=self.merge.is_accumulating)
+        # Inside torch DDP's no_sync() the gradient stays in .grad: the next synced backward reduces .grad only.
+        window_open = self.merge.is_accumulating and not self.binding.backward_stays_local()
+        self.precision.after_backward(window_open=window_open)
         self._watch.after_backward(self.precision.loss_scale)
         self.merge.publish()
 

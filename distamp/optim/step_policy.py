@@ -76,8 +76,13 @@ class StepPolicy:
         """Name the parameters whose reduced gradient is non-finite (skipped or retried steps only)."""
         params = self.binding_params()
         names = [self.binding.name_of(p, i) for i, p in enumerate(params)]
-        # Under sharding the reduced gradients live in each rank's FP32 slice, not in .grad.
-        grads = self.precision.master_weights.reduced_grads()
+        # Under sharding the reduced gradients live in each rank's FP32 slice, not in .grad; in O2 a merge
+        # window's earlier micro-batches may sit in an FP32 sum the step adds (either may hold the inf).
+        grads = list(self.precision.master_weights.reduced_grads())
+        sums = self.precision.merge_sums()
+        if sums:
+            index = {id(p): i for i, p in enumerate(params)}
+            grads += [(index[key], total) for key, total in sums.items() if key in index]
         with named_collective(f"the overflow attribution of step {self.step_number + 1}"):
             bad = nonfinite_parameters(params, names, self._group(), grads)
         # Read before the scale update: whether this overflow can still lower the scale (as the stuck-scale check).

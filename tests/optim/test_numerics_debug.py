@@ -57,6 +57,27 @@ def test_a_skipped_step_names_the_parameter_learnt_at_the_first_forward(caplog):
     assert "step 2 skipped: non-finite gradients in head.1.bias" in caplog.text
 
 
+@pytest.mark.parametrize("pure", [False, True])
+def test_an_inf_from_an_earlier_micro_batch_of_a_merge_window_is_named(pure):
+    # O2 moves a window's earlier micro-batches into an FP32 sum that .grad does not show: the skipped
+    # step used to name no parameter ("non-finite gradients in no parameter").
+    model = Net()
+    strategy = _strategy(dtype="bfloat16", use_pure_fp16=pure)
+    strategy.gradient_merge = True
+    strategy.gradient_merge_configs = {"k_steps": 2}
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    from distamp.amp import auto_cast
+
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    with auto_cast(dtype="bfloat16"):
+        loss = F.mse_loss(model(x), y)
+    opt.backward(loss + model.head[1].bias.float().sum() * float("inf"))  # micro-batch 1 of 2: in the window
+    assert not opt.step()
+    assert not _train_step(model, opt, x, y)
+    assert opt.step_was_skipped
+    assert opt.stats()["last_overflow"] == {"step": 1, "params": ["head.1.bias"]}
+
+
 def test_a_module_that_keeps_overflowing_gets_the_black_varnames_hint(caplog):
     model = Net()
     opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), _strategy(dtype="bfloat16"))
