@@ -111,6 +111,14 @@ def save_checkpoint(
     keep = _check_count(keep, "keep", 1, ": the newest checkpoint is always kept")
     wait = validate_timeout(timeout)
     check_objects(model, optimizer, scheduler)
+    if isinstance(optimizer, AmpOptimizer) and optimizer.merge.is_accumulating:
+        merge = optimizer.merge
+        raise ValueError(
+            f"save_checkpoint(step={step}) inside a gradient-merge window: {merge.micro_steps} of its "
+            f"{merge.k_steps} micro-batches are accumulated in the gradients, which a checkpoint does not hold, so "
+            "a resume would apply the window without them. Save after the optimizer.step() that completes the "
+            "window (it returns True or False instead of accumulating)"
+        )
     extra = check_extra(extra)
     # Checked on every rank (the states are replicated), so all raise alike.
     scheduler_state = scheduler.state_dict() if scheduler is not None else None

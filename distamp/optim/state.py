@@ -24,6 +24,7 @@ from distamp.distributed.groups import group_rank, group_size
 from distamp.optim.accumulation import GradientMerge
 from distamp.optim.step_policy import StepPolicy
 from distamp.strategy import DistributedStrategy
+from distamp.user_warning import warn_user
 
 
 class StatefulOptimizer(Protocol):
@@ -107,6 +108,13 @@ def load_optimizer_state(opt: StatefulOptimizer, state_dict: dict) -> None:
     policy.steps_skipped = int(counters["steps_skipped"])
     opt.precision.consecutive_stuck = int(counters["consecutive_stuck"])
     opt.merge.micro_steps = int(counters["micro_steps"])
+    if opt.merge.is_accumulating:  # saved by optimizer.state_dict() in the middle of a window
+        warn_user(
+            f"the loaded optimizer state was saved inside a gradient-merge window (micro-batch "
+            f"{opt.merge.micro_steps} of {opt.merge.k_steps}); the gradients accumulated before it were not saved, "
+            "so this window's step applies only the micro-batches run from now on. Save after the step that "
+            "completes a window"
+        )
     policy.retries = int(counters.get("retries", 0))
     policy.overflow.load_state_dict(counters)
     _load_compressor_state(opt, state_dict.get("powersgd"))

@@ -154,3 +154,52 @@ def test_a_failure_after_the_commit_is_logged_and_the_save_stands(tmp_path, monk
     assert path == str(payload(tmp_path, 10))
     assert "checkpoint 10 saved, but removing old files" in caplog.text
     assert layout(tmp_path) == ["step-00000010.common.<hash>.pt", "step-00000010.json"]
+
+
+def _merging(k_steps: int):
+    import torch
+    from torch import nn
+
+    from distamp.optim import AmpOptimizer
+    from distamp.strategy import DistributedStrategy
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    strategy = DistributedStrategy(amp=True, gradient_merge=True)
+    strategy.amp_configs = {"dtype": "bfloat16", "use_pure_fp16": True}
+    strategy.gradient_merge_configs = {"k_steps": k_steps}
+    return model, AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+
+
+def _micro_batch(model, opt) -> bool:
+    import torch
+
+    from distamp.amp import auto_cast
+
+    with auto_cast(dtype="bfloat16"):
+        loss = model(torch.randn(3, 4)).float().square().mean()
+    opt.backward(loss)
+    return opt.step()
+
+
+def test_a_save_inside_a_gradient_merge_window_is_refused_before_writing_and_one_after_it_is_not(tmp_path):
+    model, opt = _merging(3)
+    _micro_batch(model, opt)
+    _micro_batch(model, opt)
+    with pytest.raises(ValueError, match=r"^save_checkpoint\(step=1\) inside a gradient-merge window: 2 of its 3 "
+                                         r"micro-batches are accumulated in the gradients"):
+        save_checkpoint(tmp_path / "ckpt", 1, model=model, optimizer=opt)
+    assert not (tmp_path / "ckpt").exists() or files(tmp_path / "ckpt") == []
+    assert _micro_batch(model, opt)  # the window's step
+    save_checkpoint(tmp_path / "ckpt", 1, model=model, optimizer=opt)
+    assert files(tmp_path / "ckpt")
+
+
+def test_loading_a_state_saved_inside_a_window_warns_that_its_gradients_were_not_saved():
+    model, opt = _merging(2)
+    _micro_batch(model, opt)
+    state = opt.state_dict()  # optimizer.state_dict() itself is not refused (logging, EMA code read it)
+    _, opt2 = _merging(2)
+    with pytest.warns(UserWarning, match=r"saved inside a gradient-merge window \(micro-batch 1 of 2\); the "
+                                         r"gradients accumulated before it were not saved"):
+        opt2.load_state_dict(state)
