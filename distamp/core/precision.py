@@ -469,14 +469,19 @@ def _check_scaler_type(saved: str, scaler: LossScaler | None) -> None:
 
 
 def _stuck_message(config: AmpConfig, scale: float, count: int) -> str:
-    hint = (
-        "Use strategy.amp_configs = {..., 'dtype': 'bfloat16'} (BF16 has FP32's range), or lower min_loss_scaling"
-        if config.dtype == "float16"
-        else "The model produces inf/NaN even in BF16: check the data, the learning rate and the loss"
-    )
+    if config.dtype != "float16":
+        hint = "The model produces inf/NaN even in BF16: check the data, the learning rate and the loss"
+    elif config.use_dynamic_loss_scaling:
+        hint = ("Use strategy.amp_configs = {..., 'dtype': 'bfloat16'} (BF16 has FP32's range), or lower "
+                "min_loss_scaling")
+    else:
+        hint = ("Use strategy.amp_configs = {..., 'dtype': 'bfloat16'} (BF16 has FP32's range), or a lower "
+                "init_loss_scaling, or use_dynamic_loss_scaling=True")
+    why = (f"the scale could not go lower (min_loss_scaling={config.min_loss_scaling:g})"
+           if config.use_dynamic_loss_scaling else "the scale is static (use_dynamic_loss_scaling=False)")
     return (
-        f"the loss scale is stuck at {scale:g}: {count} consecutive steps overflowed while the scale could not "
-        f"go lower (min_loss_scaling={config.min_loss_scaling:g}), so training is not making progress. {hint}"
+        f"the loss scale is stuck at {scale:g}: {count} consecutive steps overflowed while {why}, so training is "
+        f"not making progress. {hint}"
     )
 
 

@@ -133,6 +133,19 @@ def test_stuck_scale_raises_after_patience(dtype, hint):
         plugin.update(True, None)
 
 
+def test_a_stuck_static_scale_says_it_is_static_and_what_to_change():
+    config = AmpConfig.from_dict({"dtype": "float16", "use_dynamic_loss_scaling": False, "init_loss_scaling": 8.0,
+                                  "stuck_scale_patience": 2})
+    plugin = MixedPrecision(_params(), config)
+    plugin.update(True, None)
+    with pytest.raises(RuntimeError, match=re.escape(
+        "the loss scale is stuck at 8: 2 consecutive steps overflowed while the scale is static "
+        "(use_dynamic_loss_scaling=False), so training is not making progress. Use strategy.amp_configs = {..., "
+        "'dtype': 'bfloat16'} (BF16 has FP32's range), or a lower init_loss_scaling, or use_dynamic_loss_scaling=True"
+    )):
+        plugin.update(True, None)
+
+
 def test_lower_scale_now_and_state_round_trip():
     config = AmpConfig.from_dict({"init_loss_scaling": 4.0, "min_loss_scaling": 1.0})
     plugin = MixedPrecision(_params(), config)
