@@ -78,9 +78,8 @@ from distamp.torch_compat import (
 )
 
 __all__ = ["SLICEABLE_OPTIMIZERS", "SLICE_ALIGN", "GradSource", "Pair", "Piece", "as_one_step", "check_in_chunks",
-           "chunk_limit",
-           "chunk_numel", "copy_and_unscale_", "plan_chunks", "room_below_peak", "step_and_free_in_chunks",
-           "step_in_chunks", "step_makes_temporaries", "step_only", "steps_in_chunks"]
+           "chunk_limit", "chunk_numel", "copy_and_unscale_", "plan_chunks", "room_below_peak",
+           "step_and_free_in_chunks", "step_in_chunks", "step_makes_temporaries", "step_only", "steps_in_chunks"]
 
 SLICEABLE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 """Optimizers whose update of an element depends on that element's gradient and state only."""
