@@ -73,11 +73,25 @@ __all__ = [
 foreach_add_ = torch._foreach_add_
 foreach_copy_ = torch._foreach_copy_
 foreach_mul_ = torch._foreach_mul_
-foreach_norm = torch._foreach_norm
 foreach_zero_ = torch._foreach_zero_
 # GradScaler's fused unscale and inf/NaN check (torch/amp/grad_scaler.py): one
 # kernel per device and dtype, no host sync. 2.11-2.14: (grads, found_inf, inv_scale).
 amp_foreach_non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
+
+
+def foreach_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> list[torch.Tensor]:
+    """``torch._foreach_norm``: each tensor's ``norm_type``-norm, one fused kernel, where an empty tensor's norm is 0.
+
+    torch refuses the infinity norm of an empty tensor ("does not have an
+    identity", 2.11-2.15), and distamp meets empty tensors: a stage-3 shard
+    of a parameter with fewer rows than ranks. Its norm is 0 for every
+    ``norm_type`` (what torch gives for the finite ones), in its own dtype.
+    """
+    if all(t.numel() for t in tensors):
+        return list(torch._foreach_norm(tensors, norm_type))
+    nonempty = [t for t in tensors if t.numel()]
+    held = iter(torch._foreach_norm(nonempty, norm_type) if nonempty else ())
+    return [next(held) if t.numel() else t.new_zeros(()) for t in tensors]
 
 # --------------------------------------------------------------------------- torch-function machinery
 # The context manager torch's own __torch_function__ handlers use to call

@@ -32,6 +32,13 @@ def test_fused_list_ops_compute_what_their_loops_compute():
     tc.foreach_mul_(a, 0.5)
     assert [t.tolist() for t in a] == [[2.5] * 3, [1.5] * 2]
     assert [n.item() for n in tc.foreach_norm(a, float("inf"))] == [2.5, 1.5]
+    # An empty tensor (a stage-3 shard of a parameter with fewer rows than ranks) has norm 0, any ord.
+    empty = [torch.ones(2), torch.ones(0, dtype=torch.bfloat16), -torch.full((1,), 3.0)]
+    for ord_ in (float("inf"), 2.0):
+        norms = tc.foreach_norm(empty, ord_)
+        assert [n.item() for n in norms] == pytest.approx([1.0 if ord_ == float("inf") else 2**0.5, 0.0, 3.0])
+        assert norms[1].dtype == torch.bfloat16
+        assert [n.item() for n in tc.foreach_norm([torch.ones(0), torch.ones(0, 4)], ord_)] == [0.0, 0.0]
     tc.foreach_copy_(a, b)
     assert [t.tolist() for t in a] == [t.tolist() for t in b]
     tc.foreach_zero_(a)

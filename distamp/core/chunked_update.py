@@ -246,9 +246,7 @@ def check_in_chunks(pairs: Sequence[Pair], extra: dict[int, torch.Tensor] | None
     for chunk in plan_chunks([m.numel() for _, m in pairs], limit, [_contiguous(p) for p, _ in pairs]):
         grads = filler.fill(chunk)
         if needs_max:
-            held = [g for g in grads if g.numel()]
-            if held:
-                maxima.append(torch.stack(foreach_norm(held, math.inf)).max())
+            maxima.append(torch.stack(foreach_norm(grads, math.inf)).max())
     grad_max = torch.stack(maxima).max() if maxima else None
     return filler.found, grad_max
 

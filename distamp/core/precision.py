@@ -486,17 +486,11 @@ def _stuck_message(config: AmpConfig, scale: float, count: int) -> str:
 
 
 def _max_abs(grads: list[torch.Tensor]) -> torch.Tensor:
-    """max |g| over all gradients (0 when all are empty): one fused norm kernel per device and dtype.
-
-    Empty gradients are left out (a stage-3 shard of a parameter with fewer
-    rows than ranks is empty; the infinity norm of nothing is an error).
-    """
+    """max |g| over all gradients: one fused norm kernel per device and dtype."""
     maxima = [
         torch.stack(foreach_norm(group, math.inf)).max().float()
-        for group in _by_device_and_dtype([g for g in grads if g.numel()]).values()
+        for group in _by_device_and_dtype(grads).values()
     ]
-    if not maxima:
-        return torch.zeros((), dtype=torch.float32, device=grads[0].device)
     return torch.stack([m.to(maxima[0].device) for m in maxima]).max()
 
 

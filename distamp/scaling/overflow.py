@@ -67,8 +67,7 @@ def nonfinite_parameters(
     flags = torch.zeros(len(params), dtype=torch.float32, device=device)
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[int, torch.Tensor]]] = {}
     for i, grad in grads:
-        if grad.numel():  # an empty shard (a stage-3 parameter with fewer rows than ranks) holds nothing to check
-            groups.setdefault((grad.device, grad.dtype), []).append((i, grad))
+        groups.setdefault((grad.device, grad.dtype), []).append((i, grad))
     for members in groups.values():
         maxima = torch.stack(foreach_norm([grad for _, grad in members], math.inf)).float()
         indices = torch.tensor([i for i, _ in members], device=device)

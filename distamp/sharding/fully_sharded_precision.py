@@ -313,9 +313,8 @@ class FullyShardedPrecision(MixedPrecision):
         norm_type = float(norm_type)
         device = shards[0].device if shards else self._any_device()
         local = torch.zeros(1, dtype=torch.float32, device=device)
-        held = [g for g in shards if g.numel()]  # a shard of a parameter with fewer rows than ranks can be empty
-        if held:
-            norms = torch.stack(foreach_norm(held, norm_type)).float()
+        if shards:
+            norms = torch.stack(foreach_norm(shards, norm_type)).float()
             local[0] = norms.max() if math.isinf(norm_type) else (norms**norm_type).sum()
         total, coefficient = global_clip(local, max_norm, norm_type, self.group, error_if_nonfinite)
         if shards:

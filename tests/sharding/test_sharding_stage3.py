@@ -569,14 +569,15 @@ def test_a_parameter_read_outside_its_unit_fails_naming_the_units_and_the_named_
     assert run_workers(_train_tied, 2, ["proj"], timeout=100) == [True, True]  # the embedding stays in the root
 
 
-def _empty_shard(rank, world, algorithm, pure):
-    """A head of one output row: its weight and bias shards are empty on rank 1."""
+def _empty_shard(rank, world, algorithm, pure, head_only=False):
+    """A head of one output row: its weight and bias shards are empty on rank 1 (with ``head_only`` rank 1
+    holds nothing at all)."""
     from distamp import fleet
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 1))
-    dtype = "float16" if algorithm == "lognormal" else "bfloat16"
-    strategy = _strategy(3, use_pure_fp16=pure, dtype=dtype, loss_scaling_algorithm=algorithm, init_loss_scaling=256.0)
+    model = nn.Sequential(*([] if head_only else [nn.Linear(6, 32), nn.ReLU()]), nn.Linear(32, 1))
+    fp16 = {"dtype": "float16", "init_loss_scaling": 256.0} if algorithm == "lognormal" else {"dtype": "bfloat16"}
+    strategy = _strategy(3, use_pure_fp16=pure, loss_scaling_algorithm=algorithm, **fp16)
     fleet.init()
     opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), strategy)
     wrapped = fleet.distributed_model(model)
@@ -584,7 +585,8 @@ def _empty_shard(rank, world, algorithm, pure):
     applied, norms = [], []
     for i in range(3):
         with fleet.auto_cast():
-            loss = F.mse_loss(wrapped(torch.randn(4, 6, generator=g)).float(), torch.randn(4, 1, generator=g))
+            x = torch.randn(4, 32 if head_only else 6, generator=g)
+            loss = F.mse_loss(wrapped(x).float(), torch.randn(4, 1, generator=g))
         if i == 1 and rank == 0:
             loss = loss * float("inf")
         opt.zero_grad()
@@ -614,6 +616,20 @@ def test_a_parameter_with_fewer_rows_than_ranks_skips_clips_and_gathers_its_stat
             for key, value in out[rank]["state"][i].items():
                 assert torch.equal(value, out[0]["state"][i][key]), (rank, i, key)
     assert out[0]["state"][2]["exp_avg"].shape == (1, 32)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("algorithm", ["backoff", "lognormal"])
+def test_a_rank_whose_shards_are_all_empty_skips_clips_and_gathers_alike(algorithm):
+    out = run_workers(_empty_shard, 2, algorithm, True, True, timeout=180)
+    for rank in (0, 1):
+        assert out[rank]["applied"] == [True, False, True]
+        assert out[rank]["overflow"]["step"] == 2
+        assert out[rank]["norms"] == out[0]["norms"]
+        assert list(out[rank]["state"]) == [0, 1]
+        for i in range(2):
+            for key, value in out[rank]["state"][i].items():
+                assert torch.equal(value, out[0]["state"][i][key]), (rank, i, key)
 
 
 def _batch_norm(rank, world, stage):
