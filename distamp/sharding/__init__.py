@@ -19,7 +19,8 @@ Checkpoints learn where a plugin's state lies only from its
 ``checkpoint_layout`` (the core's interface) and re-slice it in
 ``distamp.checkpoint.flat_state``; they import nothing from this package.
 
-``global_clip`` combines each rank's part of the gradient norm. The package
+``global_clip`` combines each rank's part of the gradient norm; ``buffer_broadcast`` keeps DDP's
+``broadcast_buffers`` rule for stage 2's reducer and stage 3's model, which replace DDP. The package
 imports the core (``distamp.core``, ``distamp.distributed``,
 ``distamp.scaling``, ``distamp.strategy``), never ``amp`` or ``compression``.
 """

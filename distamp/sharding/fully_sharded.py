@@ -45,11 +45,12 @@ from distamp.distributed.fingerprint import check_ranks_agree
 from distamp.distributed.groups import group_size
 from distamp.distributed.timeouts import named_collective
 from distamp.model_views import fp32_model_state_dict, parameters_device
+from distamp.sharding.buffer_broadcast import BufferBroadcast
 from distamp.sharding.fsdp_comms import InPlaceAllGather, WireReduceScatter
 from distamp.sharding.fsdp_policy import unit_policies
 from distamp.sharding.shard_units import choose_units
 from distamp.strategy import DistributedStrategy
-from distamp.torch_compat import fsdp_unsharded_parameters, is_mixed_dtensor_error, sync_params_and_buffers
+from distamp.torch_compat import fsdp_unsharded_parameters, is_mixed_dtensor_error
 
 __all__ = ["FullyShardedModel"]
 
@@ -124,8 +125,8 @@ class FullyShardedModel(nn.Module):
         self._optimizers: list[FullyShardedOptimizer] = []
         self._ran_forward = False
         self._grad_sync = True
-        self._group = group
-        self._sync_buffers_next = True
+        # FSDP2 syncs no buffer: DDP's broadcast_buffers rule keeps BatchNorm statistics equal across ranks.
+        self._buffer_broadcast = BufferBroadcast(module, group, enabled=self._group_size > 1)
 
     # ------------------------------------------------------------------
     @property
@@ -217,14 +218,14 @@ class FullyShardedModel(nn.Module):
             RuntimeError: the forward read a parameter outside its unit's
                 forward, where it is a shard; the message names the units.
         """
-        self._broadcast_buffers()
+        self._buffer_broadcast.before_forward()
         try:
             output = self.module(*args, **kwargs)
         except RuntimeError as error:
             if not is_mixed_dtensor_error(error):
                 raise
             raise RuntimeError(_read_outside_unit(self._unit_names)) from error
-        self._sync_buffers_next = self.require_backward_grad_sync and torch.is_grad_enabled()
+        self._buffer_broadcast.after_forward(self.require_backward_grad_sync)
         if not self._ran_forward:
             # Every unit has been all-gathered once: its unsharded parameters exist (FSDP2 reuses them).
             self._ran_forward = True
@@ -232,18 +233,6 @@ class FullyShardedModel(nn.Module):
             for optimizer in self._optimizers:
                 optimizer.watch_local_grads(named)
         return output
-
-    @torch.compiler.disable
-    def _broadcast_buffers(self) -> None:
-        """Rank 0's buffers to every rank before a forward that follows a training forward (DDP's
-        ``broadcast_buffers``; FSDP2 syncs none), so BatchNorm statistics stay equal across ranks and a
-        checkpoint, which keeps rank 0's, resumes every rank bitwise."""
-        if not (self._sync_buffers_next and self.distributed):
-            return
-        buffers = [b.detach() for b in self.module.buffers()]
-        if buffers:
-            with named_collective("the broadcast of buffers from rank 0 before the forward"):
-                sync_params_and_buffers(self._group, buffers, _BROADCAST_BYTES, 0)
 
     def _unsharded_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, unsharded parameter)`` of each parameter gathered so far: where autograd puts local gradients."""
@@ -315,8 +304,6 @@ def _read_outside_unit(units: list[str]) -> str:
         f"not a unit apart (what no unit takes stays in the root). Units now: [{shown}]"
     )
 
-
-_BROADCAST_BYTES = 1 << 20  # coalescing bound of the buffer broadcast, as DDP's and stage 2's
 
 _STRATEGY_MISMATCH = (
     "the model is sharded with sharding stage 3 (fleet.distributed_model), but the optimizer's strategy is not "

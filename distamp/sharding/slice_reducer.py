@@ -55,9 +55,10 @@ from torch import nn
 
 from distamp.distributed.comm_hooks import CommStats, Pending
 from distamp.model_views import parameters_device
+from distamp.sharding.buffer_broadcast import BufferBroadcast, broadcast_from_rank0
 from distamp.sharding.reduce_scatter import REDUCE_BUCKET_BYTES, ShardedGradReduce
 from distamp.sharding.slice_owner import SliceOwner
-from distamp.torch_compat import is_view, queue_autograd_callback, sync_params_and_buffers, to_kwargs, tree_flatten
+from distamp.torch_compat import is_view, queue_autograd_callback, to_kwargs, tree_flatten
 
 __all__ = ["SliceReducer"]
 
@@ -66,8 +67,6 @@ OPEN_BUCKETS = 3
 :class:`~distamp.sharding.reduce_scatter.ShardedGradReduce`). On the benchmark MLP over a 1 Gbit/s link
 (2 ranks) backward with its reduce-scatter took 93 ms with two (one waiting) and 61 ms with three,
 where the line alone needs 52; peak memory on the 2.4M-parameter MLP went from 0.54x to 0.56x unsharded."""
-
-_BROADCAST_BYTES = 1 << 20  # coalescing bound of the start-up and buffer broadcasts: no model-size flat copy
 
 
 @dataclass(frozen=True)
@@ -135,10 +134,9 @@ class SliceReducer:
         self.shards = list(shards)
         self.process_group = process_group
         self.find_unused_parameters = find_unused_parameters
-        self.broadcast_buffers = broadcast_buffers
         self.sync = True
         """Whether the backward of the last forward reduces (False under ``no_sync``: ``.grad`` accumulates)."""
-        self._sync_buffers_next = True
+        self._buffer_broadcast = BufferBroadcast(module, _group(process_group), broadcast_buffers)
         params = list(dict.fromkeys(p for p in reversed(list(module.parameters())) if p.requires_grad))  # by identity
         self.params = params
         self.buckets = _cut(params, max(1, bucket_bytes // wire_dtype.itemsize))
@@ -177,7 +175,7 @@ class SliceReducer:
     def broadcast_from_rank0(self) -> None:
         """Every rank takes rank 0's parameters and buffers (collective; once, when built)."""
         states = [p.detach() for p in self.module.parameters()] + [b.detach() for b in self.module.buffers()]
-        sync_params_and_buffers(_group(self.process_group), states, _BROADCAST_BYTES, 0)
+        broadcast_from_rank0(states, _group(self.process_group))
 
     @torch.compiler.disable
     def before_forward(self, sync: bool) -> None:
@@ -190,10 +188,7 @@ class SliceReducer:
             self.exchange.finish_completed(wait=True)
             self._reset()
         self.sync = sync
-        if self._sync_buffers_next and self.broadcast_buffers:
-            buffers = [b.detach() for b in self.module.buffers()]
-            if buffers:
-                sync_params_and_buffers(_group(self.process_group), buffers, _BROADCAST_BYTES, 0)
+        self._buffer_broadcast.before_forward()
 
     def inputs_to_device(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """What DDP does with ``device_ids`` (and FSDP2 at its root): a CUDA model's inputs go to its device first.
@@ -208,8 +203,7 @@ class SliceReducer:
     @torch.compiler.disable
     def watch(self, output: Any) -> Any:
         """Hook the forward's output tensors so their backward queues the end-of-backward flush; returns ``output``."""
-        self._sync_buffers_next = self.sync and torch.is_grad_enabled()
-        if self._sync_buffers_next:
+        if self._buffer_broadcast.after_forward(self.sync):
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(self._backward_started)
