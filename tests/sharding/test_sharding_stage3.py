@@ -668,3 +668,29 @@ def test_buffers_follow_rank_zero_before_each_training_forward_as_ddp_broadcasts
         reference = run_workers(_batch_norm, 2, 2, timeout=180)  # stage 2 broadcasts as DDP does
         for a, b in zip(out[0], reference[0], strict=True):
             assert torch.equal(a, b)
+
+
+def _rank_seeded_start(rank, world):
+    from distamp import fleet
+
+    torch.manual_seed(rank)  # each rank its own initial weights and statistics, as an unseeded script has
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Linear(16, 3))
+    model[1].running_mean.normal_()
+    fleet.init()
+    fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), _strategy(3))
+    wrapped = fleet.distributed_model(model)
+    return {"state": {k: v.clone() for k, v in wrapped.fp32_state_dict().items()},
+            "buffer": model[1].running_mean.clone()}
+
+
+@pytest.mark.timeout(200)
+def test_stage3_starts_every_rank_from_rank_zero_weights_and_buffers():
+    out = run_workers(_rank_seeded_start, 2, timeout=180)
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Linear(16, 3))
+    reference[1].running_mean.normal_()
+    for rank in range(2):
+        assert out[rank]["state"].keys() == reference.state_dict().keys()
+        for key, value in reference.state_dict().items():
+            assert torch.equal(out[rank]["state"][key], value), (rank, key)
+        assert torch.equal(out[rank]["buffer"], reference[1].running_mean)
