@@ -191,6 +191,8 @@ class ShardedGradReduce:
         """Most elements a round carries for one destination (a bucket's bytes in all; gloo's limit per peer)."""
         self._owner = {id(p): (shard, i) for shard in shards for i, p in enumerate(shard.model_params)}
         self._plans: dict[tuple[int, ...], _BucketPlan] = {}
+        self._backward_numel: int | None = None  # elements DDP hands over per backward (set by register)
+        self._received_numel = 0  # elements DDP handed over so far in this backward
 
     def finish_completed(self, wait: bool) -> None:
         """Launch queued rounds while fewer than :data:`MAX_IN_FLIGHT` run; finish those done.
@@ -230,7 +232,22 @@ class ShardedGradReduce:
 
     def register(self, ddp: "torch.nn.parallel.DistributedDataParallel") -> None:
         """Install this hook on ``ddp`` (once, before its first backward)."""
+        self._backward_numel = sum(p.numel() for p in ddp_reduced_parameters(ddp))
         ddp.register_comm_hook(self, reduce_scatter_hook)
+
+    def is_last_bucket(self, bucket: dist.GradBucket) -> bool:
+        """Whether ``bucket`` is the last DDP hands over in this backward (it has then handed over every element).
+
+        DDP hands every bucket to the hook once per backward (with
+        ``find_unused_parameters`` too). ``bucket.is_last()`` alone is not
+        enough: in the first backward with ``static_graph=True`` DDP hands all
+        buckets over at the end under one index, 0, so none is last.
+        """
+        self._received_numel += bucket.buffer().numel()
+        last = bucket.is_last() or (self._backward_numel is not None and self._received_numel >= self._backward_numel)
+        if last:
+            self._received_numel = 0
+        return last
 
     def plan(self, params: Sequence[torch.Tensor]) -> _BucketPlan:
         """Where the elements of a bucket holding ``params`` in this order go (cached)."""
@@ -341,11 +358,22 @@ def reduce_scatter_hook(state: ShardedGradReduce, bucket: dist.GradBucket) -> to
     """DDP comm hook body for :class:`ShardedGradReduce` (``state`` is the instance)."""
     buffer = bucket.buffer()
     done = bucket_future(buffer)
-    last = bucket.is_last()
+    last = state.is_last_bucket(bucket)
     state.launch(buffer, bucket.parameters(), done, last=last)
     if last:
         state.finish_completed(wait=True)  # DDP waits for every bucket's future right after this hook
     return done
+
+
+def ddp_reduced_parameters(ddp: "torch.nn.parallel.DistributedDataParallel") -> list[torch.Tensor]:
+    """The parameters whose gradients ``ddp``'s reducer puts in its buckets: those requiring grad, not in
+    ``ddp.parameters_to_ignore``, each once (DDP's own rule)."""
+    seen: dict[int, torch.Tensor] = {}
+    for module_name, module in ddp.module.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p.requires_grad and f"{module_name}.{name}" not in ddp.parameters_to_ignore:
+                seen.setdefault(id(p), p)
+    return list(seen.values())
 
 
 def bucket_future(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
