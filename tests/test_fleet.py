@@ -268,6 +268,10 @@ def test_bad_models_and_optimizers_are_refused_with_the_fix():
         fleet.distributed_model("model")
     with pytest.raises(ValueError, match=r"device_ids=\[0\] is set by distamp.*remove it"):
         fleet.distributed_model(model, device_ids=[0])
+    # A one-process world builds no DDP: a misspelt DDP option was silently ignored there.
+    with pytest.raises(ValueError, match=r"\['statc_graph'\] are not keyword arguments of fleet.distributed_model.*"
+                                         r"'static_graph'"):
+        fleet.distributed_model(model, statc_graph=True)
     with pytest.raises(TypeError, match="already wrapped in DataParallel; pass the bare model"):
         fleet.distributed_model(fleet.distributed_model(model))
     with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer, got list"):

@@ -29,6 +29,7 @@ FP32 gradient slices.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,7 +55,10 @@ from distamp.torch_compat import ddp_has_rebuilt_buckets
 
 __all__ = ["DataParallel", "strategy_fp32_parameters"]
 
-_SET_BY_DISTAMP = ("device_ids", "output_device", "gradient_as_bucket_view", "bucket_cap_mb")
+_SET_BY_DISTAMP = ("device_ids", "output_device", "gradient_as_bucket_view", "bucket_cap_mb", "bucket_cap_mb_list")
+_DDP_KWARGS = tuple(name for name in inspect.signature(DistributedDataParallel.__init__).parameters
+                    if name not in ("self", "module", "process_group", "find_unused_parameters", *_SET_BY_DISTAMP))
+"""DDP's keyword arguments a user may pass through (the others distamp sets or takes itself)."""
 
 
 def strategy_fp32_parameters(module: nn.Module, strategy: DistributedStrategy) -> list[nn.Parameter]:
@@ -117,7 +121,8 @@ class DataParallel(nn.Module):
             ``init_sync`` and ``static_graph`` (which it needs no hint for).
 
     Raises:
-        ValueError: a DDP argument distamp sets itself, or one stage 2 cannot honour.
+        ValueError: a keyword argument DDP does not take, a DDP argument distamp sets
+            itself, or one stage 2 cannot honour.
     """
 
     def __init__(
@@ -135,6 +140,12 @@ class DataParallel(nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
         if isinstance(module, (DataParallel, DistributedDataParallel)):
             raise TypeError(f"model is already wrapped in {type(module).__name__}; pass the bare model")
+        unknown = sorted(set(ddp_kwargs) - set(_DDP_KWARGS) - set(_SET_BY_DISTAMP))
+        if unknown:
+            raise ValueError(
+                f"{unknown} are not keyword arguments of fleet.distributed_model; it takes process_group, device, "
+                f"find_unused_parameters and these of DDP's: {list(_DDP_KWARGS)}"
+            )
         for name in _SET_BY_DISTAMP:
             if name in ddp_kwargs:
                 raise ValueError(
