@@ -244,10 +244,18 @@ class PowerSGD:
 
     # -- the verdict -------------------------------------------------------------
 
+    def discard_attempt(self) -> None:
+        """Drop what this step's communications computed; the step goes on (``overflow_retries``).
+
+        The bytes already sent stay in the step's count: the retried
+        attempt's communication crossed the wire too.
+        """
+        self._tentative, self._residual = {}, {}
+
     def resolve(self, applied: bool) -> None:
         """Commit the state the last communication computed (``applied``) or drop it; end the step's count."""
-        tentative, self._tentative = self._tentative, {}
-        self._residual = {}
+        tentative = self._tentative
+        self.discard_attempt()
         if applied:
             for name, (error, q) in tentative.items():
                 if error is not None:

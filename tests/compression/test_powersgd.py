@@ -459,6 +459,7 @@ def _retry_worker(rank, world_size):
             grad[0, 0] = float("inf")
         return grad
     model[0].weight.register_hook(hook)
+    sent = []
     for step in range(1, 7):
         step_box[0], attempts[0] = step, 0
         x, y = _batch(rank, step)
@@ -473,10 +474,11 @@ def _retry_worker(rank, world_size):
 
         opt.step(closure)
         assert not opt.step_was_skipped
+        sent.append(opt.stats()["bytes_sent"])
     state = opt.policy.compressor.state_dict()
     return {"params": _flat(model), "retries": opt.stats()["retries"], "applied": opt.steps_applied,
             "finite": all(torch.isfinite(t).all() for k in ("error", "q") for t in state[k].values()),
-            "compressor_steps": state["applied_steps"]}
+            "compressor_steps": state["applied_steps"], "sent": sent}
 
 
 def test_overflow_retry_discards_the_attempt():
@@ -486,6 +488,10 @@ def test_overflow_retry_discards_the_attempt():
         assert result["applied"] == 6
         assert result["compressor_steps"] == 6
         assert result["finite"]
+        # The retried step sent its gradients twice, both attempts compressed (steps 3 to 6 compress).
+        sent = result["sent"]
+        assert sent[2] == sent[4] == sent[5], sent
+        assert sent[INF_STEP - 1] == 2 * sent[2], sent
     assert torch.equal(out[0]["params"], out[1]["params"])
 
 
