@@ -16,6 +16,13 @@ step that produced it:
   ranks agreed on the verdict, calls :meth:`PowerSGD.resolve`: an applied
   step commits it, a skipped (or retried) one discards it, so the state
   after a skipped step is bitwise the state before it.
+* several communicating backward passes before one step (accumulation
+  without ``no_sync``) compress what one communication of the summed
+  gradient would: each later pass adds what the earlier ones' compression
+  missed (their residual ``M - P Q^T``) instead of the committed error,
+  which the first pass already sent, so the error feedback enters the step
+  once; :meth:`PowerSGD.gradients_replaced` drops that residual when the
+  gradients were cleared in between.
 
 The optimizer talks to the hook only through the :class:`GradCompressor`
 protocol defined here (the dependency goes from the optimizer to
@@ -195,6 +202,9 @@ class PowerSGD:
         self.error: dict[str, torch.Tensor] = {}
         self.q: dict[str, torch.Tensor] = {}
         self._tentative: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        # What this step's earlier communications missed (M - P Q^T, FP32, unscaled), per gradient: a later
+        # backward pass before the step re-sends the gradient they wrote, so it adds this, not the error.
+        self._residual: dict[str, torch.Tensor] = {}
         # Work buffers kept between steps: M (which becomes the next error) and P Q^T.
         self._spare: dict[str, torch.Tensor] = {}
         self._scratch: dict[str, torch.Tensor] = {}
@@ -234,9 +244,18 @@ class PowerSGD:
 
     # -- the verdict -------------------------------------------------------------
 
+    def discard_attempt(self) -> None:
+        """Drop what this step's communications computed; the step goes on (``overflow_retries``).
+
+        The bytes already sent stay in the step's count: the retried
+        attempt's communication crossed the wire too.
+        """
+        self._tentative, self._residual = {}, {}
+
     def resolve(self, applied: bool) -> None:
         """Commit the state the last communication computed (``applied``) or drop it; end the step's count."""
-        tentative, self._tentative = self._tentative, {}
+        tentative = self._tentative
+        self.discard_attempt()
         if applied:
             for name, (error, q) in tentative.items():
                 if error is not None:
@@ -251,6 +270,14 @@ class PowerSGD:
         if self._dense_equivalent:
             self._report = (self._sent, self._dense_equivalent / self._sent if self._sent else None)
         self._sent = self._dense_equivalent = 0
+
+    def gradients_replaced(self) -> None:
+        """The gradients were cleared or replaced since this step's last communication.
+
+        The next backward pass then holds none of what the earlier ones
+        wrote, so it adds the committed error again, not their residual.
+        """
+        self._residual = {}
 
     def step_report(self) -> tuple[int | None, float | None]:
         """``(bytes sent, compression rate)`` of the last resolved step; (None, None) before any.
@@ -293,7 +320,7 @@ class PowerSGD:
         self.applied_steps = int(state["applied_steps"])
         self.q = {name: t.to(device, torch.float32) for name, t in state["q"].items()}
         self.error = {name: t.to(device, torch.float32).clone() for name, t in state["error"].items()}
-        self._tentative, self._spare = {}, {}
+        self._tentative, self._spare, self._residual = {}, {}, {}
 
     # -- the hook's work -------------------------------------------------------------
 
@@ -343,19 +370,24 @@ class PowerSGD:
         _all_reduce_each([x.qt for x in matrices], self.process_group)
         for x in matrices:
             x.qt.div_(self.world_size)
+            # The residual M - P Q^T is kept even without error feedback: a later pass of this step needs it.
             if self.kernels is not None:
-                new_error = self._write_fused(self.kernels, x, scale, cfg.error_feedback)
+                residual = self._write_fused(self.kernels, x, scale)
             else:
-                new_error = self._write_exact(x, scale, cfg.error_feedback)
-            self._tentative[x.name] = (new_error, x.qt.clone() if cfg.warm_start else None)
+                residual = self._write_exact(x, scale)
+            self._residual[x.name] = residual
+            self._tentative[x.name] = (residual if cfg.error_feedback else None,
+                                       x.qt.clone() if cfg.warm_start else None)
 
     def _start(self, name: str, grad: torch.Tensor, rows: int, cols: int, scale: float) -> _Matrix:
         """``M = grad / scale + error`` (FP32) and this rank's ``P = M Q`` for one gradient."""
         cfg = self.config
         # M lives in a buffer kept between steps (a fresh 4 bytes per element each step costs more in page
         # faults on CPU than the whole low-rank product).
-        m = self._buffer(self._spare, name, rows, cols, grad.device, avoid=self.error.get(name))
-        error = self.error.get(name) if cfg.error_feedback else None
+        residual = self._residual.get(name)
+        m = self._buffer(self._spare, name, rows, cols, grad.device, avoid=(self.error.get(name), residual))
+        # A later pass of this step: the gradient holds what the earlier ones wrote, which carried the error.
+        error = residual if residual is not None else self.error.get(name) if cfg.error_feedback else None
         qt_old = self._start_qt(name, rows, cols, grad.device)
         if self.kernels is not None:
             p = torch.empty(rows, qt_old.shape[0], dtype=torch.float32, device=grad.device)
@@ -392,21 +424,19 @@ class PowerSGD:
         # committed Q would be orthogonalised in place (a skipped step would then change the state).
         return orthogonalize_(qt.t().clone(memory_format=torch.contiguous_format)).t().contiguous()
 
-    def _write_fused(self, kernels: LowRankKernels, x: _Matrix, scale: float,
-                     error_feedback: bool) -> torch.Tensor | None:
+    def _write_fused(self, kernels: LowRankKernels, x: _Matrix, scale: float) -> torch.Tensor:
         """:meth:`_write_exact` in one pass with the CPU kernels (FP16 gradients through an FP32 buffer)."""
-        error = x.m if error_feedback else None
         rows, cols = x.m.shape
         if x.grad.dtype == torch.float16:
             approx = self._buffer(self._scratch, x.name, rows, cols, x.m.device)
-            kernels.finish(approx, error, x.p, x.qt, scale)
+            kernels.finish(approx, x.m, x.p, x.qt, scale)
             x.grad.copy_(approx.view_as(x.grad))
         else:
-            kernels.finish(x.grad.view(rows, cols), error, x.p, x.qt, scale)
-        return error
+            kernels.finish(x.grad.view(rows, cols), x.m, x.p, x.qt, scale)
+        return x.m
 
-    def _write_exact(self, x: _Matrix, scale: float, error_feedback: bool) -> torch.Tensor | None:
-        """Write ``scale * P Q^T`` into the gradient (any dtype); return ``M - P Q^T`` (in ``x.m``) or None.
+    def _write_exact(self, x: _Matrix, scale: float) -> torch.Tensor:
+        """Write ``scale * P Q^T`` into the gradient (any dtype); return ``M - P Q^T`` (in ``x.m``).
 
         ``P Q^T`` is :func:`~distamp.compression.low_rank.fixed_order_product`,
         so every rank writes the same bits (module docstring); the scaling
@@ -430,19 +460,19 @@ class PowerSGD:
             if x.p.shape[1] > 1:
                 work = self._term[: (stop - start) * cols].view(stop - start, cols)
             fixed_order_product(x.p[start:stop], x.qt, out=tile, work=work)
-            if error_feedback:
-                x.m[start:stop].sub_(tile)
+            x.m[start:stop].sub_(tile)
             if scale != 1.0:
                 tile.mul_(scale)
             grad[start:stop].copy_(tile)
-        return x.m if error_feedback else None
+        return x.m
 
     @staticmethod
     def _buffer(store: dict[str, torch.Tensor], name: str, rows: int, cols: int, device: torch.device,
-                avoid: torch.Tensor | None = None) -> torch.Tensor:
-        """An FP32 ``rows x cols`` work buffer kept in ``store``, never the tensor ``avoid`` (the kept error)."""
+                avoid: tuple[torch.Tensor | None, ...] = ()) -> torch.Tensor:
+        """An FP32 ``rows x cols`` work buffer kept in ``store``, never one of ``avoid`` (kept error, residual)."""
         buffer = store.get(name)
-        if buffer is None or buffer is avoid or buffer.shape != (rows, cols) or buffer.device != device:
+        if (buffer is None or any(buffer is t for t in avoid) or buffer.shape != (rows, cols)
+                or buffer.device != device):
             buffer = torch.empty(rows, cols, dtype=torch.float32, device=device)
             store[name] = buffer
         return buffer

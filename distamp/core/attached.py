@@ -30,6 +30,12 @@ class GradCompressor(Protocol):
     def resolve(self, applied: bool) -> None:
         """The agreed verdict of the step whose gradients were communicated: keep or drop their state."""
 
+    def discard_attempt(self) -> None:
+        """The step's gradients are computed again (an overflow retry): drop their state, keep counting the step."""
+
+    def gradients_replaced(self) -> None:
+        """The gradients were cleared or replaced since this step's last communication (a new backward follows)."""
+
     def state_dict(self) -> dict:
         """This rank's compressor state (tensors and plain numbers)."""
 

@@ -89,7 +89,8 @@ class AmpStatus:
         verdict, the same on every rank, or None); ``grad_norm`` (the last
         global norm ``clip_grad_norm_`` computed, or None); with
         ``strategy.powersgd`` on a data-parallel model, ``bytes_sent`` (bytes
-        this rank contributed to the gradient all-reduces of the last step:
+        this rank contributed to the gradient all-reduces of the last step,
+        every attempt of an ``overflow_retries`` step included:
         uncompressed gradients in the wire dtype, P and Q in FP32) and
         ``compression_rate`` (what an all-reduce of every gradient in the
         wire dtype would send, divided by ``bytes_sent``; 1.0 before

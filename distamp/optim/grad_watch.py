@@ -63,6 +63,7 @@ class GradWatch:
         self._backward_slot, self._step_slot = next(_slots), next(_slots)
         self._backward_since_step = False
         self._after_backward: _Snapshot | None = None
+        self._scaled_backward = False
         self._after_step = self._snapshot(self._step_slot)
         self._warned: set[str] = set()
 
@@ -106,11 +107,18 @@ class GradWatch:
     def after_backward(self, loss_scale: float) -> None:
         """``optimizer.backward`` finished (gradients communicated)."""
         self._backward_since_step = True
-        self._after_backward = self._snapshot(self._backward_slot) if loss_scale != 1.0 else None
+        self._after_backward = self._snapshot(self._backward_slot)
+        self._scaled_backward = loss_scale != 1.0
+
+    def kept_since_backward(self) -> bool:
+        """True when a backward ran since the last step and no gradient changed after it (accumulation goes on)."""
+        return (self._backward_since_step and self._after_backward is not None
+                and self._unchanged_since(self._after_backward, self._backward_slot))
 
     def before_unscale(self) -> None:
         """Warn once if scaled gradients were changed between backward and unscaling."""
-        if self._after_backward is None or self._unchanged_since(self._after_backward, self._backward_slot):
+        if (not self._scaled_backward or self._after_backward is None
+                or self._unchanged_since(self._after_backward, self._backward_slot)):
             return
         if self._once("scaled"):
             logger.warning(
@@ -149,14 +157,21 @@ class GradWatch:
     def reseated(self) -> None:
         """The ``.grad`` tensors were replaced by equal ones (in a forward, before any new backward).
 
-        What was unchanged since the last step still is, so the step snapshot
-        follows the new tensors.
+        What was unchanged since the last step (or backward) still is, so the
+        snapshot follows the new tensors. A gradient cleared to None stays
+        None, so that change is still seen; one zeroed in place in the same
+        window (between the job's first backward and its next forward) is not.
         """
         if not self._backward_since_step:
             self._after_step = self._snapshot(self._step_slot)
+        elif self._after_backward is not None:
+            present = [v is not None for v in self._after_backward[2]]
+            if present == [p.grad is not None for p in self.params[: len(present)]]:
+                self._after_backward = self._snapshot(self._backward_slot)
 
     def after_step(self) -> None:
         """A step was taken (or skipped for inf/NaN): start watching for the next backward."""
         self._backward_since_step = False
         self._after_backward = None
+        self._scaled_backward = False
         self._after_step = self._snapshot(self._step_slot)

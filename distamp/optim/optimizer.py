@@ -181,6 +181,11 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
                 "unscale_) but before step(); call step() first"
             )
         self._autocast_watch.before_backward(loss)
+        compressor = self.policy.compressor
+        if compressor is not None and not self._watch.kept_since_backward():
+            # Not accumulating onto what an earlier backward of this step communicated: PowerSGD must not
+            # add that communication's residual to fresh gradients.
+            compressor.gradients_replaced()
         self.merge.count_backward()
         if self.merge.loss_divisor != 1:
             loss = loss / self.merge.loss_divisor

@@ -137,7 +137,8 @@ class StepPolicy:
             retries -= 1
             self.retries += 1
             self.attribute_overflow(retrying=True)
-            self.resolve_compressor(applied=False)  # the closure's next backward starts from the kept state
+            if self.compressor is not None:  # the closure's next backward starts from the kept state
+                self.compressor.discard_attempt()
             self.unscaled = False
             self.watch.after_step()  # the retried closure must call optimizer.backward again
         self.finish()
