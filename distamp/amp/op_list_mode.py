@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from distamp.amp.fp32_requests import FP32_REQUESTS
 from distamp.strategy.op_names import expand_op_names, functions_named
 from distamp.torch_compat import current_function_mode_stack, tree_map_only
 
@@ -101,6 +102,8 @@ class OpListMode(TorchFunctionMode):
         target = self._target(func)
         if target is None or kwargs.get("out") is not None or not torch.is_autocast_enabled(self.device_type):
             return func(*args, **kwargs)
+        if target is torch.float32:
+            FP32_REQUESTS.record()
         args, kwargs = _cast_inputs(func, args, kwargs, target)
         with torch.autocast(self.device_type, enabled=False):
             return func(*args, **kwargs)
