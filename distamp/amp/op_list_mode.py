@@ -28,7 +28,10 @@ Limits: a Python-level composite (``F.multi_head_attention_forward``) is seen
 as one call, so a listed op *inside* it is not moved. Activation
 checkpointing recomputes outside the mode: pass
 ``context_fn=checkpoint_context_fn`` to ``torch.utils.checkpoint`` (eager
-mode) so the recomputation sees the same lists.
+mode, ``use_reentrant=False``) so the recomputation sees the same lists.
+``use_reentrant=True`` has no ``context_fn``: it recomputes listed ops in
+torch's dtype, and the block's gradients differ silently; do not combine it
+with custom lists.
 """
 
 from __future__ import annotations
