@@ -284,6 +284,16 @@ def test_unknown_op_suggests_closest(key):
         DistributedStrategy().amp_configs = {key: ["no_such_op_at_all"]}
 
 
+@pytest.mark.parametrize("typo", ["relu_x", "add__", "not_equal_x"])
+def test_unknown_op_is_never_answered_with_an_in_place_name(typo):
+    """The closest name must be one the list accepts: in-place ops ('not_equal_', 'relu_') are refused."""
+    with pytest.raises(ValueError, match="not an op distamp knows") as caught:
+        DistributedStrategy().amp_configs = {"custom_black_list": [typo]}
+    suggested = re.search(r"Did you mean '([^']+)'\?", str(caught.value))
+    assert suggested is not None
+    DistributedStrategy().amp_configs = {"custom_black_list": [suggested.group(1)]}
+
+
 def test_varnames_are_patterns_not_ops():
     s = DistributedStrategy()
     s.amp_configs = {"custom_black_varnames": ["matmull", "decoder.layers.0"]}

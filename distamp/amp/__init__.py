@@ -14,6 +14,8 @@ Modules:
   ``custom_white_list`` / ``custom_black_list``.
 - :mod:`~distamp.amp.black_modules`: ``custom_black_varnames`` submodules run in FP32.
 - :mod:`~distamp.amp.fp32_parameters`: which parameters O2 keeps in FP32.
+- :mod:`~distamp.amp.fp32_requests`: counts where the configuration switched an
+  enabled autocast off (FP32 on request).
 """
 
 from distamp.amp.auto_cast import AutocastWithOpLists, auto_cast, default_device_type

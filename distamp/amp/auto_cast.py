@@ -60,6 +60,11 @@ class AutocastWithOpLists(contextlib.ContextDecorator):
         self.cache_enabled = cache_enabled
         self._entered: list[tuple[torch.autocast, OpListMode]] = []
 
+    # Entered and left eagerly, also when met inside a compiled function: dynamo cannot enter this
+    # context manager, and tracing __enter__ would replay torch.autocast's own __enter__ symbolically,
+    # leaving the real object without the state its eager __exit__ restores ("'autocast' object has
+    # no attribute 'prev'"). Code inside the region is still compiled.
+    @torch.compiler.disable
     def __enter__(self) -> typing_extensions.Self:
         autocast = torch.autocast(self.mode.device_type, dtype=self.mode.dtype, cache_enabled=self.cache_enabled)
         mode = self.mode.copy()
@@ -72,6 +77,7 @@ class AutocastWithOpLists(contextlib.ContextDecorator):
         self._entered.append((autocast, mode))
         return self
 
+    @torch.compiler.disable
     def __exit__(self, *exc_info: object) -> None:
         autocast, mode = self._entered.pop()
         try:

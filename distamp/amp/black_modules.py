@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from distamp.amp.fp32_requests import FP32_REQUESTS
 from distamp.strategy.checks import is_name, show
 from distamp.strategy.name_patterns import check_patterns_match, name_matches
 from distamp.torch_compat import tree_map_only
@@ -125,6 +126,8 @@ class FP32Forward:
             # The class's forward called with the module as self: torch 2.11's dynamo cannot trace
             # binding it with function.__get__ (a graph break there).
             forward, args = type(self.module).forward, (self.module, *args)
+        if any(torch.is_autocast_enabled(device_type) for device_type in self.device_types):
+            FP32_REQUESTS.record()
         with torch.autocast("cpu", enabled=False):
             if "cuda" not in self.device_types:
                 return forward(*args, **kwargs)

@@ -25,6 +25,11 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+import torch
+
+from distamp.amp.black_modules import autocast_device_types
+from distamp.amp.fp32_requests import FP32_REQUESTS
+
 if TYPE_CHECKING:
     # typing.Self is Python 3.11+; mypy checks for 3.10 (setup.cfg).
     import typing_extensions
@@ -47,6 +52,10 @@ class InactiveEntries:
 
 INACTIVE_ENTRIES = InactiveEntries()
 """Every :class:`DeferredAutocast` entry that did nothing, in this process."""
+
+
+def _autocast_on() -> bool:
+    return any(torch.is_autocast_enabled(device_type) for device_type in autocast_device_types())
 
 
 class DeferredAutocast(contextlib.ContextDecorator):
@@ -78,7 +87,10 @@ class DeferredAutocast(contextlib.ContextDecorator):
         if region is None:
             INACTIVE_ENTRIES.record(self._inactive_reason())
         else:
+            was_on = _autocast_on()
             region.__enter__()
+            if was_on and not _autocast_on():  # a nested auto_cast(enable=False)
+                FP32_REQUESTS.record()
         self._entered.append(region)
         return self
 

@@ -13,7 +13,9 @@ should run in BF16) names it in a custom list, and :class:`OpListMode`, a
 A listed op gets its floating-point inputs cast to the target dtype
 (``float32`` for the black list, the autocast dtype for the white list) and
 runs with autocast switched off, so torch's own list cannot cast it back and
-every op inside a composite op follows the same dtype. Casts are ordinary
+every op inside a composite op follows the same dtype (``batch_norm``'s
+weight and bias keep the dtype of its running statistics, which it updates in
+place). Casts are ordinary
 differentiable ``Tensor.to`` calls above autograd, so gradients reach each
 input in its own dtype. The mode only acts while autocast is enabled for its
 device: inside a ``custom_black_varnames`` module, or a nested
@@ -28,7 +30,10 @@ Limits: a Python-level composite (``F.multi_head_attention_forward``) is seen
 as one call, so a listed op *inside* it is not moved. Activation
 checkpointing recomputes outside the mode: pass
 ``context_fn=checkpoint_context_fn`` to ``torch.utils.checkpoint`` (eager
-mode) so the recomputation sees the same lists.
+mode, ``use_reentrant=False``) so the recomputation sees the same lists.
+``use_reentrant=True`` has no ``context_fn``: it recomputes listed ops in
+torch's dtype, and the block's gradients differ silently; do not combine it
+with custom lists.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from distamp.amp.fp32_requests import FP32_REQUESTS
 from distamp.strategy.op_names import expand_op_names, functions_named
 from distamp.torch_compat import current_function_mode_stack, tree_map_only
 
@@ -54,6 +60,14 @@ _MUTATED_POSITIONS: dict[Callable[..., Any], tuple[int, ...]] = {
     torch.instance_norm: (3, 4),
 }
 _MUTATED_KWARGS = frozenset({"out", "running_mean", "running_var"})
+# batch_norm's kernels take a 16-bit input with FP32 weight, bias and running statistics (as
+# torch.autocast runs BatchNorm), but not a 16-bit weight with FP32 statistics, and the statistics
+# are updated in place, so never cast: weight and bias keep the statistics' dtype.
+_AFFINE_POSITIONS: dict[Callable[..., Any], tuple[int, ...]] = {
+    F.batch_norm: (3, 4),
+    torch.batch_norm: (1, 2),
+}
+_AFFINE_KWARGS = frozenset({"weight", "bias"})
 
 
 class OpListMode(TorchFunctionMode):
@@ -101,6 +115,8 @@ class OpListMode(TorchFunctionMode):
         target = self._target(func)
         if target is None or kwargs.get("out") is not None or not torch.is_autocast_enabled(self.device_type):
             return func(*args, **kwargs)
+        if target is torch.float32:
+            FP32_REQUESTS.record()
         args, kwargs = _cast_inputs(func, args, kwargs, target)
         with torch.autocast(self.device_type, enabled=False):
             return func(*args, **kwargs)
@@ -119,9 +135,20 @@ def _cast_inputs(func: Any, args: tuple, kwargs: dict, target: torch.dtype) -> t
         return t.to(target)
 
     protected = _MUTATED_POSITIONS.get(func, ())
+    kept_kwargs = _MUTATED_KWARGS
+    if func in _AFFINE_POSITIONS and _statistics_dtype(args, kwargs, protected) not in (None, target):
+        protected = protected + _AFFINE_POSITIONS[func]
+        kept_kwargs = kept_kwargs | _AFFINE_KWARGS
     new_args = tuple(a if i in protected else tree_map_only(torch.Tensor, cast, a) for i, a in enumerate(args))
-    new_kwargs = {k: v if k in _MUTATED_KWARGS else tree_map_only(torch.Tensor, cast, v) for k, v in kwargs.items()}
+    new_kwargs = {k: v if k in kept_kwargs else tree_map_only(torch.Tensor, cast, v) for k, v in kwargs.items()}
     return new_args, new_kwargs
+
+
+def _statistics_dtype(args: tuple, kwargs: dict, positions: tuple[int, ...]) -> torch.dtype | None:
+    """The dtype of a norm op's running statistics (``None`` without them)."""
+    stats = [args[i] for i in positions if i < len(args)]
+    stats += [kwargs.get("running_mean"), kwargs.get("running_var")]
+    return next((t.dtype for t in stats if isinstance(t, torch.Tensor)), None)
 
 
 def checkpoint_context_fn() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:

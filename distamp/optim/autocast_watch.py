@@ -10,7 +10,10 @@ casts every matmul's operands, and casting a tensor to its own dtype
 records nothing) mean FP32 compute. A compiled region
 (``CompiledFunctionBackward``) is opaque and taken on trust, and a graph
 without matmuls says nothing. It warns once, when the first step finishes,
-and never looks again. When ``fleet.auto_cast()`` was entered meanwhile but
+and never looks again; nor when the matmuls ran in FP32 because the configuration
+switched an enabled autocast off around them (``custom_black_varnames``,
+``custom_black_list``, a nested ``fleet.auto_cast(enable=False)``: counted in
+:data:`~distamp.amp.fp32_requests.FP32_REQUESTS`). When ``fleet.auto_cast()`` was entered meanwhile but
 did nothing (no strategy with ``amp`` on was the latest when it was entered:
 e.g. the optimizer was built as ``AmpOptimizer`` directly, not by
 ``fleet.distributed_optimizer``), the warning says that, not "no region".
@@ -21,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from distamp.amp.deferred_autocast import INACTIVE_ENTRIES
+from distamp.amp.fp32_requests import FP32_REQUESTS
 from distamp.user_warning import warn_user
 
 __all__ = ["AutocastWatch"]
@@ -59,6 +63,7 @@ class AutocastWatch:
         self.dtype = dtype
         self._fp32 = False
         self._inactive_before = INACTIVE_ENTRIES.count
+        self._fp32_requests_before = FP32_REQUESTS.count
 
     def before_backward(self, loss: torch.Tensor) -> None:
         """Look at the graph about to be differentiated (it is freed by the backward)."""
@@ -71,6 +76,10 @@ class AutocastWatch:
             return
         self.active = False
         if not self._fp32:
+            return
+        if FP32_REQUESTS.count > self._fp32_requests_before:
+            # An autocast region was there; the configuration (custom_black_varnames, custom_black_list,
+            # auto_cast(enable=False)) put every matmul of this forward in FP32.
             return
         if INACTIVE_ENTRIES.count > self._inactive_before:
             warn_user(

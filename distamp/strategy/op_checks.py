@@ -19,7 +19,9 @@ def _canonical_ops(owner: str, key: str, names: tuple[str, ...]) -> tuple[str, .
     canonical = tuple(canonical_op_name(name) for name in names)
     for name, op in zip(names, canonical, strict=True):
         if op not in known:
-            hint = did_you_mean(op, known) or " Ops are torch function names such as 'matmul' or 'softmax'."
+            # An in-place name would be refused just below: never suggest one.
+            listable = [name for name in known if not is_inplace_op_name(name)]
+            hint = did_you_mean(op, listable) or " Ops are torch function names such as 'matmul' or 'softmax'."
             raise ValueError(
                 f"{where(owner, key)} contains {name!r}, which is not an op distamp knows.{hint} "
                 f"The full list is distamp.strategy.op_names.known_op_names()."

@@ -79,6 +79,38 @@ def test_batch_norm_running_stats_are_updated_in_place_not_in_a_copy():
     assert not torch.equal(mean, torch.zeros(3))
 
 
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_white_listed_batch_norm_layer_keeps_its_fp32_weight_and_statistics(training):
+    """nn.BatchNorm2d white-listed: a BF16 input with the FP32 weight, bias and statistics, as autocast runs it."""
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm2d(3).train(training)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5), bn.bias.uniform_(-0.5, 0.5)
+        bn.running_mean.uniform_(-0.1, 0.1), bn.running_var.uniform_(0.9, 1.1)
+    x = torch.randn(2, 3, 4, 4)
+    mean, var = bn.running_mean.clone(), bn.running_var.clone()
+    expected = F.batch_norm(x.to(BF16), mean, var, bn.weight, bn.bias, training=training, momentum=0.1, eps=bn.eps)
+    with torch.autocast("cpu", dtype=BF16), _mode(white={"batch_norm"}):
+        out = bn(x)
+    assert out.dtype == BF16
+    assert torch.equal(out, expected)
+    assert torch.equal(bn.running_mean, mean)
+    assert torch.equal(bn.running_var, var)
+    assert bn.running_mean.dtype == bn.weight.dtype == torch.float32
+
+
+def test_white_listed_batch_norm_with_keyword_and_aten_forms():
+    x, weight, bias = torch.randn(4, 3), torch.rand(3) + 0.5, torch.randn(3)
+    mean, var = torch.zeros(3), torch.ones(3)
+    expected = F.batch_norm(x.to(BF16), mean.clone(), var.clone(), weight, bias, training=True)
+    with torch.autocast("cpu", dtype=BF16), _mode(white={"batch_norm"}):
+        by_keyword = F.batch_norm(x, running_mean=mean.clone(), running_var=var.clone(), weight=weight, bias=bias,
+                                  training=True)
+        aten = torch.batch_norm(x, weight, bias, mean.clone(), var.clone(), True, 0.1, 1e-5, False)
+    assert torch.equal(by_keyword, expected)
+    assert torch.equal(aten, expected)
+
+
 def test_gradients_reach_each_input_in_its_own_dtype():
     x = torch.randn(4, requires_grad=True)
     with torch.autocast("cpu", dtype=BF16), _mode(white={"exp"}):

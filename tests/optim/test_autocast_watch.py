@@ -79,3 +79,47 @@ def test_a_forward_inside_a_fleet_auto_cast_that_did_nothing_is_not_called_regio
 def test_fleet_auto_cast_built_before_the_optimizer_does_not_warn():
     ctx = fleet.auto_cast()  # nanoGPT's start-up `ctx`, built before the strategy exists
     assert _steps(lambda: ctx) == []
+
+
+def _steps_with(amp_configs: dict, use_region) -> list[warnings.WarningMessage]:
+    """Two O1 BF16 steps of a Linear-ReLU-Linear model under fleet.distributed_model with ``amp_configs``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    strategy = fleet.DistributedStrategy(amp=True)
+    strategy.amp_configs = {"dtype": "bfloat16", **amp_configs}
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with use_region():
+                loss = wrapped(torch.ones(2, 4)).float().sum()
+            optimizer.zero_grad()
+            optimizer.backward(loss)
+            optimizer.step()
+    return [w for w in caught if "no autocast region" in str(w.message)]
+
+
+@pytest.mark.parametrize("amp_configs", [
+    {"custom_black_varnames": ["0", "2"]},
+    {"custom_black_varnames": ["*"]},
+    {"custom_black_list": ["linear"]},
+], ids=["every-layer-black", "root-black", "linear-black-listed"])
+def test_a_forward_in_fp32_by_configuration_inside_auto_cast_does_not_warn(amp_configs):
+    """Every matmul in FP32 because the lists ask for it, inside fleet.auto_cast(): there was a region."""
+    assert _steps_with(amp_configs, fleet.auto_cast) == []
+
+
+def test_a_forward_under_a_nested_auto_cast_disable_does_not_warn():
+    def disabled_inside_enabled():
+        stack = contextlib.ExitStack()
+        stack.enter_context(fleet.auto_cast())
+        stack.enter_context(fleet.auto_cast(enable=False))
+        return stack
+
+    assert _steps_with({}, disabled_inside_enabled) == []
+
+
+def test_black_modules_without_any_region_still_warn():
+    """The black modules' FP32 forward is no region: without fleet.auto_cast() O1 still computed in FP32."""
+    assert len(_steps_with({"custom_black_varnames": ["2"]}, contextlib.nullcontext)) == 1
