@@ -30,7 +30,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from distamp.launcher import _bootstrap
 from distamp.launcher.env import build_worker_env, patched_environ
-from distamp.launcher.logs import LogDirInUseError, RankLogs, claim_log_dir, log_path, tail_lines
+from distamp.launcher.logs import LogDirInUseError, RankLogs, claim_log_dir, log_path, say, tail_lines
 from distamp.launcher.plan import LaunchPlan
 from distamp.launcher.reaper import Reaper
 from distamp.torch_compat import launch_config_shutdown_timeout
@@ -344,29 +344,28 @@ def launch(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = Non
     try:
         os.makedirs(plan.log_dir, exist_ok=True)
     except OSError as exc:
-        print(f"distrun: error: --log_dir {plan.log_dir!r} cannot be created: {exc}", file=err)
+        say(err, f"distrun: error: --log_dir {plan.log_dir!r} cannot be created: {exc}")
         return 2
     try:
         with claim_log_dir(plan.log_dir, plan.node_rank):
             return _launch_claimed(plan, out, err)
     except LogDirInUseError as exc:
-        print(f"distrun: error: {exc}", file=err)
+        say(err, f"distrun: error: {exc}")
         return 2
 
 
 def _launch_claimed(plan: LaunchPlan, out: TextIO, err: TextIO) -> int:
     """:func:`launch`, once this job holds its log directory."""
     worker_env = build_worker_env(plan, os.environ, launcher_pid=os.getpid())
-    print(_summary(plan), file=err)
+    say(err, _summary(plan))
     for note in worker_env.notes:
-        print(f"distrun: {note}", file=err)
-    err.flush()
+        say(err, f"distrun: {note}")
     reaper = Reaper()
 
     def before_start() -> None:
         killed = reaper.kill_leftovers()
         if killed:
-            print(_leftovers_note(killed) + " (before restarting)", file=err)
+            say(err, _leftovers_note(killed) + " (before restarting)")
 
     logs = RankLogs(plan.log_dir, plan.tee, out=out, before_start=before_start)
     bootstrap = os.path.abspath(_bootstrap.__file__)
@@ -397,9 +396,9 @@ def _launch_claimed(plan: LaunchPlan, out: TextIO, err: TextIO) -> int:
     finally:
         logs.close()  # flush the tee before the report
     if killed:
-        print(_leftovers_note(killed), file=err)
+        say(err, _leftovers_note(killed))
     if message is not None:
-        print(message, file=err)
+        say(err, message)
     return code
 
 

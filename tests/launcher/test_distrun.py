@@ -282,6 +282,56 @@ def test_module_and_log_dir(tmp_path):
     assert "module rank 0 ['-x']" in (tmp_path / "out" / "logs" / "workerlog.0").read_text()
 
 
+# Rank 0 keeps printing after the console's reader is gone; rank 1 ends
+# with code 3 (or 0) once rank 0 is well past its first line.
+PRINTS_THEN_RANK1_EXITS = """
+    import os, sys, time
+    rank = os.environ["RANK"]
+    for i in range(20):
+        print(f"rank {rank} line {i}", flush=True)
+        time.sleep(0.05)
+    if rank == "1":
+        sys.exit(int(sys.argv[1]))
+    time.sleep(0 if sys.argv[1] == "0" else 60)
+"""
+
+
+def run_with_console_closed(tmp_path, code, stderr_too):
+    """distrun whose console reader leaves after one line, as in ``distrun ... | head -1``."""
+    script = write(tmp_path, "job.py", PRINTS_THEN_RANK1_EXITS)
+    err_file = tmp_path / "stderr.txt"
+    with open(err_file, "w") as err:
+        proc = subprocess.Popen(
+            distrun_cmd("--nproc_per_node", "2", *grace_period_args(5), script, str(code)),
+            cwd=tmp_path, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if stderr_too else err, env=worker_env(),
+        )
+        first = proc.stdout.readline()
+        proc.stdout.close()
+        returncode = proc.wait(timeout=60)
+    return returncode, first, err_file.read_text()
+
+
+@pytest.mark.timeout(90)
+def test_a_closed_console_does_not_change_the_outcome(tmp_path):
+    """``distrun ... | head -1``: the tee stops, the job finishes, the exit code is the job's."""
+    returncode, first, err = run_with_console_closed(tmp_path, 0, stderr_too=False)
+    assert first == b"[rank0]: rank 0 line 0\n"
+    assert returncode == 0, err
+    assert "Traceback" not in err, err
+    assert "BrokenPipeError" not in err, err
+    log0 = (tmp_path / "log" / "workerlog.0").read_text()
+    assert "rank 0 line 19" in log0, "the workers' logs are complete"
+
+
+@pytest.mark.timeout(90)
+def test_a_failure_keeps_its_exit_code_when_the_console_is_closed(tmp_path):
+    """``distrun ... 2>&1 | head -1``: the report cannot be shown, its exit code still comes back."""
+    returncode, first, _ = run_with_console_closed(tmp_path, 3, stderr_too=True)
+    assert first.startswith(b"distrun: 2 worker(s) on this node")
+    assert returncode == 3
+
+
 @pytest.mark.timeout(120)
 def test_two_nodes_with_the_two_hosts_recipe(tmp_path):
     """launch/two_hosts.sh on this host twice: two 'nodes' of one worker each."""
