@@ -23,6 +23,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TextIO, TypedDict
 
+from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.multiprocessing import ProcessFailure, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
@@ -390,6 +391,10 @@ def _launch_claimed(plan: LaunchPlan, out: TextIO, err: TextIO) -> int:
                 code, message = 128 + int(signal.SIGINT), "distrun: interrupted before the workers started."
             except RendezvousError as error:
                 code, message = 1, f"distrun: rendezvous failed: {error}"
+            except (DistNetworkError, DistStoreError) as error:
+                # The static rendezvous's store: its port taken since the
+                # plan checked it, or a master that never answered.
+                code, message = 1, f"distrun: rendezvous failed at {plan.master_addr}:{plan.master_port}: {error}"
             finally:
                 _ignore_stop_signals()
                 killed = reaper.kill_leftovers()
