@@ -389,12 +389,10 @@ def _launch_claimed(plan: LaunchPlan, out: TextIO, err: TextIO) -> int:
                 # Only where distrun could not install its handlers (not the
                 # main thread) and torch's were not installed yet.
                 code, message = 128 + int(signal.SIGINT), "distrun: interrupted before the workers started."
-            except RendezvousError as error:
-                code, message = 1, f"distrun: rendezvous failed: {error}"
-            except (DistNetworkError, DistStoreError) as error:
-                # The static rendezvous's store: its port taken since the
-                # plan checked it, or a master that never answered.
-                code, message = 1, f"distrun: rendezvous failed at {plan.master_addr}:{plan.master_port}: {error}"
+            except (RendezvousError, DistNetworkError, DistStoreError) as error:
+                # The store errors come from the static rendezvous's store: its
+                # port taken since the plan checked it, or a master that never answered.
+                code, message = 1, _rendezvous_failed(plan, error)
             finally:
                 _ignore_stop_signals()
                 killed = reaper.kill_leftovers()
@@ -405,6 +403,13 @@ def _launch_claimed(plan: LaunchPlan, out: TextIO, err: TextIO) -> int:
     if message is not None:
         say(err, message)
     return code
+
+
+def _rendezvous_failed(plan: LaunchPlan, error: Exception) -> str:
+    where = "" if plan.local_rendezvous else f" at {plan.master_addr}:{plan.master_port}"
+    # c10d's RendezvousConnectionError says only "see inner exception".
+    cause = f" ({error.__cause__})" if error.__cause__ is not None else ""
+    return f"distrun: rendezvous failed{where}: {error}{cause}"
 
 
 def _interrupted(plan: LaunchPlan, sigval: signal.Signals, attempts: int) -> str:
