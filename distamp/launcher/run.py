@@ -13,14 +13,13 @@ user can act on.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import sys
 import tempfile
-import threading
 import uuid
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import TextIO, TypedDict
 
 from torch.distributed import DistNetworkError, DistStoreError
@@ -34,16 +33,13 @@ from distamp.launcher.env import build_worker_env, patched_environ
 from distamp.launcher.logs import LogDirInUseError, RankLogs, claim_log_dir, log_path, say, tail_lines
 from distamp.launcher.plan import LaunchPlan
 from distamp.launcher.reaper import Reaper
+from distamp.launcher.stop_signals import ignore_stop_signals, stop_signals_raise
 from distamp.torch_compat import launch_config_shutdown_timeout
 
 __all__ = ["describe_failure", "exit_code_of", "launch", "launch_config"]
 
 TAIL_LINES = 20
 _RENDEZVOUS_TIMEOUT = 900  # seconds the nodes wait for each other (torch's default)
-# What the elastic agent stops its workers on; distrun catches them from the
-# start, so a signal during rendezvous or while workers start still goes
-# through the clean-up below.
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _LEFTOVERS_SHOWN = 5
 
 
@@ -287,38 +283,6 @@ def _summary(plan: LaunchPlan) -> str:
     )
 
 
-@contextmanager
-def _stop_signals_raise() -> Iterator[None]:
-    """Turn SIGTERM/SIGINT/SIGHUP/SIGQUIT into ``SignalException`` for the block.
-
-    The agent installs the same handler, but only once it starts the
-    workers; before that (rendezvous, log files) SIGTERM would kill distrun
-    outright and skip its clean-up. Signal handlers can only be set from the
-    main thread; elsewhere the block runs with the handlers as they are.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        sigval = signal.Signals(signum)
-        raise SignalException(f"distrun got {sigval.name}", sigval=sigval)
-
-    previous = {sig: signal.signal(sig, handler) for sig in _STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def _ignore_stop_signals() -> None:
-    """Ignore further stop signals: a second Ctrl-C must not cut the clean-up short."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in _STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
-
-
 def _leftovers_note(killed: list[str]) -> str:
     shown = ", ".join(killed[:_LEFTOVERS_SHOWN])
     more = f" and {len(killed) - _LEFTOVERS_SHOWN} more" if len(killed) > _LEFTOVERS_SHOWN else ""
@@ -369,11 +333,22 @@ def _launch_claimed(plan: LaunchPlan, out: TextIO, err: TextIO) -> int:
             say(err, _leftovers_note(killed) + " (before restarting)")
 
     logs = RankLogs(plan.log_dir, plan.tee, out=out, before_start=before_start)
+    store_dir = tempfile.mkdtemp(prefix="distrun-")
+
+    def stop_blocked_launch(sigval: signal.Signals) -> None:
+        """A stop signal while the main thread waits in C++, e.g. for the other nodes in the rendezvous."""
+        if logs.attempts:
+            return  # workers were started: the agent's own handler stops them
+        reaper.kill_leftovers()
+        logs.close()
+        shutil.rmtree(store_dir, ignore_errors=True)
+        say(err, _interrupted(plan, sigval, 0))
+        os._exit(128 + int(sigval))  # the main thread cannot be woken
+
     bootstrap = os.path.abspath(_bootstrap.__file__)
     killed: list[str] = []
     try:
-        with _stop_signals_raise(), reaper, patched_environ(worker_env.variables), \
-                tempfile.TemporaryDirectory(prefix="distrun-") as store_dir:
+        with stop_signals_raise(stop_blocked_launch), reaper, patched_environ(worker_env.variables):
             try:
                 elastic_launch(launch_config(plan, logs, store_dir), sys.executable)(bootstrap)
                 code, message = 0, None
@@ -394,10 +369,11 @@ def _launch_claimed(plan: LaunchPlan, out: TextIO, err: TextIO) -> int:
                 # port taken since the plan checked it, or a master that never answered.
                 code, message = 1, _rendezvous_failed(plan, error)
             finally:
-                _ignore_stop_signals()
+                ignore_stop_signals()
                 killed = reaper.kill_leftovers()
     finally:
         logs.close()  # flush the tee before the report
+        shutil.rmtree(store_dir, ignore_errors=True)
     if killed:
         say(err, _leftovers_note(killed))
     if message is not None:

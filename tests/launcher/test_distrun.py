@@ -246,6 +246,35 @@ def test_sigint_stops_every_worker_and_their_children(tmp_path):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize(("node_rank", "sig"), [(0, signal.SIGTERM), (1, signal.SIGINT)])
+def test_a_stop_signal_ends_a_wait_for_the_other_nodes(tmp_path, node_rank, sig):
+    """Torch's static rendezvous waits in C++ (TCPStore) for the other nodes, up to 15 minutes,
+    where Python runs no signal handler: Ctrl-C or SIGTERM must still end distrun at once."""
+    script = write(tmp_path, "job.py", ALLREDUCE)
+    (tmp_path / "tmp").mkdir()
+    proc = subprocess.Popen(
+        distrun_cmd("--nnodes", "2", "--node_rank", str(node_rank), "--master", f"127.0.0.1:{free_port()}",
+                    script),
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=worker_env(TMPDIR=str(tmp_path / "tmp")),
+    )
+    assert proc.stderr.readline().startswith("distrun: 1 worker(s) on this node, world size 2; rendezvous")
+    time.sleep(2)  # well inside the rendezvous's wait by now
+    start = time.monotonic()
+    proc.send_signal(sig)
+    try:
+        _, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"distrun ignored {sig.name} during the rendezvous: {proc.communicate()}")
+    assert proc.returncode == 128 + sig, err
+    assert time.monotonic() - start < 10
+    assert f"distrun: received {sig.name} before the workers started; nothing was left running." in err
+    assert list((tmp_path / "tmp").iterdir()) == [], "distrun's temporary directories are removed"
+    assert not (tmp_path / "log" / "workerlog.0").exists()
+
+
+@pytest.mark.timeout(90)
 def test_sigkill_of_distrun_leaves_no_orphans(tmp_path):
     proc, pids = start_waiting_job(tmp_path)
     proc.kill()
