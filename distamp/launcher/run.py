@@ -18,6 +18,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import uuid
 from collections.abc import Mapping
 from typing import TextIO, TypedDict
@@ -41,6 +42,9 @@ __all__ = ["describe_failure", "exit_code_of", "launch", "launch_config"]
 TAIL_LINES = 20
 _RENDEZVOUS_TIMEOUT = 900  # seconds the nodes wait for each other (torch's default)
 _LEFTOVERS_SHOWN = 5
+# Seconds a stop signal waits, once this node's workers have all exited, for
+# the agent to return before distrun counts it as blocked in the exit barrier.
+_BARRIER_GRACE = 5.0
 
 
 class _CommonLaunchArgs(TypedDict):
@@ -334,15 +338,22 @@ def _launch_claimed(plan: LaunchPlan, out: TextIO, err: TextIO) -> int:
 
     logs = RankLogs(plan.log_dir, plan.tee, out=out, before_start=before_start)
     store_dir = tempfile.mkdtemp(prefix="distrun-")
+    launch_returned = threading.Event()
 
     def stop_blocked_launch(sigval: signal.Signals) -> None:
-        """A stop signal while the main thread waits in C++, e.g. for the other nodes in the rendezvous."""
+        """A stop signal while the main thread waits in C++ for the other nodes: in the
+        rendezvous (no worker started yet), or in torch's exit barrier (this node's workers
+        have all exited; the others' are still running)."""
         if logs.attempts:
-            return  # workers were started: the agent's own handler stops them
+            if not set(logs.ranks) <= logs.exit_times().keys():
+                return  # workers are running: the agent's own handler stops them
+            # All exited: the agent may also be finishing a stop it handled; give it time.
+            if launch_returned.wait(_BARRIER_GRACE):
+                return
         reaper.kill_leftovers()
         logs.close()
         shutil.rmtree(store_dir, ignore_errors=True)
-        say(err, _interrupted(plan, sigval, 0))
+        say(err, _interrupted(plan, sigval, logs.attempts, waiting_for_nodes=True))
         os._exit(128 + int(sigval))  # the main thread cannot be woken
 
     bootstrap = os.path.abspath(_bootstrap.__file__)
@@ -350,7 +361,10 @@ def _launch_claimed(plan: LaunchPlan, out: TextIO, err: TextIO) -> int:
     try:
         with stop_signals_raise(stop_blocked_launch), reaper, patched_environ(worker_env.variables):
             try:
-                elastic_launch(launch_config(plan, logs, store_dir), sys.executable)(bootstrap)
+                try:
+                    elastic_launch(launch_config(plan, logs, store_dir), sys.executable)(bootstrap)
+                finally:
+                    launch_returned.set()
                 code, message = 0, None
             except ChildFailedError as error:
                 # Every exit is stamped, except where the agent's SIGKILL took
@@ -388,7 +402,12 @@ def _rendezvous_failed(plan: LaunchPlan, error: Exception) -> str:
     return f"distrun: rendezvous failed{where}: {error}{cause}"
 
 
-def _interrupted(plan: LaunchPlan, sigval: signal.Signals, attempts: int) -> str:
+def _interrupted(
+    plan: LaunchPlan, sigval: signal.Signals, attempts: int, waiting_for_nodes: bool = False
+) -> str:
     if attempts == 0:
         return f"distrun: received {sigval.name} before the workers started; nothing was left running."
+    if waiting_for_nodes:
+        return (f"distrun: received {sigval.name} after this node's workers had exited, while waiting for "
+                f"the other nodes to finish; nothing was left running here (logs in {plan.log_dir}).")
     return f"distrun: received {sigval.name}; stopped every worker (logs in {plan.log_dir})."

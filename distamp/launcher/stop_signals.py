@@ -2,8 +2,9 @@
 
 The elastic agent stops its workers on these, but installs its handler only
 once it starts them; :func:`stop_signals_raise` covers the launch from its
-start, including the rendezvous, where the main thread may be blocked in C++
-for minutes and Python would not run a handler until that call returns.
+start, including the waits for the other nodes (the rendezvous, the exit
+barrier), where the main thread may be blocked in C++ for minutes and Python
+would not run a handler until that call returns.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ def stop_signals_raise(when_blocked: Callable[[signal.Signals], None]) -> Iterat
     The interpreter's C-level handler still writes each signal to the wakeup
     fd; a watcher thread reads it, and when the Python handler has not run
     within :data:`BLOCKED_AFTER` seconds it calls ``when_blocked(signal)``
-    from that thread (which decides what can be done, e.g. exit when no
-    worker was started). Once the agent installs its own handler, signals
-    still reach the watcher; ``when_blocked`` must then do nothing.
+    from that thread, which decides what can be done (exit when no worker
+    runs). Once the agent installs its own handler, which does not report to
+    this one, signals still reach the watcher: ``when_blocked`` must then
+    leave running workers to the agent.
 
     Signal handlers can only be set from the main thread; elsewhere the
     block runs with the handlers as they are.

@@ -274,6 +274,45 @@ def test_a_stop_signal_ends_a_wait_for_the_other_nodes(tmp_path, node_rank, sig)
     assert not (tmp_path / "log" / "workerlog.0").exists()
 
 
+# Node rank 1's worker outlives node rank 0's by a minute.
+NODE1_RUNS_LONGER = """
+    import os, time
+    if os.environ["GROUP_RANK"] == "1":
+        time.sleep(60)
+    print("done", os.environ["RANK"], flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_signal_ends_the_wait_for_the_other_nodes_to_finish(tmp_path):
+    """A node whose workers are done waits in torch's exit barrier (C++, up to 300 s) for the others."""
+    script = write(tmp_path, "job.py", NODE1_RUNS_LONGER)
+    master = f"127.0.0.1:{free_port()}"
+    nodes = [
+        subprocess.Popen(
+            distrun_cmd("--nnodes", "2", "--node_rank", str(rank), "--master", master, *grace_period_args(5),
+                        script),
+            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env(),
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        log0 = tmp_path / "log" / "workerlog.0"
+        assert wait_until(lambda: log0.exists() and "done 0" in log0.read_text(), 60)
+        time.sleep(2)  # rank 0 has exited; node 0 waits for node 1
+        start = time.monotonic()
+        nodes[0].send_signal(signal.SIGTERM)
+        _, err = nodes[0].communicate(timeout=30)
+        assert nodes[0].returncode == 128 + signal.SIGTERM, err
+        assert time.monotonic() - start < 15
+        assert ("distrun: received SIGTERM after this node's workers had exited, while waiting for the other "
+                "nodes to finish; nothing was left running here (logs in log).") in err
+    finally:
+        for node in nodes:
+            node.kill()
+            node.communicate()
+
+
 @pytest.mark.timeout(90)
 def test_sigkill_of_distrun_leaves_no_orphans(tmp_path):
     proc, pids = start_waiting_job(tmp_path)
