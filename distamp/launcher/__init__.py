@@ -16,7 +16,9 @@ Modules, in the order a launch goes through them:
   :mod:`~distamp.launcher.usage` (:class:`UsageError`).
 - :mod:`~distamp.launcher.env`: the environment every worker inherits.
 - :mod:`~distamp.launcher.logs`: ``log_dir/workerlog.N`` and the console tee.
-- :mod:`~distamp.launcher.run`: the elastic launch and the failure report.
+- :mod:`~distamp.launcher.run`: the elastic launch and the failure report,
+  with :mod:`~distamp.launcher.reaper` (what the workers left running) and
+  :mod:`~distamp.launcher.stop_signals` (Ctrl-C and SIGTERM from the start).
 - ``_bootstrap.py``: the first code each worker runs (death signal, log
   redirection), before it becomes the user's script via ``exec``.
 

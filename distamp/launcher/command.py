@@ -28,6 +28,9 @@ def resolve_command(args: argparse.Namespace) -> tuple[str, ...]:
                 f"-m {target!r}: no module of that name can be imported here; "
                 f"check the name and that its package is installed or on PYTHONPATH."
             )
+        problem = _cannot_run(target, spec)
+        if problem is not None:
+            raise UsageError(f"-m {target!r}: {problem}. No worker was started.")
         source = _module_source(target, spec)
         if source is not None:
             _check_compiles(source, f"-m {target!r}")
@@ -100,6 +103,41 @@ def _find_module(name: str) -> importlib.machinery.ModuleSpec | None:
             return spec
         spec = child
     return spec
+
+
+def _cannot_run(name: str, spec: importlib.machinery.ModuleSpec) -> str | None:
+    """Why ``python -m name`` certainly fails to find what to run, or ``None``.
+
+    ``spec`` is what :func:`_find_module` found: ``name`` itself, or its
+    deepest package that could be found. Either way it is certain only for a
+    regular package whose ``__init__.py`` never mentions ``__path__``: one
+    that extends its path at import time (``pkgutil.extend_path``) or a
+    namespace package may hold modules elsewhere, which is left to the
+    worker to find.
+    """
+    if spec.submodule_search_locations is None or _may_extend_path(spec):
+        return None
+    where = os.path.dirname(spec.origin or "")
+    if spec.name != name:
+        missing = name.split(".")[spec.name.count(".") + 1]
+        return f"package {spec.name!r} ({where}) has no module or subpackage {missing!r}; check the name"
+    main = importlib.machinery.PathFinder.find_spec(f"{name}.__main__", list(spec.submodule_search_locations))
+    if main is None:
+        return (f"{name!r} is a package without a __main__ module ({where}), so python -m cannot run it; "
+                f"name the module to run inside it: -m {name}.MODULE")
+    return None
+
+
+def _may_extend_path(spec: importlib.machinery.ModuleSpec) -> bool:
+    """True unless ``spec`` is a regular package whose ``__init__.py`` does not mention ``__path__``."""
+    origin = spec.origin if spec.has_location else None
+    if origin is None or os.path.basename(origin) != "__init__.py":
+        return True  # a namespace package, or a compiled one
+    try:
+        with open(origin, "rb") as f:
+            return b"__path__" in f.read()
+    except OSError:
+        return True
 
 
 def _module_source(name: str, spec: importlib.machinery.ModuleSpec) -> str | None:

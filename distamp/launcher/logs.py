@@ -36,7 +36,9 @@ from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
 
 from distamp.launcher import _bootstrap
 
-__all__ = ["LogDirInUseError", "RankLogs", "claim_log_dir", "log_path", "tail_lines"]
+__all__ = [
+    "LogDirInUseError", "RankLogs", "claim_log_dir", "discard_output", "log_path", "say", "tail_lines",
+]
 
 
 def log_path(log_dir: str, rank: int) -> str:
@@ -95,6 +97,38 @@ def tail_lines(path: str, count: int = 20) -> list[str]:
     return data.decode("utf-8", errors="replace").splitlines()[-count:]
 
 
+def discard_output(stream: TextIO) -> None:
+    """Send what is still to be written to ``stream`` to /dev/null: its reader is gone.
+
+    For a console whose pipe was closed (``distrun ... | head``). Text still
+    buffered in ``stream`` would otherwise fail again when Python flushes it
+    at exit: a traceback, and exit code 120 instead of the job's. This is
+    the ``signal`` module docs' advice for SIGPIPE. A stream without a
+    descriptor (a ``StringIO``) is left as it is.
+    """
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError):  # io.UnsupportedOperation is both
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def say(stream: TextIO, text: str) -> None:
+    """Print ``text`` on ``stream`` and flush it; nothing when its reader is gone.
+
+    distrun's messages must not turn a job's exit code into a traceback
+    because the console was closed before the job ended.
+    """
+    try:
+        print(text, file=stream, flush=True)
+    except BrokenPipeError:
+        discard_output(stream)
+
+
 def _with_prefix(prefix: str, line: str) -> str:
     """``line`` with ``prefix`` in front, once.
 
@@ -122,18 +156,30 @@ class _Tee:
     """Copy new lines of some files to a stream, each with a prefix.
 
     One thread polls every file; :meth:`stop` drains what is left (including
-    a last line without a newline) before returning.
+    a last line without a newline) before returning. When the stream's
+    reader goes away (``distrun ... | head``) the tee stops copying and the
+    job goes on: the workers write to their log files, not to the console.
     """
 
     def __init__(self, files: dict[str, tuple[str, int]], out: TextIO, interval: float = 0.05):
         self._files = {p: _TeeFile(prefix, offset) for p, (prefix, offset) in files.items()}
         self._out = out
         self._interval = interval
+        self._closed = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="distrun-tee", daemon=True)
         self._thread.start()
 
     def _pump(self, final: bool) -> None:
+        if self._closed:
+            return
+        try:
+            self._copy_new_lines(final)
+        except BrokenPipeError:
+            self._closed = True
+            discard_output(self._out)
+
+    def _copy_new_lines(self, final: bool) -> None:
         for path, state in self._files.items():
             try:
                 with open(path, "rb") as f:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import re
 import socket
@@ -40,6 +41,12 @@ def resolve_nodes(args: argparse.Namespace) -> tuple[int, int, str | None, int |
     if host is not None:
         given = f"--ips {args.ips!r}" if args.ips is not None else f"--master {args.master!r}"
         _check_master_host(given, host, node_rank)
+        if node_rank == 0 and port is not None and _port_in_use(host, port):
+            raise UsageError(
+                f"{given}: port {port} is already in use on this host, and node rank 0 must listen "
+                f"there for the rendezvous (another job, or one that has not exited yet, may hold "
+                f"it). Choose a free port: --master {host}:PORT on every node."
+            )
     return nnodes, node_rank, host, port
 
 
@@ -96,6 +103,24 @@ def _check_master_host(given: str, host: str, node_rank: int) -> None:
             f"not an address of this host ({socket.gethostname()!r}). Run node rank 0 "
             f"on {host!r}, or pass this node's --node_rank."
         )
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    """True when something already listens on ``port`` of this host.
+
+    Torch's rendezvous store listens on every interface whatever host it
+    is given, so the wildcard address is tried; ``SO_REUSEADDR`` (which the
+    store sets too) keeps a port that a finished job left in TIME_WAIT
+    usable. Binding without listening opens nothing.
+    """
+    family, wildcard = (socket.AF_INET6, "::") if ":" in host else (socket.AF_INET, "0.0.0.0")
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((wildcard, port))
+    except OSError as exc:
+        return exc.errno == errno.EADDRINUSE
+    return False
 
 
 def _parse_master(text: str) -> tuple[str, int]:

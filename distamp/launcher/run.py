@@ -13,16 +13,17 @@ user can act on.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import sys
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import TextIO, TypedDict
 
+from torch.distributed import DistNetworkError, DistStoreError
 from torch.distributed.elastic.multiprocessing import ProcessFailure, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
@@ -30,20 +31,20 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from distamp.launcher import _bootstrap
 from distamp.launcher.env import build_worker_env, patched_environ
-from distamp.launcher.logs import LogDirInUseError, RankLogs, claim_log_dir, log_path, tail_lines
+from distamp.launcher.logs import LogDirInUseError, RankLogs, claim_log_dir, log_path, say, tail_lines
 from distamp.launcher.plan import LaunchPlan
 from distamp.launcher.reaper import Reaper
+from distamp.launcher.stop_signals import ignore_stop_signals, stop_signals_raise
 from distamp.torch_compat import launch_config_shutdown_timeout
 
 __all__ = ["describe_failure", "exit_code_of", "launch", "launch_config"]
 
 TAIL_LINES = 20
 _RENDEZVOUS_TIMEOUT = 900  # seconds the nodes wait for each other (torch's default)
-# What the elastic agent stops its workers on; distrun catches them from the
-# start, so a signal during rendezvous or while workers start still goes
-# through the clean-up below.
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 _LEFTOVERS_SHOWN = 5
+# Seconds a stop signal waits, once this node's workers have all exited, for
+# the agent to return before distrun counts it as blocked in the exit barrier.
+_BARRIER_GRACE = 5.0
 
 
 class _CommonLaunchArgs(TypedDict):
@@ -286,38 +287,6 @@ def _summary(plan: LaunchPlan) -> str:
     )
 
 
-@contextmanager
-def _stop_signals_raise() -> Iterator[None]:
-    """Turn SIGTERM/SIGINT/SIGHUP/SIGQUIT into ``SignalException`` for the block.
-
-    The agent installs the same handler, but only once it starts the
-    workers; before that (rendezvous, log files) SIGTERM would kill distrun
-    outright and skip its clean-up. Signal handlers can only be set from the
-    main thread; elsewhere the block runs with the handlers as they are.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        sigval = signal.Signals(signum)
-        raise SignalException(f"distrun got {sigval.name}", sigval=sigval)
-
-    previous = {sig: signal.signal(sig, handler) for sig in _STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-def _ignore_stop_signals() -> None:
-    """Ignore further stop signals: a second Ctrl-C must not cut the clean-up short."""
-    if threading.current_thread() is threading.main_thread():
-        for sig in _STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
-
-
 def _leftovers_note(killed: list[str]) -> str:
     shown = ", ".join(killed[:_LEFTOVERS_SHOWN])
     more = f" and {len(killed) - _LEFTOVERS_SHOWN} more" if len(killed) > _LEFTOVERS_SHOWN else ""
@@ -344,38 +313,58 @@ def launch(plan: LaunchPlan, out: TextIO | None = None, err: TextIO | None = Non
     try:
         os.makedirs(plan.log_dir, exist_ok=True)
     except OSError as exc:
-        print(f"distrun: error: --log_dir {plan.log_dir!r} cannot be created: {exc}", file=err)
+        say(err, f"distrun: error: --log_dir {plan.log_dir!r} cannot be created: {exc}")
         return 2
     try:
         with claim_log_dir(plan.log_dir, plan.node_rank):
             return _launch_claimed(plan, out, err)
     except LogDirInUseError as exc:
-        print(f"distrun: error: {exc}", file=err)
+        say(err, f"distrun: error: {exc}")
         return 2
 
 
 def _launch_claimed(plan: LaunchPlan, out: TextIO, err: TextIO) -> int:
     """:func:`launch`, once this job holds its log directory."""
     worker_env = build_worker_env(plan, os.environ, launcher_pid=os.getpid())
-    print(_summary(plan), file=err)
+    say(err, _summary(plan))
     for note in worker_env.notes:
-        print(f"distrun: {note}", file=err)
-    err.flush()
+        say(err, f"distrun: {note}")
     reaper = Reaper()
 
     def before_start() -> None:
         killed = reaper.kill_leftovers()
         if killed:
-            print(_leftovers_note(killed) + " (before restarting)", file=err)
+            say(err, _leftovers_note(killed) + " (before restarting)")
 
     logs = RankLogs(plan.log_dir, plan.tee, out=out, before_start=before_start)
+    store_dir = tempfile.mkdtemp(prefix="distrun-")
+    launch_returned = threading.Event()
+
+    def stop_blocked_launch(sigval: signal.Signals) -> None:
+        """A stop signal while the main thread waits in C++ for the other nodes: in the
+        rendezvous (no worker started yet), or in torch's exit barrier (this node's workers
+        have all exited; the others' are still running)."""
+        if logs.attempts:
+            if not set(logs.ranks) <= logs.exit_times().keys():
+                return  # workers are running: the agent's own handler stops them
+            # All exited: the agent may also be finishing a stop it handled; give it time.
+            if launch_returned.wait(_BARRIER_GRACE):
+                return
+        reaper.kill_leftovers()
+        logs.close()
+        shutil.rmtree(store_dir, ignore_errors=True)
+        say(err, _interrupted(plan, sigval, logs.attempts, waiting_for_nodes=True))
+        os._exit(128 + int(sigval))  # the main thread cannot be woken
+
     bootstrap = os.path.abspath(_bootstrap.__file__)
     killed: list[str] = []
     try:
-        with _stop_signals_raise(), reaper, patched_environ(worker_env.variables), \
-                tempfile.TemporaryDirectory(prefix="distrun-") as store_dir:
+        with stop_signals_raise(stop_blocked_launch), reaper, patched_environ(worker_env.variables):
             try:
-                elastic_launch(launch_config(plan, logs, store_dir), sys.executable)(bootstrap)
+                try:
+                    elastic_launch(launch_config(plan, logs, store_dir), sys.executable)(bootstrap)
+                finally:
+                    launch_returned.set()
                 code, message = 0, None
             except ChildFailedError as error:
                 # Every exit is stamped, except where the agent's SIGKILL took
@@ -389,21 +378,36 @@ def _launch_claimed(plan: LaunchPlan, out: TextIO, err: TextIO) -> int:
                 # Only where distrun could not install its handlers (not the
                 # main thread) and torch's were not installed yet.
                 code, message = 128 + int(signal.SIGINT), "distrun: interrupted before the workers started."
-            except RendezvousError as error:
-                code, message = 1, f"distrun: rendezvous failed: {error}"
+            except (RendezvousError, DistNetworkError, DistStoreError) as error:
+                # The store errors come from the static rendezvous's store: its
+                # port taken since the plan checked it, or a master that never answered.
+                code, message = 1, _rendezvous_failed(plan, error)
             finally:
-                _ignore_stop_signals()
+                ignore_stop_signals()
                 killed = reaper.kill_leftovers()
     finally:
         logs.close()  # flush the tee before the report
+        shutil.rmtree(store_dir, ignore_errors=True)
     if killed:
-        print(_leftovers_note(killed), file=err)
+        say(err, _leftovers_note(killed))
     if message is not None:
-        print(message, file=err)
+        say(err, message)
     return code
 
 
-def _interrupted(plan: LaunchPlan, sigval: signal.Signals, attempts: int) -> str:
+def _rendezvous_failed(plan: LaunchPlan, error: Exception) -> str:
+    where = "" if plan.local_rendezvous else f" at {plan.master_addr}:{plan.master_port}"
+    # c10d's RendezvousConnectionError says only "see inner exception".
+    cause = f" ({error.__cause__})" if error.__cause__ is not None else ""
+    return f"distrun: rendezvous failed{where}: {error}{cause}"
+
+
+def _interrupted(
+    plan: LaunchPlan, sigval: signal.Signals, attempts: int, waiting_for_nodes: bool = False
+) -> str:
     if attempts == 0:
         return f"distrun: received {sigval.name} before the workers started; nothing was left running."
+    if waiting_for_nodes:
+        return (f"distrun: received {sigval.name} after this node's workers had exited, while waiting for "
+                f"the other nodes to finish; nothing was left running here (logs in {plan.log_dir}).")
     return f"distrun: received {sigval.name}; stopped every worker (logs in {plan.log_dir})."

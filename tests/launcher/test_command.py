@@ -88,8 +88,31 @@ def test_module_that_cannot_be_found(here, name):
         resolve_command(ns(name, module=True))
 
 
-def test_unknown_submodule_of_a_found_package_is_left_to_the_worker(here):
-    assert resolve_command(ns("pkgx.missing", module=True)) == ("-m", "pkgx.missing")
+@pytest.mark.parametrize(("name", "problem"), [
+    ("pkgx.missing", r"package 'pkgx' \(.*pkgx\) has no module or subpackage 'missing'; check the name"),
+    ("pkgx.sub.nope.deeper", r"package 'pkgx\.sub' \(.*sub\) has no module or subpackage 'nope'; check the name"),
+    ("pkgx", r"'pkgx' is a package without a __main__ module \(.*pkgx\), so python -m cannot run it; "
+             r"name the module to run inside it: -m pkgx\.MODULE"),
+    ("json", r"'json' is a package without a __main__ module .*: -m json\.MODULE"),
+])
+def test_what_python_m_cannot_run_is_refused_before_any_worker(here, name, problem):
+    """What every worker would fail on with "No module named ..." after the rendezvous."""
+    with pytest.raises(UsageError, match=rf"^-m {re.escape(repr(name))}: {problem}\. No worker was started\.$"):
+        resolve_command(ns(name, module=True))
+
+
+def test_packages_that_may_hold_modules_elsewhere_are_left_to_the_worker(here):
+    """A package that extends __path__ at import time, or a namespace package, may
+    hold the module in a directory only its import reveals."""
+    (here / "ext").mkdir()
+    (here / "ext" / "__init__.py").write_text(
+        "from pkgutil import extend_path\n__path__ = extend_path(__path__, __name__)\n")
+    (here / "nspkg").mkdir()
+    (here / "nspkg" / "mod.py").write_text("z = 3\n")
+    assert resolve_command(ns("ext.elsewhere", module=True)) == ("-m", "ext.elsewhere")
+    assert resolve_command(ns("ext", module=True)) == ("-m", "ext")
+    assert resolve_command(ns("nspkg.elsewhere", module=True)) == ("-m", "nspkg.elsewhere")
+    assert resolve_command(ns("nspkg.mod", module=True)) == ("-m", "nspkg.mod")
 
 
 def test_find_module_does_not_import_parents(here):

@@ -246,6 +246,74 @@ def test_sigint_stops_every_worker_and_their_children(tmp_path):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize(("node_rank", "sig"), [(0, signal.SIGTERM), (1, signal.SIGINT)])
+def test_a_stop_signal_ends_a_wait_for_the_other_nodes(tmp_path, node_rank, sig):
+    """Torch's static rendezvous waits in C++ (TCPStore) for the other nodes, up to 15 minutes,
+    where Python runs no signal handler: Ctrl-C or SIGTERM must still end distrun at once."""
+    script = write(tmp_path, "job.py", ALLREDUCE)
+    (tmp_path / "tmp").mkdir()
+    proc = subprocess.Popen(
+        distrun_cmd("--nnodes", "2", "--node_rank", str(node_rank), "--master", f"127.0.0.1:{free_port()}",
+                    script),
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=worker_env(TMPDIR=str(tmp_path / "tmp")),
+    )
+    assert proc.stderr.readline().startswith("distrun: 1 worker(s) on this node, world size 2; rendezvous")
+    time.sleep(2)  # well inside the rendezvous's wait by now
+    start = time.monotonic()
+    proc.send_signal(sig)
+    try:
+        _, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"distrun ignored {sig.name} during the rendezvous: {proc.communicate()}")
+    assert proc.returncode == 128 + sig, err
+    assert time.monotonic() - start < 10
+    assert f"distrun: received {sig.name} before the workers started; nothing was left running." in err
+    assert list((tmp_path / "tmp").iterdir()) == [], "distrun's temporary directories are removed"
+    assert not (tmp_path / "log" / "workerlog.0").exists()
+
+
+# Node rank 1's worker outlives node rank 0's by a minute.
+NODE1_RUNS_LONGER = """
+    import os, time
+    if os.environ["GROUP_RANK"] == "1":
+        time.sleep(60)
+    print("done", os.environ["RANK"], flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_signal_ends_the_wait_for_the_other_nodes_to_finish(tmp_path):
+    """A node whose workers are done waits in torch's exit barrier (C++, up to 300 s) for the others."""
+    script = write(tmp_path, "job.py", NODE1_RUNS_LONGER)
+    master = f"127.0.0.1:{free_port()}"
+    nodes = [
+        subprocess.Popen(
+            distrun_cmd("--nnodes", "2", "--node_rank", str(rank), "--master", master, *grace_period_args(5),
+                        script),
+            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env(),
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        log0 = tmp_path / "log" / "workerlog.0"
+        assert wait_until(lambda: log0.exists() and "done 0" in log0.read_text(), 60)
+        time.sleep(2)  # rank 0 has exited; node 0 waits for node 1
+        start = time.monotonic()
+        nodes[0].send_signal(signal.SIGTERM)
+        _, err = nodes[0].communicate(timeout=30)
+        assert nodes[0].returncode == 128 + signal.SIGTERM, err
+        assert time.monotonic() - start < 15
+        assert ("distrun: received SIGTERM after this node's workers had exited, while waiting for the other "
+                "nodes to finish; nothing was left running here (logs in log).") in err
+    finally:
+        for node in nodes:
+            node.kill()
+            node.communicate()
+
+
+@pytest.mark.timeout(90)
 def test_sigkill_of_distrun_leaves_no_orphans(tmp_path):
     proc, pids = start_waiting_job(tmp_path)
     proc.kill()
@@ -280,6 +348,56 @@ def test_module_and_log_dir(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["[rank1]: module rank 1 ['-x']"]
     assert "module rank 0 ['-x']" in (tmp_path / "out" / "logs" / "workerlog.0").read_text()
+
+
+# Rank 0 keeps printing after the console's reader is gone; rank 1 ends
+# with code 3 (or 0) once rank 0 is well past its first line.
+PRINTS_THEN_RANK1_EXITS = """
+    import os, sys, time
+    rank = os.environ["RANK"]
+    for i in range(20):
+        print(f"rank {rank} line {i}", flush=True)
+        time.sleep(0.05)
+    if rank == "1":
+        sys.exit(int(sys.argv[1]))
+    time.sleep(0 if sys.argv[1] == "0" else 60)
+"""
+
+
+def run_with_console_closed(tmp_path, code, stderr_too):
+    """distrun whose console reader leaves after one line, as in ``distrun ... | head -1``."""
+    script = write(tmp_path, "job.py", PRINTS_THEN_RANK1_EXITS)
+    err_file = tmp_path / "stderr.txt"
+    with open(err_file, "w") as err:
+        proc = subprocess.Popen(
+            distrun_cmd("--nproc_per_node", "2", *grace_period_args(5), script, str(code)),
+            cwd=tmp_path, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if stderr_too else err, env=worker_env(),
+        )
+        first = proc.stdout.readline()
+        proc.stdout.close()
+        returncode = proc.wait(timeout=60)
+    return returncode, first, err_file.read_text()
+
+
+@pytest.mark.timeout(90)
+def test_a_closed_console_does_not_change_the_outcome(tmp_path):
+    """``distrun ... | head -1``: the tee stops, the job finishes, the exit code is the job's."""
+    returncode, first, err = run_with_console_closed(tmp_path, 0, stderr_too=False)
+    assert first == b"[rank0]: rank 0 line 0\n"
+    assert returncode == 0, err
+    assert "Traceback" not in err, err
+    assert "BrokenPipeError" not in err, err
+    log0 = (tmp_path / "log" / "workerlog.0").read_text()
+    assert "rank 0 line 19" in log0, "the workers' logs are complete"
+
+
+@pytest.mark.timeout(90)
+def test_a_failure_keeps_its_exit_code_when_the_console_is_closed(tmp_path):
+    """``distrun ... 2>&1 | head -1``: the report cannot be shown, its exit code still comes back."""
+    returncode, first, _ = run_with_console_closed(tmp_path, 3, stderr_too=True)
+    assert first.startswith(b"distrun: 2 worker(s) on this node")
+    assert returncode == 3
 
 
 @pytest.mark.timeout(120)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
 
 from distamp.launcher import _bootstrap
-from distamp.launcher.logs import RankLogs, _Tee
+from distamp.launcher.logs import RankLogs, _Tee, say
 
 
 def test_tee_prefixes_each_line_once(tmp_path):
@@ -55,3 +56,19 @@ def test_each_attempt_gets_exit_stamp_files_and_a_start_time(tmp_path):
         assert logs.exit_times(timeout=0) == {}
     finally:
         logs.close()
+
+
+def test_tee_stops_quietly_when_the_console_reader_is_gone(tmp_path):
+    log = tmp_path / "workerlog.0"
+    log.write_text("first\nsecond\n")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader left, as `distrun ... | head` does
+    console = os.fdopen(write_end, "w")
+    try:
+        tee = _Tee({str(log): ("[rank0]: ", 0)}, console, interval=60)
+        tee.stop()  # raised BrokenPipeError
+        say(console, "distrun: a report line")  # so did distrun's report
+        console.write("text a later flush must not fail on\n")
+        console.flush()  # goes to /dev/null now
+    finally:
+        console.close()

@@ -12,15 +12,19 @@ import pytest
 from distamp.launcher import nodes
 from distamp.launcher.nodes import DEFAULT_MASTER_PORT, resolve_nodes
 from distamp.launcher.usage import UsageError
+from tests.multiprocess import free_port
 
 LOCAL = {"127.0.0.1", "127.0.0.2"}
 REAL_IS_THIS_HOST = nodes._is_this_host
+REAL_PORT_IN_USE = nodes._port_in_use
 
 
 @pytest.fixture(autouse=True)
 def only_loopback_is_local():
-    """Which addresses are "this host" is the test's choice, not the CI machine's (which may own TEST-NET ones)."""
-    with mock.patch.object(nodes, "_is_this_host", side_effect=lambda host: host in LOCAL):
+    """Which addresses are "this host" is the test's choice, not the CI machine's (which may own TEST-NET ones),
+    and the fixed ports below are free whatever else runs on it."""
+    with mock.patch.object(nodes, "_is_this_host", side_effect=lambda host: host in LOCAL), \
+            mock.patch.object(nodes, "_port_in_use", return_value=False):
         yield
 
 
@@ -187,3 +191,19 @@ def test_this_host_check_is_skipped_off_node_rank_0():
 
 def test_real_loopback_master_on_node_rank_0(real_host):
     assert resolve_nodes(ns(nnodes=2, master="127.0.0.1:29500")) == (2, 0, "127.0.0.1", 29500)
+
+
+def test_a_master_port_in_use_on_node_rank_0_is_refused(real_host):
+    with mock.patch.object(nodes, "_port_in_use", REAL_PORT_IN_USE), \
+            socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with pytest.raises(UsageError, match=(
+            rf"^--master '127\.0\.0\.1:{port}': port {port} is already in use on this host, and node rank 0 "
+            rf"must listen there for the rendezvous .*Choose a free port: --master 127\.0\.0\.1:PORT on every node\.$"
+        )):
+            resolve_nodes(ns(nnodes=2, master=f"127.0.0.1:{port}"))
+        # Only node rank 0 listens there; the others connect to it.
+        assert resolve_nodes(ns(nnodes=2, node_rank=1, master=f"127.0.0.1:{port}")) == (2, 1, "127.0.0.1", port)
+        assert not REAL_PORT_IN_USE("127.0.0.1", free_port())

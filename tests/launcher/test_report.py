@@ -1,14 +1,17 @@
-"""distrun's failure report from the agent's failures and the guardians' exit stamps."""
+"""distrun's failure report from the agent's failures and the guardians' exit stamps;
+its report of a failed rendezvous."""
 
 from __future__ import annotations
 
+import io
 import signal
+import socket
 
 from torch.distributed.elastic.multiprocessing import ProcessFailure
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from distamp.launcher.plan import LaunchPlan
-from distamp.launcher.run import describe_failure
+from distamp.launcher.run import describe_failure, launch
 
 START = 1000.0
 
@@ -60,3 +63,20 @@ def test_an_exit_0_after_the_failure_is_not_the_cause(tmp_path):
     error = failed(r0=1)
     _, last = summary(tmp_path, error, {0: START + 4.0, 1: START + 4.1}, nproc=2)
     assert last.startswith("distrun: rank 0 (local rank 0, pid 100) exited with code 1;")
+
+
+def test_a_rendezvous_port_taken_after_the_checks_is_a_one_line_report(tmp_path):
+    """The plan refuses a --master port in use; one taken between that check and the
+    rendezvous must still end in distrun's report (exit 1), not torch's traceback."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        plan = LaunchPlan(command=("job.py",), nproc_per_node=1, master_addr="127.0.0.1",
+                          master_port=port, log_dir=str(tmp_path / "log"))
+        out, err = io.StringIO(), io.StringIO()
+        assert launch(plan, out, err) == 1
+    last = err.getvalue().rstrip().splitlines()[-1]
+    assert last.startswith(f"distrun: rendezvous failed at 127.0.0.1:{port}: "), last
+    assert "address already in use" in last
+    assert not (tmp_path / "log" / "workerlog.0").exists(), "no worker started"
