@@ -93,13 +93,24 @@ def _check_seconds(tensors: list[torch.Tensor], reps: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    """Time one check for each model and stage; rank 0 prints a table."""
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; too few steps or reps to take a median of exits 2 before any process group."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=12,
-                   help="training steps timed without the check (default: %(default)s)")
-    p.add_argument("--reps", type=int, default=20, help="checks timed (default: %(default)s)")
-    args = p.parse_args()
+                   help="training steps without the check, the first two untimed (at least 3; default: %(default)s)")
+    p.add_argument("--reps", type=int, default=20, help="checks timed (at least 1; default: %(default)s)")
+    args = p.parse_args(argv)
+    if args.steps < 3:
+        p.error(f"--steps must be at least 3 (the first two build buckets and caches and are not timed); "
+                f"got {args.steps}")
+    if args.reps < 1:
+        p.error(f"--reps must be at least 1; got {args.reps}")
+    return args
+
+
+def main() -> None:
+    """Time one check for each model and stage; rank 0 prints a table."""
+    args = parse_args()
     fleet.init()
     rows = []
     for name, build, batch in _models():

@@ -17,6 +17,7 @@ EXAMPLES = os.path.join(ROOT, "examples")
 sys.path.insert(0, EXAMPLES)
 
 import bench_modes
+import bench_replica_check
 import benchmark
 import netns
 from train_digits import DigitsNet
@@ -237,6 +238,19 @@ def test_bad_sizes_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         benchmark.parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--steps", "2"], "--steps must be at least 3"),
+    (["--reps", "0"], "--reps must be at least 1"),
+])
+def test_bench_replica_check_refuses_what_it_cannot_take_a_median_of(argv, message, capsys):
+    # --steps 2 used to train, time nothing and die in statistics.median([]) after the process group existed
+    with pytest.raises(SystemExit) as exit_info:
+        bench_replica_check.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert bench_replica_check.parse_args(["--steps", "3", "--reps", "1"]).steps == 3
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the check is for gloo (CPU) runs")
