@@ -39,6 +39,7 @@ from distamp.distributed.process_group import (
     WorldInfo,
     default_device,
     init_process_group,
+    select_device,
     validate_timeout,
     world_info_from_env,
     world_info_from_group,
@@ -96,7 +97,9 @@ def init(
     group, so ``DistributedSampler`` and ``torch.distributed`` calls work
     unchanged; ``distributed_model`` then calls the model directly, without
     DDP. A group that already exists (e.g. created under ``mp.spawn``) is
-    used as it is. Calling it again is harmless.
+    used as it is, and with CUDA ``cuda:LOCAL_RANK`` becomes the current
+    device (:func:`device`; for a group without LOCAL_RANK, this rank's
+    index on its host). Calling it again is harmless.
 
     Args:
         role_maker: Paddle's argument; only ``None`` is supported.
@@ -155,6 +158,10 @@ def init(
         if known is None or known.from_env or (known.rank, known.world_size) != group_place:
             known = world_info_from_group(group_timeout)
         world = known
+    if existed:
+        # A group made before init (mp.spawn, or the script's own init_process_group) was made without
+        # selecting this rank's GPU here: select it now, as for a group init creates.
+        select_device(world.local_rank)
     _state.world = world
     if level is not None:
         logging.getLogger("distamp").setLevel(level)

@@ -438,3 +438,35 @@ def test_a_timeout_for_a_group_that_already_exists_warns_that_it_is_not_applied(
     fleet.init()
     with pytest.warns(UserWarning, match=r"fleet.init\(timeout=5\) is not applied: a process group already exists"):
         fleet.init(timeout=5)
+
+
+@pytest.mark.parametrize(
+    ("launcher_env", "expected"),
+    [
+        ({"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 1),  # a group made under mp.spawn: no RANK
+        ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, 0),
+    ],
+    ids=["user_group", "torchrun_env"],
+)
+def test_a_group_that_already_exists_gets_this_ranks_gpu_made_current_on_a_cuda_host(
+        monkeypatch, launcher_env, expected):
+    """torch's NCCL object collectives, barrier and the checkpointed CUDA generator use the current device;
+    a group made before fleet.init must not leave every rank on cuda:0. CUDA stood in on the CPU."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from distamp import fleet
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in launcher_env.items():
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=30))
+    selected: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: selected.append(torch.device(device)))
+    fleet.init()
+    assert fleet.device() == torch.device("cuda", expected)
+    assert selected == [torch.device("cuda", expected)]

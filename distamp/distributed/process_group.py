@@ -31,6 +31,7 @@ __all__ = [
     "default_backend",
     "default_device",
     "init_process_group",
+    "select_device",
     "validate_timeout",
     "world_info_from_env",
     "world_info_from_group",
@@ -176,6 +177,23 @@ def default_device(local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def select_device(local_rank: int) -> torch.device:
+    """:func:`default_device`, made CUDA's current device when it is a GPU; returns it.
+
+    torch's NCCL paths that take no tensor use the current device: object
+    collectives (``all_gather_object``, which ``dcp.save`` uses), ``barrier``,
+    and each rank's CUDA generator saved in a checkpoint. torch leaves
+    choosing it to the user ("it is the user's responsibility to ensure that
+    this is set so that each rank has an individual GPU, via
+    ``torch.cuda.set_device()``", ``all_gather_object``'s docstring); left
+    at ``cuda:0``, every rank would use GPU 0 there.
+    """
+    device = default_device(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
 def validate_timeout(timeout: float | timedelta | None) -> timedelta:
     """``timeout`` (seconds or a ``timedelta``) as a ``timedelta``; ``None`` is :data:`DEFAULT_TIMEOUT`.
 
@@ -236,9 +254,7 @@ def init_process_group(world: WorldInfo, timeout: timedelta = DEFAULT_TIMEOUT) -
                 raise ValueError(
                     f"environment variable {name} is not set; start the job with distrun or torchrun"
                 )
-    device = default_device(world.local_rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = select_device(world.local_rank)
     kwargs: dict[str, Any] = {"rank": world.rank, "world_size": world.world_size, "timeout": timeout}
     if device.type == "cuda":
         kwargs["device_id"] = device

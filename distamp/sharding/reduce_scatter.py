@@ -381,8 +381,11 @@ def bucket_future(buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
 
     DDP waits on it and reads the bucket from it. On CUDA it is told the
     device: completing it then records an event on the current stream, and
-    a stream that waits on it waits for that event (a device-less future
-    refuses CUDA tensors).
+    a stream that waits on it waits for that event. A device-less future
+    takes CUDA tensors without complaint but records no event (torch checks
+    a result's devices only for a future given devices: ``markCompleted``
+    in ``ATen/core/ivalue_inl.h``), so its waiters would not be ordered
+    after the stream that wrote the bucket.
     """
     return torch.futures.Future(devices=[buffer.device] if buffer.device.type == "cuda" else None)
 

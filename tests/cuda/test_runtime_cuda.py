@@ -238,3 +238,42 @@ def test_two_rank_nccl_job_skips_in_lockstep_on_local_devices(tmp_path):
         }
     assert torch.equal(tensors[0]["params"], tensors[1]["params"])
     assert torch.equal(tensors[0]["masters"], tensors[1]["masters"])
+
+
+# A group made by the script under mp.spawn, without torch.cuda.set_device: fleet.init selects each
+# rank's GPU, so torch's NCCL object collectives (which use the current device) get one GPU per rank.
+SPAWN_JOB = """
+    import json, os, socket, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+    from distamp import fleet
+
+    def worker(rank, out_dir, port):
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        fleet.init()
+        gathered = [None, None]
+        dist.all_gather_object(gathered, {"rank": rank, "current": torch.cuda.current_device()})
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump({"device": str(fleet.device()), "current": torch.cuda.current_device(),
+                       "gathered": gathered}, f)
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.spawn(worker, args=(sys.argv[1], port), nprocs=2)
+"""
+
+
+@two_gpus
+@pytest.mark.timeout(300)
+def test_a_group_made_under_mp_spawn_gets_each_ranks_gpu_made_current(tmp_path):
+    (tmp_path / "job.py").write_text(textwrap.dedent(SPAWN_JOB))
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC")}
+    done = subprocess.run([sys.executable, "job.py", str(tmp_path)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=270, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {
+            "device": f"cuda:{rank}", "current": rank,
+            "gathered": [{"rank": 0, "current": 0}, {"rank": 1, "current": 1}],
+        }
