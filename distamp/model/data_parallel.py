@@ -340,12 +340,21 @@ class DataParallel(nn.Module):
         return output
 
     def _outside_auto_cast_hint(self, exc: RuntimeError) -> str | None:
-        """The fix for torch's bare dtype error when an O2 model runs outside ``fleet.auto_cast()``."""
+        """The fix for torch's bare dtype error in O2: a forward outside ``fleet.auto_cast()``, or an op that
+        autocast does not cast for this device."""
         cfg = self.strategy.amp_config
         if not (self.strategy.amp and cfg.use_pure_fp16) or "type" not in str(exc).lower():
             return None
         if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda") if t == "cpu" or torch.cuda.is_available()):
-            return None
+            message = str(exc).lower()
+            if "dtype" not in message and "scalar type" not in message:
+                return None
+            return (
+                f"distamp: with use_pure_fp16 the model's weights are {cfg.dtype}, and autocast casts FP32 inputs "
+                "only for the ops on torch's lists for this device; an op outside them (on CPU e.g. "
+                "F.bilinear) met FP32 inputs. Add it to amp_configs['custom_white_list'] (it then runs in "
+                f"{cfg.dtype}), or its module to amp_configs['custom_black_varnames'] (it then runs in FP32)."
+            )
         return (
             f"distamp: with use_pure_fp16 the model's weights are {cfg.dtype} while its inputs are FP32; run the "
             "forward under `with fleet.auto_cast():`, which casts the inputs of matmuls and convolutions."

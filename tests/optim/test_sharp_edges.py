@@ -154,3 +154,34 @@ def test_an_o2_forward_outside_auto_cast_says_how_to_fix_it():
         wrapped(torch.ones(2, 4))
     with fleet.auto_cast():
         assert wrapped(torch.ones(2, 4)).dtype == torch.bfloat16
+
+
+class _BilinearHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Bilinear(4, 4, 2)
+
+    def forward(self, x):
+        return self.head(x, self.proj(x))
+
+
+def test_an_o2_op_autocast_does_not_cast_names_both_fixes_and_each_works():
+    # CPU autocast has no rule for bilinear: its FP32 input met the 16-bit weight and the user got torch's
+    # bare "All tensors must have the same dtype".
+    from distamp import fleet
+
+    def forward(**configs):
+        torch.manual_seed(0)
+        model = _BilinearHead()
+        strategy = fleet.DistributedStrategy(amp=True)
+        strategy.amp_configs = {"use_pure_fp16": True, "dtype": "bfloat16", **configs}
+        fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), strategy)
+        wrapped = fleet.distributed_model(model, strategy=strategy)
+        with fleet.auto_cast():
+            return wrapped(torch.ones(2, 4))
+
+    with pytest.raises(RuntimeError, match=r"custom_white_list.*custom_black_varnames"):
+        forward()
+    assert forward(custom_white_list=["bilinear"]).dtype == torch.bfloat16
+    assert forward(custom_black_varnames=["head"]).dtype == torch.float32
