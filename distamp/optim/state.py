@@ -1,7 +1,7 @@
 """The meta-optimizer's checkpoint state: tensors and plain numbers only.
 
-``AmpOptimizer.state_dict()`` holds the inner optimizer's state, the FP32
-masters (O2), the loss scaler's type and state, the step counters and
+``AmpOptimizer.state_dict()`` holds the inner optimizer's class name and
+state, the FP32 masters (O2), the loss scaler's type and state, the step counters and
 (``strategy.powersgd``) this rank's compressor state, so
 ``torch.load(..., weights_only=True)`` reads it back and a resumed run
 continues bitwise like an uninterrupted one.
@@ -63,6 +63,7 @@ def optimizer_state(opt: StatefulOptimizer, *, local: bool = False) -> dict:
         **powersgd,
         **sharding,
         "format": STATE_FORMAT,
+        "inner_type": type(opt.inner_opt).__name__,
         "inner": inner,
         "master_weights": precision.get("master_weights", []),
         "loss_scaler_type": precision["loss_scaler_type"],
@@ -86,8 +87,9 @@ def load_optimizer_state(opt: StatefulOptimizer, state_dict: dict) -> None:
     window's position.
 
     Raises:
-        ValueError: not a distamp optimizer state, or saved with another
-            loss scaler or another ``use_pure_fp16``.
+        ValueError: not a distamp optimizer state, or saved around another
+            inner optimizer class, with another loss scaler or another
+            ``use_pure_fp16``.
     """
     if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT:
         keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
@@ -95,6 +97,7 @@ def load_optimizer_state(opt: StatefulOptimizer, state_dict: dict) -> None:
             f"not a distamp AmpOptimizer state_dict (keys: {keys}); to load a bare torch "
             "optimizer's state use optimizer.inner_opt.load_state_dict(...)"
         )
+    _check_inner_type(opt, state_dict.get("inner_type"))
     masters = state_dict["master_weights"]
     if bool(masters) != opt.master_weights.enabled:
         raise ValueError(
@@ -121,6 +124,24 @@ def load_optimizer_state(opt: StatefulOptimizer, state_dict: dict) -> None:
     policy.unscaled = False
     policy.watch.after_step()  # the loaded state is the baseline misuse detection compares with
     opt.merge.publish()
+
+
+def _check_inner_type(opt: StatefulOptimizer, saved: Any) -> None:
+    """``ValueError`` when the state was saved around another inner optimizer class.
+
+    torch's ``Optimizer.load_state_dict`` checks only the parameter counts,
+    so AdamW's state loads into SGD (which then fails at its first step on
+    a missing ``momentum``) or into Adam (which then trains with AdamW's
+    hyperparameters as L2 decay): refused here, before anything is loaded.
+    States saved before the class was recorded (no ``inner_type``) load as
+    they did.
+    """
+    own = type(opt.inner_opt).__name__
+    if saved is not None and saved != own:
+        raise ValueError(
+            f"the saved optimizer state is of an AmpOptimizer around {saved}, this one is around {own}; "
+            f"give fleet.distributed_optimizer the saving run's optimizer class, {saved}"
+        )
 
 
 def _load_compressor_state(opt: StatefulOptimizer, state: dict | None) -> None:

@@ -535,3 +535,17 @@ def test_ranks_that_see_different_files_fail_together_instead_of_hanging(tmp_pat
         assert message is not None
         assert "rank 1 sees a different file" in message
         assert "shared by every node" in message
+
+
+@pytest.mark.parametrize("other", [torch.optim.Adam, torch.optim.SGD])
+def test_a_checkpoint_of_another_inner_optimizer_is_refused_before_training(tmp_path, other):
+    """AdamW's state would load into Adam (then train with AdamW's weight decay as L2) or SGD (then fail at its
+    first step on a missing 'momentum'): refused on load, naming both classes."""
+    model, opt, sched = build(0)
+    train(model, opt, sched, 0, 2)
+    save_checkpoint(tmp_path, 2, model=model, optimizer=opt, scheduler=sched)
+    net = make_net(1)
+    wrong = AmpOptimizer(other(net.parameters(), lr=1e-2), make_strategy())
+    wrong_sched = torch.optim.lr_scheduler.StepLR(wrong, step_size=3, gamma=0.5)
+    with pytest.raises(RuntimeError, match=rf"an AmpOptimizer around AdamW, this one is around {other.__name__}"):
+        load_latest_checkpoint(tmp_path, model=net, optimizer=wrong, scheduler=wrong_sched)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import warnings
@@ -452,6 +453,18 @@ def test_load_state_dict_refuses_a_bare_torch_state_and_a_mismatched_mode():
     o1 = AmpOptimizer(torch.optim.SGD(tiny_mlp().parameters(), lr=0.1), make_strategy())
     with pytest.raises(ValueError, match="use_pure_fp16"):
         o1.load_state_dict(opt.state_dict())
+
+
+def test_load_state_dict_refuses_the_state_of_another_inner_optimizer_class():
+    model = tiny_mlp()
+    adamw = AmpOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), make_strategy(use_pure_fp16=True))
+    sgd = AmpOptimizer(torch.optim.SGD(tiny_mlp().parameters(), lr=0.1), make_strategy(use_pure_fp16=True))
+    before = copy.deepcopy(sgd.state_dict())
+    with pytest.raises(ValueError, match=r"around AdamW, this one is around SGD; give fleet.distributed_optimizer "
+                                         r"the saving run.s optimizer class, AdamW"):
+        sgd.load_state_dict(adamw.state_dict())
+    after = sgd.state_dict()
+    assert after["inner"]["param_groups"] == before["inner"]["param_groups"]  # refused before anything loaded
 
 
 # --------------------------------------------------------------------------- misuse
