@@ -217,6 +217,20 @@ def test_worker_killed_by_signal_is_reported_by_name(tmp_path):
     assert proc.stdout == ""  # --tee none
 
 
+def start_two_nodes(tmp_path, script, *flags, node_flags=lambda rank: ()):
+    """Two distrun 'nodes' on this host (node ranks 0 and 1, one --master), each with ``flags`` and its
+    ``node_flags(rank)``; text pipes for stdout and stderr."""
+    master = f"127.0.0.1:{free_port()}"
+    return [
+        subprocess.Popen(
+            distrun_cmd("--nnodes", "2", "--node_rank", str(rank), "--master", master, *flags, *node_flags(rank),
+                        script),
+            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env(),
+        )
+        for rank in (0, 1)
+    ]
+
+
 def start_waiting_job(tmp_path):
     script = write(tmp_path, "job.py", WAITS_WITH_CHILD)
     proc = subprocess.Popen(
@@ -287,15 +301,7 @@ NODE1_RUNS_LONGER = """
 def test_a_stop_signal_ends_the_wait_for_the_other_nodes_to_finish(tmp_path):
     """A node whose workers are done waits in torch's exit barrier (C++, up to 300 s) for the others."""
     script = write(tmp_path, "job.py", NODE1_RUNS_LONGER)
-    master = f"127.0.0.1:{free_port()}"
-    nodes = [
-        subprocess.Popen(
-            distrun_cmd("--nnodes", "2", "--node_rank", str(rank), "--master", master, *grace_period_args(5),
-                        script),
-            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=worker_env(),
-        )
-        for rank in (0, 1)
-    ]
+    nodes = start_two_nodes(tmp_path, script, *grace_period_args(5))
     try:
         log0 = tmp_path / "log" / "workerlog.0"
         assert wait_until(lambda: log0.exists() and "done 0" in log0.read_text(), 60)
@@ -434,16 +440,7 @@ def test_two_nodes_with_the_two_hosts_recipe(tmp_path):
 def test_two_nodes_restart_together(tmp_path):
     """--max_restarts on two 'nodes' (two distrun on this host): both nodes restart."""
     script = write(tmp_path, "job.py", FAILS_ONCE)
-    master = f"127.0.0.1:{free_port()}"
-    nodes = [
-        subprocess.Popen(
-            distrun_cmd("--nnodes", "2", "--node_rank", str(r), "--master", master,
-                        "--max_restarts", "1", "--log_dir", f"node{r}", script),
-            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env=worker_env(),
-        )
-        for r in (0, 1)
-    ]
+    nodes = start_two_nodes(tmp_path, script, "--max_restarts", "1", node_flags=lambda r: ("--log_dir", f"node{r}"))
     results = [node.communicate(timeout=100) for node in nodes]
     assert [n.returncode for n in nodes] == [0, 0], results
     logs = "".join((tmp_path / f"node{r}").joinpath(name).read_text()
