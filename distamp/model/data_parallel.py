@@ -343,10 +343,10 @@ class DataParallel(nn.Module):
         """The fix for torch's bare dtype error in O2: a forward outside ``fleet.auto_cast()``, or an op that
         autocast does not cast for this device."""
         cfg = self.strategy.amp_config
-        if not (self.strategy.amp and cfg.use_pure_fp16) or "type" not in str(exc).lower():
+        message = str(exc).lower()
+        if not (self.strategy.amp and cfg.use_pure_fp16) or "type" not in message:
             return None
         if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda") if t == "cpu" or torch.cuda.is_available()):
-            message = str(exc).lower()
             if "dtype" not in message and "scalar type" not in message:
                 return None
             return (
