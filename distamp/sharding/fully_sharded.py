@@ -45,7 +45,7 @@ from distamp.distributed.fingerprint import check_ranks_agree
 from distamp.distributed.groups import group_size
 from distamp.distributed.timeouts import named_collective
 from distamp.model_views import fp32_model_state_dict, parameters_device
-from distamp.sharding.buffer_broadcast import BufferBroadcast, broadcast_from_rank0
+from distamp.sharding.buffer_broadcast import BufferBroadcast
 from distamp.sharding.fsdp_comms import InPlaceAllGather, WireReduceScatter
 from distamp.sharding.fsdp_policy import unit_policies
 from distamp.sharding.shard_units import choose_units
@@ -114,7 +114,7 @@ class FullyShardedModel(nn.Module):
         if self._group_size > 1:
             check_ranks_agree(strategy, module)
             with named_collective("the start-up broadcast of parameters from rank 0"):
-                broadcast_from_rank0([t.detach() for t in [*module.parameters(), *module.buffers()]], group)
+                _broadcast_from_first(module, group)
         before = list(module.named_parameters())
         self._reduce_scatter = WireReduceScatter()
         _shard(module, units, fp32_units, strategy, DeviceMesh.from_group(group, device.type), self._reduce_scatter)
@@ -320,6 +320,14 @@ def _shard_whole_tensors(module: nn.Module, state_dict: dict, prefix: str, *args
         if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
             state_dict[prefix + name] = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh,
                                                           param.placements, src_data_rank=None)
+
+
+def _broadcast_from_first(module: nn.Module, group: dist.ProcessGroup) -> None:
+    """Give every rank the parameters and buffers of the group's first rank (in place)."""
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor, src=src, group=group)
 
 
 def _shard(module: nn.Module, units: list[tuple[str, nn.Module]], fp32_units: list[tuple[str, nn.Module]],
