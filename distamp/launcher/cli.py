@@ -30,6 +30,11 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def _spellings(flag: str) -> tuple[str, str]:
+    """``flag`` and its dashed spelling (``--nproc_per_node``, ``--nproc-per-node``), as torchrun accepts both."""
+    return flag, "--" + flag[2:].replace("_", "-")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``distrun`` argument parser, with flags grouped by concern."""
     parser = _Parser(
@@ -48,20 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
         "CUDA_VISIBLE_DEVICES when it is set); worker i uses cuda:i",
     )
     workers.add_argument(
-        "--nproc_per_node", type=int, metavar="N",
+        *_spellings("--nproc_per_node"), type=int, metavar="N",
         help="number of workers on this node, CPU or GPU (default: 1, or one per --gpus id); "
         f"more than {WORKERS_PER_CPU} per CPU of this host is refused unless "
         "--allow_oversubscribe is given",
     )
     workers.add_argument(
-        "--allow_oversubscribe", action="store_true",
+        *_spellings("--allow_oversubscribe"), action="store_true",
         help=f"allow --nproc_per_node above {WORKERS_PER_CPU} workers per CPU (e.g. many "
         "tiny test workers); without it such a count exits with code 2 before anything starts",
     )
     nodes = parser.add_argument_group("several nodes")
     nodes.add_argument("--nnodes", type=int, metavar="N", help="number of nodes (default: 1)")
     nodes.add_argument(
-        "--node_rank", type=int, metavar="R", help="rank of this node, 0..nnodes-1 (default: 0)"
+        *_spellings("--node_rank"), type=int, metavar="R", help="rank of this node, 0..nnodes-1 (default: 0)"
     )
     nodes.add_argument(
         "--master", metavar="HOST:PORT",
@@ -75,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     logs = parser.add_argument_group("logs and failures")
     logs.add_argument(
-        "--log_dir", default="log", metavar="DIR",
+        *_spellings("--log_dir"), default="log", metavar="DIR",
         help="per-rank logs DIR/workerlog.N (stdout and stderr) (default: log)",
     )
     logs.add_argument(
@@ -84,11 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
         "comma-separated ranks, 'all' or 'none' (default: 0)",
     )
     logs.add_argument(
-        "--max_restarts", type=int, default=0, metavar="N",
+        *_spellings("--max_restarts"), type=int, default=0, metavar="N",
         help="restart the whole group up to N times after a failure (default: 0)",
     )
     logs.add_argument(
-        "--grace_period", type=int, default=30, metavar="SECONDS",
+        *_spellings("--grace_period"), type=int, default=30, metavar="SECONDS",
         help="when distrun is interrupted (SIGINT/SIGTERM), seconds the workers get to "
         "exit before SIGKILL (default: 30; after a worker failure torch always waits 30)",
     )

@@ -188,6 +188,24 @@ def test_valid_plans(script):
     assert plan.command == ("-m", "json.tool", "x")
 
 
+def test_dashed_spellings_as_torchrun_accepts_them(script):
+    dashed = parse([
+        "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--master", "127.0.0.1:29501",
+        "--log-dir", "logs", "--max-restarts", "3", "--grace-period=5", "--allow-oversubscribe",
+        "train.py", "--node-rank", "7",
+    ])
+    underscored = parse([
+        "--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1", "--master", "127.0.0.1:29501",
+        "--log_dir", "logs", "--max_restarts", "3", "--grace_period=5", "--allow_oversubscribe",
+        "train.py", "--node-rank", "7",
+    ])
+    assert dashed == underscored
+    assert (dashed.nproc_per_node, dashed.node_rank, dashed.log_dir, dashed.max_restarts, dashed.grace_period) == (
+        2, 1, "logs", 3, 5
+    )
+    assert dashed.command == ("train.py", "--node-rank", "7")
+
+
 @pytest.mark.parametrize(("argv", "command"), [
     (["train.py", "--", "--lr", "1"], ("train.py", "--", "--lr", "1")),
     (["--", "train.py", "--"], ("train.py", "--")),
