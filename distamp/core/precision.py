@@ -43,6 +43,7 @@ from distamp.distributed.flag_sync import all_reduce_max
 from distamp.scaling.loss_scaler import LossScaler, build_loss_scaler
 from distamp.strategy import AmpConfig
 from distamp.torch_compat import amp_foreach_non_finite_check_and_unscale_, foreach_copy_, foreach_norm, tensor_version
+from distamp.user_warning import warn_user
 
 __all__ = ["FullPrecision", "MixedPrecision", "PureLowPrecision"]
 
@@ -185,10 +186,24 @@ class FullPrecision:
         return {"loss_scaler_type": "", "loss_scaler": {}}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`'s output (checked against this plugin's scaler)."""
-        _check_scaler_type(state["loss_scaler_type"], self.scaler)
-        if self.scaler is not None:
+        """Restore :meth:`state_dict`'s output (checked against this plugin's scaler).
+
+        A state saved with a scaler that holds nothing (BF16's fixed 1.0, or
+        AMP off) loads into one that does, and the other way round: the
+        dtype or ``amp`` changed, as the stuck-scale error advises, and this
+        plugin's scaler keeps its configured start (with a warning).
+
+        Raises:
+            ValueError: both scalers hold state but of different kinds
+                (backoff, log-normal, static).
+        """
+        if _carries_scaler_state(state["loss_scaler_type"], self.scaler) and self.scaler is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
+
+    @property
+    def scaler_kind(self) -> str:
+        """The ``loss_scaler_type`` this plugin's states record: the scaler's class name, "" with AMP off."""
+        return type(self.scaler).__name__ if self.scaler is not None else ""
 
 
 class MixedPrecision(FullPrecision):
@@ -459,13 +474,33 @@ def _pairs_by_device(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> list[lis
     return list(groups.values())
 
 
-def _check_scaler_type(saved: str, scaler: LossScaler | None) -> None:
+_STATELESS_SCALERS = ("", "UnitLossScaler")
+"""Saved ``loss_scaler_type`` values with no scaler state: AMP off, and BF16's fixed scale."""
+
+
+def _carries_scaler_state(saved: str, scaler: LossScaler | None) -> bool:
+    """Whether a state saved with loss scaler ``saved`` restores ``scaler``; False (with a warning) when the
+    precision changed between a scaler with state and one without.
+
+    Raises:
+        ValueError: both hold state, of different kinds.
+    """
     own = type(scaler).__name__ if scaler is not None else ""
-    if saved != own:
+    if saved == own:
+        return True
+    if saved not in _STATELESS_SCALERS and own not in _STATELESS_SCALERS:
         raise ValueError(
             f"checkpoint was saved with loss scaler {saved or 'none'!r} but this optimizer uses "
-            f"{own or 'none'!r}; build it with the same amp_configs"
+            f"{own or 'none'!r}; build it with the same amp_configs (use_dynamic_loss_scaling, "
+            "loss_scaling_algorithm) to resume the scale"
         )
+    start = f"starts at {scaler.scale:g} as configured" if scaler is not None else "is not used"
+    warn_user(
+        f"the loaded optimizer state was saved with loss scaler {saved or 'none (amp off)'!r} and this optimizer "
+        f"uses {own or 'none (amp off)'!r} (amp or amp_configs['dtype'] changed): the weights and the inner "
+        f"optimizer's state load as saved; the loss scale {start}."
+    )
+    return False
 
 
 def _stuck_message(config: AmpConfig, scale: float, count: int) -> str:

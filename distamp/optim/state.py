@@ -109,7 +109,8 @@ def load_optimizer_state(opt: StatefulOptimizer, state_dict: dict) -> None:
     counters, policy = state_dict["counters"], opt.policy
     policy.steps_applied = int(counters["steps_applied"])
     policy.steps_skipped = int(counters["steps_skipped"])
-    opt.precision.consecutive_stuck = int(counters["consecutive_stuck"])
+    same_scaler = state_dict["loss_scaler_type"] == opt.precision.scaler_kind
+    opt.precision.consecutive_stuck = int(counters["consecutive_stuck"]) if same_scaler else 0
     opt.merge.micro_steps = int(counters["micro_steps"])
     if opt.merge.is_accumulating:  # saved by optimizer.state_dict() in the middle of a window
         warn_user(

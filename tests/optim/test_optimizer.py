@@ -263,6 +263,57 @@ def test_scale_stuck_at_minimum_raises_and_suggests_bfloat16():
     assert opt.steps_skipped == 2 + 3
 
 
+def _overflow(opt, model, times, dtype="float16"):
+    for _ in range(times):
+        with auto_cast(dtype=dtype):
+            loss = model(torch.ones(1, 6)).float().sum() * float("inf")
+        opt.zero_grad()
+        opt.backward(loss)
+        assert opt.step() is False
+
+
+def test_a_stuck_fp16_state_resumes_in_bfloat16_as_the_stuck_error_advises():
+    fp16 = make_strategy(use_pure_fp16=True, init_loss_scaling=4.0, min_loss_scaling=1.0,
+                         decr_every_n_nan_or_inf=1, stuck_scale_patience=3)
+    model = tiny_mlp()
+    opt = AmpOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), fp16)
+    train(model, opt, batches(3))
+    _overflow(opt, model, 4)  # 4 -> 2 -> 1, then two overflows at the minimum: one short of the error
+    saved = copy.deepcopy(opt.state_dict())
+
+    model16 = tiny_mlp(seed=5)
+    bf16 = AmpOptimizer(torch.optim.AdamW(model16.parameters(), lr=1e-2),
+                        make_strategy(use_pure_fp16=True, dtype="bfloat16", stuck_scale_patience=3))
+    with pytest.warns(UserWarning, match=r"saved with loss scaler 'BackoffLossScaler' and this optimizer uses "
+                                         r"'UnitLossScaler' .*the loss scale starts at 1 as configured"):
+        bf16.load_state_dict(saved)
+    assert bf16.get_loss_scaling() == 1.0
+    for got, want in zip(bf16.state_dict()["master_weights"], saved["master_weights"], strict=True):
+        assert torch.equal(got, want)
+    for got, want in zip(model16.parameters(), saved["master_weights"], strict=True):
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got.detach(), want.to(torch.bfloat16))
+    assert torch.equal(bf16.inner_opt.state_dict()["state"][0]["exp_avg"], saved["inner"]["state"][0]["exp_avg"])
+    assert (bf16.steps_applied, bf16.steps_skipped) == (opt.steps_applied, opt.steps_skipped)
+    _overflow(bf16, model16, 2, dtype="bfloat16")  # the FP16 run's count at the minimum did not come along
+    train(model16, bf16, batches(2), dtype="bfloat16")
+
+    back = AmpOptimizer(torch.optim.AdamW(tiny_mlp().parameters(), lr=1e-2), fp16)
+    with pytest.warns(UserWarning, match=r"'UnitLossScaler' and this optimizer uses 'BackoffLossScaler'.*"
+                                         r"starts at 4 as configured"):
+        back.load_state_dict(bf16.state_dict())
+    assert back.get_loss_scaling() == 4.0
+
+
+def test_load_state_dict_refuses_a_state_of_another_scaling_algorithm():
+    backoff = AmpOptimizer(torch.optim.SGD(tiny_mlp().parameters(), lr=0.1), make_strategy())
+    lognormal = AmpOptimizer(torch.optim.SGD(tiny_mlp().parameters(), lr=0.1),
+                             make_strategy(loss_scaling_algorithm="lognormal"))
+    with pytest.raises(ValueError, match=r"saved with loss scaler 'BackoffLossScaler' but this optimizer uses "
+                                         r"'LogNormalLossScaler'; build it with the same amp_configs"):
+        lognormal.load_state_dict(backoff.state_dict())
+
+
 def test_scale_changes_and_skips_are_logged_not_every_step(caplog):
     param = nn.Parameter(torch.ones(2))
     opt = AmpOptimizer(
