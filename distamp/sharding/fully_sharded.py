@@ -14,7 +14,8 @@
    policies of :mod:`distamp.sharding.fsdp_policy` and the reduce-scatter
    of :mod:`distamp.sharding.fsdp_comms` (16-bit wire, FP32 sum);
 4. point the attached meta-optimizers at the DTensor parameters that
-   replaced the ones they were built on.
+   replaced the ones they were built on, and have them check at each step
+   that every rank ran the same units (:mod:`distamp.sharding.unit_trace`).
 
 Every backward reduce-scatters (gradient merge's micro-batches included):
 FSDP2 adds each micro-batch's reduced shard into the FP32 sharded gradient,
@@ -49,6 +50,7 @@ from distamp.sharding.buffer_broadcast import BufferBroadcast
 from distamp.sharding.fsdp_comms import InPlaceAllGather, WireReduceScatter
 from distamp.sharding.fsdp_policy import unit_policies
 from distamp.sharding.shard_units import choose_units
+from distamp.sharding.unit_trace import UnitTrace
 from distamp.strategy import DistributedStrategy
 from distamp.torch_compat import fsdp_unsharded_parameters, is_mixed_dtensor_error
 
@@ -120,6 +122,9 @@ class FullyShardedModel(nn.Module):
         _shard(module, units, fp32_units, strategy, DeviceMesh.from_group(group, device.type), self._reduce_scatter)
         after = dict(module.named_parameters())
         module.register_load_state_dict_pre_hook(_shard_whole_tensors)
+        sharded = self._sharded_names()
+        sharded_units = [(name, m) for name, m in module.named_modules() if m is not module and name in sharded]
+        self._unit_trace = UnitTrace(sharded_units) if self._group_size > 1 else None
         # Weak references: an id alone could be reused by a new tensor once the old parameter is freed.
         self._replaced = {id(old): (weakref.ref(old), after[name]) for name, old in before}
         self._optimizers: list[FullyShardedOptimizer] = []
@@ -127,6 +132,10 @@ class FullyShardedModel(nn.Module):
         self._grad_sync = True
         # FSDP2 syncs no buffer: DDP's broadcast_buffers rule keeps BatchNorm statistics equal across ranks.
         self._buffer_broadcast = BufferBroadcast(module, group, enabled=self._group_size > 1)
+
+    def _sharded_names(self) -> set[str]:
+        """Qualified names of the modules ``fully_shard`` made units (the root's is ``""``)."""
+        return {name for name, m in self.module.named_modules() if isinstance(m, FSDPModule)}
 
     # ------------------------------------------------------------------
     @property
@@ -182,6 +191,7 @@ class FullyShardedModel(nn.Module):
             optimizer.adopt_sharded_parameters(new_of)
         optimizer.adopt_model(self.module, [])
         optimizer.add_sync_listener(self)
+        optimizer.precision.check_unit_forwards(self._unit_trace)
         self._optimizers.append(optimizer)
         if self._ran_forward:
             optimizer.watch_local_grads(self._unsharded_parameters())

@@ -64,6 +64,7 @@ from distamp.sharding.dtensor_state import (
     wrap_loaded,
 )
 from distamp.sharding.global_clip import global_clip
+from distamp.sharding.unit_trace import UnitTrace
 from distamp.strategy import DistributedStrategy
 from distamp.torch_compat import dtensor_local, foreach_mul_, foreach_norm
 
@@ -235,6 +236,11 @@ class FullyShardedPrecision(MixedPrecision):
         self.master_weights = ShardedParameters(params, pure)
         self.scaler = build_loss_scaler(config) if strategy.amp else None
         self.consecutive_stuck = 0
+        self._unit_trace: UnitTrace | None = None
+
+    def check_unit_forwards(self, trace: UnitTrace | None) -> None:
+        """Agree at each step, before the verdict, that every rank ran the units ``trace`` saw (None: one rank)."""
+        self._unit_trace = trace
 
     def follow_sharded_parameters(self, new_of: dict[int, nn.Parameter]) -> None:
         """``fully_shard`` replaced each parameter ``old`` by the DTensor ``new_of[id(old)]``: hold those."""
@@ -257,9 +263,12 @@ class FullyShardedPrecision(MixedPrecision):
 
         Raises:
             RuntimeError: the parameters were never sharded (no
-                ``fleet.distributed_model`` for this optimizer's model).
+                ``fleet.distributed_model`` for this optimizer's model), or
+                the ranks ran different units since the last step.
         """
         self.require_sharded("a step", "run the forward through the model it returns")
+        if self._unit_trace is not None and self.group is not None:
+            self._unit_trace.agree(self.group, self._any_device())
         if self.scaler is None:
             return False, None  # AMP off: applied as they are
         return MixedPrecision.unscale_and_check(self, self.group)

@@ -694,3 +694,69 @@ def test_stage3_starts_every_rank_from_rank_zero_weights_and_buffers():
         for key, value in reference.state_dict().items():
             assert torch.equal(out[rank]["state"][key], value), (rank, key)
         assert torch.equal(out[rank]["buffer"], reference[1].running_mean)
+
+
+class _Blocks(nn.Module):
+    """Four blocks of one size (stage 3's default units) and a head; ``skip`` names a block the forward leaves out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4))
+        self.head = nn.Linear(8, 2)
+        self.skip: int | None = None
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            if i != self.skip:
+                x = block(x)
+        return self.head(x)
+
+
+def _skipped_blocks(rank, world, amp, skips, compiled=False):
+    """One step with every block, then one where rank r skips block ``skips[r]``: its error, and the FP32 model
+    after each."""
+    from distamp import fleet
+
+    strategy = _strategy(3, amp=amp, **({"dtype": "bfloat16", "use_pure_fp16": True} if amp else {}))
+    fleet.init()
+    model = _Blocks()
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    forward = torch.compile(wrapped) if compiled else wrapped
+    g = torch.Generator().manual_seed(rank)
+    states, error = [], None
+    for skip in (None, skips[rank]):
+        model.skip = skip
+        with fleet.auto_cast():
+            loss = forward(torch.randn(4, 8, generator=g)).float().pow(2).mean()
+        opt.zero_grad()
+        opt.backward(loss)
+        try:
+            assert opt.step() is True
+        except RuntimeError as exc:
+            error = str(exc)
+        states.append(_flat(opt.fp32_state_dict(wrapped)))
+    return error, states
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("amp", "compiled"), [(True, False), (False, False), (True, True)])
+def test_ranks_that_ran_different_units_of_one_size_stop_at_the_step_and_apply_nothing(amp, compiled):
+    # Rank 0 skips block 1, rank 1 block 2: the same number of equal-sized gathers, which FSDP2 paired silently.
+    for error, (after_first, after_second) in run_workers(_skipped_blocks, 2, amp, [1, 2], compiled, timeout=280):
+        assert error is not None
+        assert "the ranks ran different units" in error
+        assert "'blocks.1' ran 0x on rank 0, 1x on rank 1; 'blocks.2' ran 1x on rank 0, 0x on rank 1" in error
+        assert "'blocks.0'" not in error
+        assert "find_unused_parameters=True" in error
+        assert torch.equal(after_second, after_first)
+
+
+@pytest.mark.timeout(180)
+def test_a_unit_skipped_on_every_rank_alike_trains():
+    (error0, states0), (error1, states1) = run_workers(_skipped_blocks, 2, True, [1, 1], timeout=170)
+    assert error0 is None
+    assert error1 is None
+    assert not torch.equal(states0[1], states0[0])
+    assert torch.equal(states0[1], states1[1])
