@@ -389,7 +389,10 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _contiguous(source: GradSource) -> bool:
+    """Whether a slice of ``source``'s gradient (and of the model parameter it is, if so) is a flat range."""
     grad = source.grad
+    if isinstance(source, torch.Tensor) and not source.is_contiguous():
+        return False  # a channels_last or transposed model parameter is rounded into whole
     return grad is not None and grad.is_contiguous()
 
 

@@ -197,8 +197,10 @@ class MasterWeights:
         Values always come from the exact FP32 masters, so calling it again
         with more parameters to keep (once the model's normalization layers
         and ``custom_black_varnames`` modules are known) gives those back
-        their exact FP32 values. A no-op without separate masters. Returns
-        how many parameters changed dtype.
+        their exact FP32 values. A parameter keeps its memory layout
+        (``channels_last``, a transposed view's strides), as ``.to(dtype)``
+        keeps it. A no-op without separate masters. Returns how many
+        parameters changed dtype.
         """
         self._keep_fp32 |= {id(p) for p in keep_fp32}
         changed = 0
@@ -206,7 +208,8 @@ class MasterWeights:
             for model_p, master in self._pairs:
                 dtype = torch.float32 if id(model_p) in self._keep_fp32 else self.low_dtype
                 if model_p.dtype != dtype:
-                    model_p.data = master.detach().to(dtype, copy=True)
+                    # The master is a contiguous view of the flat buffer; the parameter keeps its own strides.
+                    model_p.data = torch.empty_like(model_p, dtype=dtype).copy_(master.detach())
                     changed += 1
         return changed
 

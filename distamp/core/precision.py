@@ -41,13 +41,38 @@ from distamp.core.master_weights import MasterWeights, MasterWeightsSurface
 from distamp.core.reused_leaf_grads import accumulate_reused_leaf_grads_in_place
 from distamp.distributed.flag_sync import all_reduce_max
 from distamp.scaling.loss_scaler import LossScaler, build_loss_scaler
-from distamp.strategy import AmpConfig
+from distamp.strategy import AmpConfig, DistributedStrategy
 from distamp.torch_compat import amp_foreach_non_finite_check_and_unscale_, foreach_copy_, foreach_norm, tensor_version
 from distamp.user_warning import warn_user
 
-__all__ = ["FullPrecision", "MixedPrecision", "PureLowPrecision"]
+__all__ = ["FullPrecision", "MixedPrecision", "PureLowPrecision", "o2_dtype_error_hint"]
 
 logger = logging.getLogger("distamp")
+
+
+def o2_dtype_error_hint(strategy: DistributedStrategy, exc: RuntimeError) -> str | None:
+    """The fix for torch's bare dtype error in an O2 forward, or ``None`` when ``exc`` is not one.
+
+    Either the forward ran outside ``fleet.auto_cast()``, or an op that
+    autocast does not cast for this device met FP32 inputs.
+    """
+    cfg = strategy.amp_config
+    message = str(exc).lower()
+    if not (strategy.amp and cfg.use_pure_fp16) or "type" not in message:
+        return None
+    if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda") if t == "cpu" or torch.cuda.is_available()):
+        if "dtype" not in message and "scalar type" not in message:
+            return None
+        return (
+            f"distamp: with use_pure_fp16 the model's weights are {cfg.dtype}, and autocast casts FP32 inputs "
+            "only for the ops on torch's lists for this device; an op outside them (on CPU e.g. "
+            "F.bilinear) met FP32 inputs. Add it to amp_configs['custom_white_list'] (it then runs in "
+            f"{cfg.dtype}), or its module to amp_configs['custom_black_varnames'] (it then runs in FP32)."
+        )
+    return (
+        f"distamp: with use_pure_fp16 the model's weights are {cfg.dtype} while its inputs are FP32; run the "
+        "forward under `with fleet.auto_cast():`, which casts the inputs of matmuls and convolutions."
+    )
 
 
 class FullPrecision:

@@ -42,6 +42,7 @@ from distamp.amp.black_modules import keep_in_fp32
 from distamp.amp.fp32_parameters import fp32_parameters
 from distamp.compression.powersgd import PowerSGD
 from distamp.core.attached import AttachedOptimizer
+from distamp.core.precision import o2_dtype_error_hint
 from distamp.distributed.comm_hooks import CommStats, LowPrecisionAllReduce
 from distamp.distributed.devices import check_device
 from distamp.distributed.groups import group_size
@@ -340,25 +341,8 @@ class DataParallel(nn.Module):
         return output
 
     def _outside_auto_cast_hint(self, exc: RuntimeError) -> str | None:
-        """The fix for torch's bare dtype error in O2: a forward outside ``fleet.auto_cast()``, or an op that
-        autocast does not cast for this device."""
-        cfg = self.strategy.amp_config
-        message = str(exc).lower()
-        if not (self.strategy.amp and cfg.use_pure_fp16) or "type" not in message:
-            return None
-        if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda") if t == "cpu" or torch.cuda.is_available()):
-            if "dtype" not in message and "scalar type" not in message:
-                return None
-            return (
-                f"distamp: with use_pure_fp16 the model's weights are {cfg.dtype}, and autocast casts FP32 inputs "
-                "only for the ops on torch's lists for this device; an op outside them (on CPU e.g. "
-                "F.bilinear) met FP32 inputs. Add it to amp_configs['custom_white_list'] (it then runs in "
-                f"{cfg.dtype}), or its module to amp_configs['custom_black_varnames'] (it then runs in FP32)."
-            )
-        return (
-            f"distamp: with use_pure_fp16 the model's weights are {cfg.dtype} while its inputs are FP32; run the "
-            "forward under `with fleet.auto_cast():`, which casts the inputs of matmuls and convolutions."
-        )
+        """The fix for torch's bare dtype error in O2 (:func:`~distamp.core.precision.o2_dtype_error_hint`)."""
+        return o2_dtype_error_hint(self.strategy, exc)
 
     def fp32_state_dict(self) -> dict[str, Any]:
         """The wrapped model's ``state_dict()`` with every parameter in exact FP32 (from the masters).

@@ -46,9 +46,10 @@ def unit_policies(strategy: DistributedStrategy) -> UnitPolicies:
     pure = strategy.amp and strategy.amp_config.use_pure_fp16
     param_dtype = strategy.amp_config.torch_dtype if pure else None
     reduce_dtype = wire_dtype(strategy)
-    # cast_forward_inputs: in O2 floating inputs of a unit are cast to its 16-bit param_dtype, as unsharded
-    # O2 casts inputs for its 16-bit weights; FP32 units take inputs as they come (as unsharded O2).
-    default = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=pure)
+    # No unit casts its inputs: as in unsharded O2, fleet.auto_cast() casts them op by op for the 16-bit
+    # weights, and what the forward computes from FP32 inputs outside those ops (timestep embeddings,
+    # indices, a loss inside forward) stays FP32.
+    default = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     return UnitPolicies(default, fp32)
 

@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from distamp.core.attached import FullyShardedOptimizer, ModelPrecision
+from distamp.core.precision import o2_dtype_error_hint
 from distamp.distributed.comm_hooks import CommStats
 from distamp.distributed.devices import check_device
 from distamp.distributed.fingerprint import check_ranks_agree
@@ -227,13 +228,18 @@ class FullyShardedModel(nn.Module):
         Raises:
             RuntimeError: the forward read a parameter outside its unit's
                 forward, where it is a shard; the message names the units.
+                In O2, torch's dtype error of a forward outside
+                ``fleet.auto_cast()`` gets the fix added, as without sharding.
         """
         self._buffer_broadcast.before_forward()
         try:
             output = self.module(*args, **kwargs)
         except RuntimeError as error:
             if not is_mixed_dtensor_error(error):
-                raise
+                hint = o2_dtype_error_hint(self.strategy, error)
+                if hint is None:
+                    raise
+                raise RuntimeError(f"{error}\n{hint}") from error
             raise RuntimeError(_read_outside_unit(self._unit_names)) from error
         self._buffer_broadcast.after_forward(self.require_backward_grad_sync)
         if not self._ran_forward:

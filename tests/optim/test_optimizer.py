@@ -171,6 +171,59 @@ def test_o2_matches_a_manual_master_weight_loop_bitwise(inner_cls, kwargs):
         assert torch.equal(got.detach(), want)
 
 
+class _ChannelsLastNet(nn.Module):
+    """Convolutions in ``channels_last`` and a parameter stored transposed: weights that are not contiguous."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.convs = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3)).to(
+            memory_format=torch.channels_last)
+        self.proj = nn.Parameter(torch.randn(3, 4).t())  # shape (4, 3), strides (1, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.convs(x).mean((2, 3)) @ self.proj
+
+
+def test_o2_keeps_channels_last_and_transposed_layouts_and_matches_a_manual_loop_bitwise():
+    """O2 stores each parameter in 16 bits with its own strides, as ``.to(dtype)`` does (was: made contiguous)."""
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(2, 3, 6, 6, generator=g).to(memory_format=torch.channels_last),
+             torch.randn(2, 3, generator=g)) for _ in range(3)]
+    reference = _ChannelsLastNet()
+    masters = [p.detach().clone().requires_grad_(True) for p in reference.parameters()]
+    for p in reference.parameters():
+        p.data = p.data.to(torch.bfloat16)  # keeps channels_last and the transposed strides
+    inner = torch.optim.AdamW(masters, lr=1e-2)
+    for x, y in data:
+        with auto_cast(dtype="bfloat16"):
+            loss = F.mse_loss(reference(x).float(), y)
+        reference.zero_grad(set_to_none=True)
+        loss.backward()
+        for p, m in zip(reference.parameters(), masters, strict=True):
+            m.grad = p.grad.float()
+        inner.step()
+        with torch.no_grad():
+            for p, m in zip(reference.parameters(), masters, strict=True):
+                p.copy_(m)
+
+    model = _ChannelsLastNet()
+    strides = [p.stride() for p in model.parameters()]
+    opt = AmpOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                       make_strategy(use_pure_fp16=True, dtype="bfloat16"))
+    for x, y in data:
+        with auto_cast(dtype="bfloat16"):
+            loss = F.mse_loss(model(x).float(), y)
+        opt.zero_grad()
+        opt.backward(loss)
+        assert opt.step()
+    assert model.convs[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert [p.stride() for p in model.parameters()] == strides
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got.detach(), want.detach())
+
+
 # --------------------------------------------------------------------------- loss scaling
 
 

@@ -240,7 +240,7 @@ def test_shards_gathered_parameters_and_reduction_have_the_policys_dtypes(config
         pure = configs.get("use_pure_fp16", False)
         assert seen["policy"] == MixedPrecisionPolicy(param_dtype=gathered if pure else None,
                                                       reduce_dtype=getattr(torch, wire[6:]),
-                                                      cast_forward_inputs=pure)
+                                                      cast_forward_inputs=False)
         assert seen["local rows"] == 8  # Linear(6, 16): 16 rows over 2 ranks
 
 
@@ -527,6 +527,55 @@ def test_default_units_keep_multihead_attention_whole_and_train_like_unsharded()
     for unsharded, sharded in zip(run_workers(_train_attention, 2, 0, timeout=100),
                                   run_workers(_train_attention, 2, 3, timeout=100), strict=True):
         assert_within_bf16_rounding(sharded, unsharded, ulps=8)
+
+
+class _FloatFeatures(nn.Module):
+    """A forward that computes from its FP32 input outside autocast's ops (as a timestep embedding does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * torch.cos(x[:, :3] * 100.0)
+
+
+def _train_float_features(rank, world, stage):
+    from distamp import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = _FloatFeatures()
+    strategy = _strategy(stage, use_pure_fp16=True, dtype="bfloat16")
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    losses = []
+    for x, y in _batches(world, 3):
+        x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(x).float(), y)
+        opt.zero_grad()
+        opt.backward(loss)
+        assert opt.step()
+        losses.append(loss.item())
+    hint = ""
+    try:
+        wrapped(x)  # outside fleet.auto_cast()
+    except RuntimeError as error:
+        hint = str(error)
+    return losses, _flat(opt.fp32_state_dict(wrapped)), hint
+
+
+@pytest.mark.timeout(120)
+def test_o2_forward_gets_its_fp32_inputs_as_unsharded_o2_does():
+    """Stage 3 O2 leaves the model's inputs FP32, as unsharded O2 (was: FSDP2 cast every input to BF16 first)."""
+    unsharded = run_workers(_train_float_features, 2, 0, timeout=100)
+    sharded = run_workers(_train_float_features, 2, 3, timeout=100)
+    for (losses0, params0, hint0), (losses3, params3, hint3) in zip(unsharded, sharded, strict=True):
+        assert losses3 == losses0
+        assert torch.equal(params3, params0)
+        assert "run the forward under `with fleet.auto_cast():`" in hint0
+        assert "run the forward under `with fleet.auto_cast():`" in hint3
 
 
 class _TiedOutsideItsUnit(nn.Module):
