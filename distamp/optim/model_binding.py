@@ -29,6 +29,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -68,7 +69,7 @@ class ModelBinding:
         self._torch_ddp: weakref.ref[DistributedDataParallel] | None = None
         self._names: dict[int, str] = {}
 
-    def name_of(self, param: nn.Parameter, index: int) -> str:
+    def name_of(self, param: torch.Tensor, index: int) -> str:
         """The qualified name of ``param`` in the adopted model, else ``"params[index]"``."""
         return self._names.get(id(param), f"params[{index}]")
 

@@ -291,13 +291,31 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         return result
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add a param group (converted to FP32 masters in O2)."""
+        """Add a param group (converted to FP32 masters in O2).
+
+        Raises:
+            ValueError: a parameter is in another param group already (as
+                torch's optimizers refuse it).
+            RuntimeError: sharding stages 1 and 2 (the slices are cut when
+                the optimizer is built).
+        """
         group = dict(param_group)
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self._check_new_params(params)
         group["params"] = self.master_weights.add(params)
         self.inner_opt.add_param_group(group)
         self._watch.track(params)
+
+    def _check_new_params(self, params: list[torch.Tensor]) -> None:
+        """Refuse what :meth:`add_param_group` cannot add, before anything changes (see there)."""
+        managed = {id(p): i for i, p in enumerate(self.master_weights.model_params)}
+        again = [self.binding.name_of(p, managed[id(p)]) for p in params if id(p) in managed]
+        if again:
+            raise ValueError(
+                f"some parameters appear in more than one parameter group: {again} are in this optimizer "
+                "already. Give each parameter to one group only (torch's optimizers refuse it too)."
+            )
 
     def state_dict(self) -> dict:
         """Inner state, FP32 masters, loss scaler and counters, as tensors and numbers.
