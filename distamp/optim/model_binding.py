@@ -73,6 +73,10 @@ class ModelBinding:
         """The qualified name of ``param`` in the adopted model, else ``"params[index]"``."""
         return self._names.get(id(param), f"params[{index}]")
 
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is a parameter of the adopted model (False before one is adopted)."""
+        return id(param) in self._names
+
     def adopt(self, model: nn.Module, keep_fp32: list[nn.Parameter], *, reduces_grads: bool = True,
               black_modules: BlackModulesHandle | None = None, torch_ddp: DistributedDataParallel | None = None
               ) -> None:

@@ -581,3 +581,49 @@ def test_fp32_gradients_beyond_fp16_range_per_rank_are_averaged_not_overflowed()
         assert torch.equal(grad, expected)
         assert abs(grad.item() - 5000.0) <= 8
         assert torch.equal(weight, torch.ones(1).add_(expected, alpha=-1e-4))  # what SGD computes
+
+
+def _add_param_group_after_the_wrapper(rank, world_size, mode):
+    """A head trained from step 2 on (torch's idiom for a layer unfrozen later), in a group of its own."""
+    from distamp import fleet
+
+    configs = {"off": {}, "o1": {"dtype": "bfloat16"}, "o2": {"dtype": "bfloat16", "use_pure_fp16": True}}[mode]
+    fleet.init()
+    model = tiny_mlp()
+    head = list(model[2].parameters())
+    body = [p for p in model.parameters() if all(p is not h for h in head)]
+    opt = fleet.distributed_optimizer(torch.optim.SGD(body, lr=0.05), make_strategy(mode != "off", **configs))
+    wrapped = fleet.distributed_model(model)
+    out = {}
+    for step, batch in enumerate(global_batches(3, world_size)):
+        if step == 1:
+            try:
+                opt.add_param_group({"params": head, "lr": 0.1})
+            except RuntimeError as error:
+                out["error"] = str(error)
+                out["dtypes"] = [str(p.dtype) for p in model.parameters()]
+                return out
+        x, y = shard(batch, rank, world_size)
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(x).float(), y)
+        opt.zero_grad()
+        opt.backward(loss)
+        assert opt.step()
+    out["params"] = flat_params(model)
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_add_param_group_after_the_wrapper_trains_or_refuses_o2_with_the_fix():
+    # O2 stored the new group in 16 bits under DDP's FP32 buckets: DDP then failed in the next backward
+    # with "Expected to have finished reduction in the prior iteration" (parameter indices 2 3).
+    for mode in ("off", "o1"):
+        out = run_workers(_add_param_group_after_the_wrapper, 2, mode, timeout=100)
+        assert torch.equal(out[0]["params"], out[1]["params"])
+    for out in run_workers(_add_param_group_after_the_wrapper, 2, "o2", timeout=100):
+        assert out["error"] == (
+            "add_param_group() with use_pure_fp16 after the model's data-parallel wrapper was built: "
+            "['2.weight', '2.bias'] would be stored in bfloat16, but the wrapper reduces their gradients in FP32 "
+            "buckets it built on the parameters' dtypes. Give every param group to the inner optimizer's "
+            "constructor (or add it) before fleet.distributed_model.")
+        assert out["dtypes"] == ["torch.bfloat16", "torch.bfloat16", "torch.float32", "torch.float32"]
