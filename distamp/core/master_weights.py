@@ -191,6 +191,10 @@ class MasterWeights:
             self._master_of.update(extra._master_of)
         return [self._master_of[id(p)] for p in new]
 
+    def keeps_fp32(self, param: torch.Tensor) -> bool:
+        """Whether :meth:`convert_model` was told to keep ``param`` in FP32."""
+        return id(param) in self._keep_fp32
+
     def convert_model(self, keep_fp32: Iterable[nn.Parameter] = ()) -> int:
         """Store each paired model parameter in the low dtype, or in FP32 if it is in ``keep_fp32``.
 

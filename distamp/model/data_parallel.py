@@ -88,6 +88,8 @@ class _Runtime:
         self.sync_enabled = True
         self.prepared = False
         self.param_gather = ForwardParamGather(module)  # overlap_param_gather: finished in forward
+        # Parameters frozen when DDP (or stage 2's reducer) was built, which therefore never reduces them.
+        self.frozen_at_build: dict[str, nn.Parameter] = {}
 
 
 class DataParallel(nn.Module):
@@ -296,6 +298,9 @@ class DataParallel(nn.Module):
         preparation = DDPPreparation(self.module, self.strategy, self._process_group, self._device,
                                      self.find_unused_parameters, self._ddp_kwargs)
         prepared = preparation.run(runtime.optimizers)
+        ignored = set(getattr(self.module, "_ddp_params_and_buffers_to_ignore", ()))
+        runtime.frozen_at_build = {name: p for name, p in self.module.named_parameters()
+                                   if not p.requires_grad and name not in ignored}
         runtime.ddp, runtime.comm_hook, runtime.reduce_scatter, runtime.reducer = (
             prepared.ddp, prepared.comm_hook, prepared.reduce_scatter, prepared.reducer
         )
@@ -313,6 +318,8 @@ class DataParallel(nn.Module):
         runtime = self._runtime
         if not runtime.prepared:
             self.prepare()
+        if any(p.requires_grad for p in runtime.frozen_at_build.values()):
+            self._refuse_unfrozen()
         ddp = runtime.ddp
         try:
             if runtime.reducer is not None:
@@ -339,6 +346,18 @@ class DataParallel(nn.Module):
             for optimizer in runtime.optimizers:
                 optimizer.grads_reseated()
         return output
+
+    def _refuse_unfrozen(self) -> None:
+        """Raise: a parameter frozen when the reducer was built is trainable now, and nothing would reduce it."""
+        names = [name for name, p in self._runtime.frozen_at_build.items() if p.requires_grad]
+        raise RuntimeError(
+            f"{names} had requires_grad=False when fleet.distributed_model built its gradient reducer (when the "
+            "first optimizer was attached, or at the first forward), so their gradients would not be averaged "
+            "over the ranks: each rank (with sharding stages 1 and 2, each slice's owner) would apply its own. "
+            "To unfreeze parameters during training, make them trainable before that, set "
+            "strategy.find_unused_parameters = True and freeze them after fleet.distributed_model until their "
+            "time."
+        )
 
     def _outside_auto_cast_hint(self, exc: RuntimeError) -> str | None:
         """The fix for torch's bare dtype error in O2 (:func:`~distamp.core.precision.o2_dtype_error_hint`)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -68,9 +69,13 @@ class ModelBinding:
         self._torch_ddp: weakref.ref[DistributedDataParallel] | None = None
         self._names: dict[int, str] = {}
 
-    def name_of(self, param: nn.Parameter, index: int) -> str:
+    def name_of(self, param: torch.Tensor, index: int) -> str:
         """The qualified name of ``param`` in the adopted model, else ``"params[index]"``."""
         return self._names.get(id(param), f"params[{index}]")
+
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is a parameter of the adopted model (False before one is adopted)."""
+        return id(param) in self._names
 
     def adopt(self, model: nn.Module, keep_fp32: list[nn.Parameter], *, reduces_grads: bool = True,
               black_modules: BlackModulesHandle | None = None, torch_ddp: DistributedDataParallel | None = None

@@ -25,9 +25,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distamp.amp.black_modules import BlackModulesHandle
 from distamp.core.attached import GradCompressor
+from distamp.core.master_weights import MasterWeights
 from distamp.core.precision import FullPrecision
 from distamp.distributed.ddp_errors import explain_ddp_errors
-from distamp.distributed.groups import data_parallel_group
+from distamp.distributed.groups import data_parallel_group, group_size
 from distamp.distributed.timeouts import named_collective
 from distamp.model_views import fp32_model_state_dict, unwrap_model
 from distamp.optim.accumulation import GradientMerge
@@ -291,13 +292,46 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         return result
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add a param group (converted to FP32 masters in O2)."""
+        """Add a param group (converted to FP32 masters in O2).
+
+        Raises:
+            ValueError: a parameter is in another param group already (as
+                torch's optimizers refuse it).
+            RuntimeError: O2 on several ranks after the data-parallel wrapper
+                was built on the parameters' dtypes, for a parameter of the
+                model that would be stored in 16 bits; or sharding stages 1
+                and 2 (the slices are cut when the optimizer is built).
+        """
         group = dict(param_group)
         params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self._check_new_params(params)
         group["params"] = self.master_weights.add(params)
         self.inner_opt.add_param_group(group)
         self._watch.track(params)
+
+    def _check_new_params(self, params: list[torch.Tensor]) -> None:
+        """Refuse what :meth:`add_param_group` cannot add, before anything changes (see there)."""
+        managed = {id(p): i for i, p in enumerate(self.master_weights.model_params)}
+        again = [self.binding.name_of(p, managed[id(p)]) for p in params if id(p) in managed]
+        if again:
+            raise ValueError(
+                f"some parameters appear in more than one parameter group: {again} are in this optimizer "
+                "already. Give each parameter to one group only (torch's optimizers refuse it too)."
+            )
+        weights = self.master_weights
+        if not (weights.enabled and isinstance(weights, MasterWeights) and self.binding.reduces_grads
+                and group_size(data_parallel_group(self.policy.process_group)) > 1):
+            return
+        to_low = [self.binding.name_of(p, -1) for p in params
+                  if p.dtype == torch.float32 and self.binding.owns(p) and not weights.keeps_fp32(p)]
+        if to_low:
+            raise RuntimeError(
+                f"add_param_group() with use_pure_fp16 after the model's data-parallel wrapper was built: {to_low} "
+                f"would be stored in {self.strategy.amp_config.dtype}, but the wrapper reduces their gradients in "
+                "FP32 buckets it built on the parameters' dtypes. Give every param group to the inner optimizer's "
+                "constructor (or add it) before fleet.distributed_model."
+            )
 
     def state_dict(self) -> dict:
         """Inner state, FP32 masters, loss scaler and counters, as tensors and numbers.

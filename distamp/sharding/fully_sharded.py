@@ -3,8 +3,9 @@
 :class:`FullyShardedModel` is what ``fleet.distributed_model`` returns with
 ``strategy.sharding_configs = {"stage": 3}``. It does, in this order:
 
-1. choose the units (:mod:`distamp.sharding.shard_units`) and check the
-   ``custom_black_varnames`` patterns, before any collective, so bad
+1. choose the units (:mod:`distamp.sharding.shard_units`), check that no
+   two of them share a parameter and check the ``custom_black_varnames``
+   patterns, before any collective, so bad
    configuration fails on every rank alike;
 2. check that the ranks agree on the strategy and the model
    (:mod:`distamp.distributed.fingerprint`) and give every rank rank 0's
@@ -50,7 +51,7 @@ from distamp.model_views import fp32_model_state_dict, parameters_device
 from distamp.sharding.buffer_broadcast import BufferBroadcast
 from distamp.sharding.fsdp_comms import InPlaceAllGather, WireReduceScatter
 from distamp.sharding.fsdp_policy import unit_policies
-from distamp.sharding.shard_units import choose_units
+from distamp.sharding.shard_units import choose_units, shared_parameters
 from distamp.sharding.unit_trace import UnitTrace
 from distamp.strategy import DistributedStrategy
 from distamp.torch_compat import fsdp_unsharded_parameters, is_mixed_dtensor_error
@@ -106,6 +107,7 @@ class FullyShardedModel(nn.Module):
         device = check_device(module, torch.device(device)) if device is not None else parameters_device(module)
         units = choose_units(module, strategy.sharding_config.units)
         fp32_units = precision.fp32_modules(module)
+        _check_nothing_shared(module, [*units, *fp32_units])
         self.module = module
         self.strategy = strategy
         self._black_modules = precision.keep_black_modules_in_fp32(module)
@@ -336,6 +338,24 @@ def _shard_whole_tensors(module: nn.Module, state_dict: dict, prefix: str, *args
         if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
             state_dict[prefix + name] = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh,
                                                           param.placements, src_data_rank=None)
+
+
+def _check_nothing_shared(module: nn.Module, units: list[tuple[str, nn.Module]]) -> None:
+    """Refuse units that share a parameter (FSDP2 would, after the start-up broadcast), naming it and them.
+
+    Raises:
+        ValueError: naming the first shared parameter, its holders and the fix.
+    """
+    shared = shared_parameters(module, units)
+    if shared:
+        name, holders = shared[0]
+        shown = [repr(h) if h else "the root" for h in holders]
+        raise ValueError(
+            f"sharding stage 3: parameter {name!r} is held by {' and '.join(shown)}, but FSDP2 shards a parameter "
+            "in one unit only (tied weights, one Parameter set on two modules). Name units in "
+            "sharding_configs['units'] that leave every module holding it in one unit, or in the root; units now: "
+            f"{[n for n, _ in units]}."
+        )
 
 
 def _broadcast_from_first(module: nn.Module, group: dist.ProcessGroup) -> None:

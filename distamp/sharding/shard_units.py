@@ -29,7 +29,7 @@ from torch import nn
 
 from distamp.strategy.name_patterns import check_patterns_match, name_matches
 
-__all__ = ["choose_units"]
+__all__ = ["choose_units", "shared_parameters"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 
@@ -53,10 +53,31 @@ def choose_units(model: nn.Module, patterns: Sequence[str]) -> list[tuple[str, n
                              "the model's modules")
         return [(name, module) for name, module in named
                 if any(name_matches(name, p) for p in patterns) and _holds_parameters(module)]
-    blocks = _repeated_blocks(model)
-    if blocks:
-        return blocks
-    return _outermost_owners(named)
+    units = _repeated_blocks(model) or _outermost_owners(named)
+    while shared := shared_parameters(model, units):
+        dropped = {holder for _, holders in shared for holder in holders}
+        units = [(name, module) for name, module in units if name not in dropped]
+    return units
+
+
+def shared_parameters(model: nn.Module, units: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, list[str]]]:
+    """Parameters of ``model`` that more than one of ``units`` (or a unit and the root) hold.
+
+    A parameter is held by the innermost unit above the module it is
+    registered on, or by the root (``""``) when no unit is. Returns
+    ``(qualified name, holders)`` per shared parameter, the name as
+    ``model.named_parameters()`` gives it.
+    """
+    unit_names = sorted({name for name, _ in units}, key=len, reverse=True)  # innermost first
+    holders: dict[int, list[str]] = {}
+    first_name: dict[int, str] = {}
+    for qualified, param in model.named_parameters(remove_duplicate=False):
+        path = qualified.rpartition(".")[0]
+        holder = next((u for u in unit_names if path == u or path.startswith(f"{u}.")), "")
+        first_name.setdefault(id(param), qualified)
+        if holder not in holders.setdefault(id(param), []):
+            holders[id(param)].append(holder)
+    return [(first_name[key], names) for key, names in holders.items() if len(names) > 1]
 
 
 def _holds_parameters(module: nn.Module) -> bool:

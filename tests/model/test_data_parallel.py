@@ -581,3 +581,106 @@ def test_fp32_gradients_beyond_fp16_range_per_rank_are_averaged_not_overflowed()
         assert torch.equal(grad, expected)
         assert abs(grad.item() - 5000.0) <= 8
         assert torch.equal(weight, torch.ones(1).add_(expected, alpha=-1e-4))  # what SGD computes
+
+
+def _add_param_group_after_the_wrapper(rank, world_size, mode):
+    """A head trained from step 2 on (torch's idiom for a layer unfrozen later), in a group of its own."""
+    from distamp import fleet
+
+    configs = {"off": {}, "o1": {"dtype": "bfloat16"}, "o2": {"dtype": "bfloat16", "use_pure_fp16": True}}[mode]
+    fleet.init()
+    model = tiny_mlp()
+    head = list(model[2].parameters())
+    body = [p for p in model.parameters() if all(p is not h for h in head)]
+    opt = fleet.distributed_optimizer(torch.optim.SGD(body, lr=0.05), make_strategy(mode != "off", **configs))
+    wrapped = fleet.distributed_model(model)
+    out = {}
+    for step, batch in enumerate(global_batches(3, world_size)):
+        if step == 1:
+            try:
+                opt.add_param_group({"params": head, "lr": 0.1})
+            except RuntimeError as error:
+                out["error"] = str(error)
+                out["dtypes"] = [str(p.dtype) for p in model.parameters()]
+                return out
+        x, y = shard(batch, rank, world_size)
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(x).float(), y)
+        opt.zero_grad()
+        opt.backward(loss)
+        assert opt.step()
+    out["params"] = flat_params(model)
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_add_param_group_after_the_wrapper_trains_or_refuses_o2_with_the_fix():
+    # O2 stored the new group in 16 bits under DDP's FP32 buckets: DDP then failed in the next backward
+    # with "Expected to have finished reduction in the prior iteration" (parameter indices 2 3).
+    for mode in ("off", "o1"):
+        out = run_workers(_add_param_group_after_the_wrapper, 2, mode, timeout=100)
+        assert torch.equal(out[0]["params"], out[1]["params"])
+    for out in run_workers(_add_param_group_after_the_wrapper, 2, "o2", timeout=100):
+        assert out["error"] == (
+            "add_param_group() with use_pure_fp16 after the model's data-parallel wrapper was built: "
+            "['2.weight', '2.bias'] would be stored in bfloat16, but the wrapper reduces their gradients in FP32 "
+            "buckets it built on the parameters' dtypes. Give every param group to the inner optimizer's "
+            "constructor (or add it) before fleet.distributed_model.")
+        assert out["dtypes"] == ["torch.bfloat16", "torch.bfloat16", "torch.float32", "torch.float32"]
+
+
+def _unfrozen_after_the_wrapper(rank, world_size, stage, late_freeze):
+    """Gradual unfreezing: the first layer trains from step 2 on; frozen before the wrapper, or after it."""
+    from distamp import fleet
+
+    fleet.init()
+    model = tiny_mlp()
+    strategy = make_strategy(dtype="bfloat16", use_pure_fp16=True)
+    if stage:
+        strategy.sharding = True
+        strategy.sharding_configs = {"stage": stage}
+    strategy.find_unused_parameters = late_freeze
+    first = list(model[0].parameters())
+    if not late_freeze:
+        for p in first:
+            p.requires_grad_(False)
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.05), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    if late_freeze:
+        for p in first:
+            p.requires_grad_(False)
+    for step, batch in enumerate(global_batches(3, world_size)):
+        if step == 1:
+            for p in first:
+                p.requires_grad_(True)
+        x, y = shard(batch, rank, world_size)
+        try:
+            with fleet.auto_cast():
+                loss = F.mse_loss(wrapped(x).float(), y)
+        except RuntimeError as error:
+            return str(error), opt.fp32_state_dict(wrapped)
+        opt.zero_grad()
+        opt.backward(loss)
+        assert opt.step()
+    return None, opt.fp32_state_dict(wrapped)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_parameter_unfrozen_after_the_wrapper_was_built_is_refused_and_the_late_freeze_trains(stage):
+    # Nothing reduced the unfrozen layer's gradients: the ranks drifted apart without sharding, and at stages 1
+    # and 2 each slice's owner applied its own gradient (the ranks stayed equal, on the wrong update).
+    refused = run_workers(_unfrozen_after_the_wrapper, 2, stage, False, timeout=100)
+    for message, _ in refused:
+        assert message.startswith("['0.weight', '0.bias'] had requires_grad=False when fleet.distributed_model "
+                                  "built its gradient reducer")
+        assert "strategy.find_unused_parameters = True" in message
+    # Frozen after the wrapper was built, with find_unused_parameters: the unfrozen layer's gradients are
+    # averaged, so every stage trains it alike (stages 1 and 2 bitwise like sharding off in O2 on 2 ranks).
+    trained = run_workers(_unfrozen_after_the_wrapper, 2, stage, True, timeout=100)
+    unsharded = trained if stage == 0 else run_workers(_unfrozen_after_the_wrapper, 2, 0, True, timeout=100)
+    for (message, state), (_, expected) in zip(trained, unsharded, strict=True):
+        assert message is None
+        for name, value in expected.items():
+            assert torch.equal(state[name], value), name
+    assert not torch.equal(trained[0][1]["0.weight"], refused[0][1]["0.weight"])  # it trained from step 2 on

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -185,3 +186,17 @@ def test_an_o2_op_autocast_does_not_cast_names_both_fixes_and_each_works():
         forward()
     assert forward(custom_white_list=["bilinear"]).dtype == torch.bfloat16
     assert forward(custom_black_varnames=["head"]).dtype == torch.float32
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_add_param_group_refuses_a_parameter_of_another_group_as_torch_does(mode):
+    # It was dropped from the new group without a word: the group's lr never applied to it.
+    model = _model()
+    opt = AmpOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.01), _strategy(mode))
+    with pytest.raises(ValueError, match=re.escape(
+            "some parameters appear in more than one parameter group: ['params[0]'] are in this optimizer "
+            "already. Give each parameter to one group only (torch's optimizers refuse it too).")):
+        opt.add_param_group({"params": [model[0].weight, model[2].weight], "lr": 0.5})
+    assert [len(g["params"]) for g in opt.param_groups] == [2]
+    opt.add_param_group({"params": list(model[2].parameters()), "lr": 0.5})  # new ones only: added
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 from torch import nn
 
-from distamp.sharding.shard_units import choose_units
+from distamp.sharding.shard_units import choose_units, shared_parameters
 
 
 class _Block(nn.Module):
@@ -60,6 +61,41 @@ def test_without_containers_a_module_holding_parameters_keeps_its_children_in_it
     assert _names(choose_units(model, ())) == [
         "embed", "attn", "encoder.self_attn", "encoder.linear1", "encoder.linear2", "encoder.norm1",
         "encoder.norm2"]
+
+
+class _TiedFlat(nn.Module):
+    """No containers; the output head's weight is the embedding's (a small GPT's tied weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.norm = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_default_units_leave_modules_sharing_a_parameter_in_the_root():
+    # FSDP2 refuses one parameter in two units: the tied embedding and head stay in the root.
+    assert _names(choose_units(_TiedFlat(), ())) == ["norm"]
+    embed, proj = nn.Embedding(10, 4), nn.Linear(4, 4)
+    tied_sequential = nn.Sequential(embed, proj, nn.Linear(4, 10, bias=False))
+    tied_sequential[2].weight = embed.weight
+    assert _names(choose_units(tied_sequential, ())) == ["1"]
+    shared = nn.Parameter(torch.ones(4, 4))
+    gpt = _Gpt()
+    gpt.blocks[0].mlp[0].weight = gpt.blocks[1].mlp[2].weight = shared  # one Parameter in two blocks
+    assert _names(choose_units(gpt, ())) == []
+    gpt = _Gpt()
+    gpt.head.weight = gpt.blocks[1].mlp[0].weight  # a block's parameter also held by the root's head
+    assert _names(choose_units(gpt, ())) == ["blocks.0"]
+
+
+def test_shared_parameters_names_each_shared_parameter_and_its_holders():
+    model = _TiedFlat()
+    assert shared_parameters(model, [("embed", model.embed), ("head", model.head)]) == [
+        ("embed.weight", ["embed", "head"])]
+    assert shared_parameters(model, [("head", model.head)]) == [("embed.weight", ["", "head"])]
+    assert shared_parameters(model, [("norm", model.norm)]) == []
 
 
 def test_patterns_choose_the_matching_modules_that_hold_parameters():

@@ -618,6 +618,58 @@ def test_a_parameter_read_outside_its_unit_fails_naming_the_units_and_the_named_
     assert run_workers(_train_tied, 2, ["proj"], timeout=100) == [True, True]  # the embedding stays in the root
 
 
+class _TiedHead(nn.Module):
+    """A small GPT's tied weights without a ModuleList: the head's weight is the embedding's Parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(31, 16)
+        self.proj = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 31, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.gelu(self.proj(self.embed(x))))
+
+
+def _train_tied_head(rank, world, stage, units):
+    from distamp import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = _TiedHead()
+    strategy = _strategy(stage, units=units, use_pure_fp16=True, dtype="bfloat16")
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    try:
+        wrapped = fleet.distributed_model(model, strategy)
+    except ValueError as error:
+        return str(error)
+    for step in range(3):
+        x = torch.randint(0, 31, (2 * world, 5), generator=torch.Generator().manual_seed(step))[2 * rank:2 * rank + 2]
+        with fleet.auto_cast():
+            loss = F.cross_entropy(wrapped(x).float().flatten(0, 1), x.flatten())
+        opt.zero_grad()
+        opt.backward(loss)
+        assert opt.step()
+    assert model.head.weight is model.embed.weight
+    return _flat(opt.fp32_state_dict(wrapped))
+
+
+@pytest.mark.timeout(200)
+def test_default_units_keep_tied_weights_in_the_root_and_units_sharing_a_parameter_are_refused():
+    # Default units were 'embed', 'proj' and 'head': FSDP2 refused the tied weight in a second unit.
+    unsharded = run_workers(_train_tied_head, 2, 0, (), timeout=100)
+    sharded = run_workers(_train_tied_head, 2, 3, (), timeout=100)
+    for a, b in zip(sharded, unsharded, strict=True):
+        assert_within_bf16_rounding(a, b, ulps=8)
+    for message in run_workers(_train_tied_head, 2, 3, ["embed", "head"], timeout=100):
+        assert message == (
+            "sharding stage 3: parameter 'embed.weight' is held by 'embed' and 'head', but FSDP2 shards a "
+            "parameter in one unit only (tied weights, one Parameter set on two modules). Name units in "
+            "sharding_configs['units'] that leave every module holding it in one unit, or in the root; units now: "
+            "['embed', 'head'].")
+
+
 def _empty_shard(rank, world, algorithm, pure, head_only=False):
     """A head of one output row: its weight and bias shards are empty on rank 1 (with ``head_only`` rank 1
     holds nothing at all)."""
