@@ -7,6 +7,7 @@ behaves like the one it wraps wherever AMP does not change anything.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -25,8 +26,9 @@ class DelegatingOptimizer(torch.optim.Optimizer):
         optimizer: the inner optimizer.
 
     Raises:
-        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, or is
-            already wrapped.
+        TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, is
+            already wrapped, or cannot step without a closure
+            (``torch.optim.LBFGS``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -34,6 +36,14 @@ class DelegatingOptimizer(torch.optim.Optimizer):
             raise TypeError("optimizer is already an AmpOptimizer; wrap the inner optimizer only once")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if _step_needs_closure(optimizer):
+            name = type(optimizer).__name__
+            raise TypeError(
+                f"{name}.step() needs a closure, which it evaluates several times per step (LBFGS's line search); "
+                "distamp's step(closure) runs the closure once, unscales and agrees on inf/NaN over the ranks, then "
+                f"steps the inner optimizer without a closure, so it cannot drive {name}. Use an optimizer whose "
+                "step() works without a closure (SGD, Adam, AdamW, ...)"
+            )
         self.inner_opt = optimizer
 
     # torch.optim.Optimizer declares param_groups/state/defaults as assignable attributes; this wrapper
@@ -71,3 +81,17 @@ class DelegatingOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict:
         raise TypeError(f"{type(self).__name__} is not picklable; save optimizer.state_dict() instead")
+
+
+def _step_needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` has an argument without a default (LBFGS's ``closure``)."""
+    try:
+        # The class's step (through torch's hook wrapper to the function it wraps), not the bound attribute,
+        # which an LR scheduler may have replaced by a wrapper of its own.
+        signature = inspect.signature(type(optimizer).step)
+    except (TypeError, ValueError):  # no signature to read: assume the usual step(self, closure=None)
+        return False
+    after_self = list(signature.parameters.values())[1:]
+    return any(p.default is inspect.Parameter.empty
+               and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+               for p in after_self)

@@ -270,7 +270,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         optimizers do; ``step_was_skipped`` tells whether it was applied.
         The closure runs once per call (and once more per retry), with AMP
         on or off; optimizers that evaluate a closure several times per step
-        (``torch.optim.LBFGS``) are not supported.
+        (``torch.optim.LBFGS``) are not supported (refused when wrapped).
         With ``amp_configs["overflow_retries"] = N`` an overflowing step
         lowers the loss scale at once and calls the closure again, up to N
         times, on every rank together, so the batch is not dropped.

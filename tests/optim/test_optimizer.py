@@ -478,3 +478,20 @@ def test_bad_arguments_raise_clear_errors():
         AmpOptimizer(opt, make_strategy())
     with pytest.raises(TypeError, match=r"loss must be a torch\.Tensor"):
         opt.backward(1.0)
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_when_wrapped(amp):
+    """LBFGS evaluates its closure several times per step; the meta-optimizer steps it without one.
+
+    It used to be accepted, run the closure, then fail inside the step with torch's "missing 1 required
+    positional argument: 'closure'" (leaving the step half done); now it is refused before anything changes.
+    """
+    model = tiny_mlp()
+    strategy = make_strategy(amp=amp, use_pure_fp16=True, dtype="bfloat16")
+    with pytest.raises(TypeError, match=r"^LBFGS\.step\(\) needs a closure, .* cannot drive LBFGS\. Use an optimizer "
+                                        r"whose step\(\) works without a closure"):
+        AmpOptimizer(torch.optim.LBFGS(model.parameters()), strategy)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before O2 converted anything
+    torch.optim.lr_scheduler.StepLR(sgd := torch.optim.SGD(model.parameters(), lr=0.1), step_size=1)
+    AmpOptimizer(sgd, strategy)  # a scheduler's wrapper around step() does not look like a required closure
