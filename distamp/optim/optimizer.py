@@ -42,6 +42,7 @@ from distamp.optim.precision_choice import precision_for
 from distamp.optim.replica_watch import ReplicaWatch
 from distamp.optim.state import load_optimizer_state, optimizer_state
 from distamp.optim.step_policy import StepPolicy
+from distamp.sharding.dtensor_state import reshard_loaded
 from distamp.strategy import DistributedStrategy
 from distamp.user_warning import warn_user
 
@@ -383,7 +384,9 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
 
         ``fleet.distributed_model`` calls it when this optimizer was built
         before the model was sharded: the inner optimizer's param groups (and
-        any state it already has) move to the DTensor parameters.
+        any state it already has: Adagrad's sums made at construction, a
+        state loaded before sharding) move to the DTensor parameters, each
+        whole state tensor cut into this rank's shard (no collective).
 
         Raises:
             RuntimeError: this optimizer is not a stage-3 one.
@@ -397,6 +400,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
             self.inner_opt.state.clear()
             for p, s in old_state.items():
                 self.inner_opt.state[new_of.get(id(p), p)] = s
+            reshard_loaded(self.inner_opt)
         self._watch.params = [new_of.get(id(p), p) for p in self._watch.params]
         self._watch.after_step()
 
