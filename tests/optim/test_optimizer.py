@@ -404,6 +404,30 @@ def test_lr_scheduler_works_without_warnings_and_can_skip_on_skipped_steps():
     assert opt.inner_opt.param_groups[0]["lr"] == 0.25
 
 
+@pytest.mark.parametrize("pure", [False, True])
+def test_lr_scheduler_built_on_the_inner_optimizer_before_wrapping_sees_its_steps(pure):
+    """O2 steps the inner optimizer a chunk at a time, past the wrapper a scheduler put on its ``step``: torch
+    then warned "Detected call of `lr_scheduler.step()` before `optimizer.step()`" at the first scheduler step,
+    though the optimizer had stepped. A skipped first step still warns, as with torch's ``GradScaler``."""
+    for skip_first in (False, True):
+        model = tiny_mlp()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+        opt = AmpOptimizer(inner, make_strategy(use_pure_fp16=pure, dtype="bfloat16"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step, (x, y) in enumerate(batches(2)):
+                with auto_cast(dtype="bfloat16"):
+                    loss = F.mse_loss(model(x), y)
+                opt.zero_grad()
+                opt.backward(loss * float("inf") if skip_first and step == 0 else loss)
+                opt.step()
+                scheduler.step()
+        detected = [w for w in caught if "Detected call of `lr_scheduler.step()`" in str(w.message)]
+        assert len(detected) == skip_first, [str(w.message) for w in detected]
+        assert opt.param_groups[0]["lr"] == 1e-2 / 4
+
+
 def test_minimize_is_backward_then_step():
     param = nn.Parameter(torch.ones(2))
     opt = AmpOptimizer(torch.optim.SGD([param], lr=0.5), make_strategy())
