@@ -2,16 +2,21 @@
 
 LR schedulers, hooks and user code that reads ``param_groups``, ``state``
 or ``defaults`` see the inner optimizer's objects, so a wrapped optimizer
-behaves like the one it wraps wherever AMP does not change anything.
+behaves like the one it wraps wherever AMP does not change anything. The
+``state_dict`` hooks are the wrapper's own: they see the meta-optimizer's
+state dict (inner state, masters, scale), which is what ``state_dict()``
+returns and ``load_state_dict()`` takes.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 __all__ = ["DelegatingOptimizer"]
 
@@ -45,6 +50,8 @@ class DelegatingOptimizer(torch.optim.Optimizer):
                 "step() works without a closure (SGD, Adam, AdamW, ...)"
             )
         self.inner_opt = optimizer
+        self._state_dict_hooks: dict[str, OrderedDict[int, Callable]] = {
+            kind: OrderedDict() for kind in ("state_dict_pre", "state_dict_post", "load_pre", "load_post")}
 
     # torch.optim.Optimizer declares param_groups/state/defaults as assignable attributes; this wrapper
     # deliberately exposes the inner optimizer's as read-only views (a setter would let the two diverge).
@@ -78,6 +85,49 @@ class DelegatingOptimizer(torch.optim.Optimizer):
         at a time (O2, sharding), and sees the whole param groups.
         """
         return self.inner_opt.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
+        """``hook(optimizer)`` runs before ``state_dict()`` (and ``local_state_dict()``) builds the state."""
+        return self._add_state_dict_hook("state_dict_pre", hook, prepend)
+
+    def register_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
+        """``hook(optimizer, state_dict)`` runs on the built state; a dict it returns replaces it, as torch's."""
+        return self._add_state_dict_hook("state_dict_post", hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
+        """``hook(optimizer, state_dict)`` runs before :meth:`load_state_dict`; a dict it returns is loaded instead."""
+        return self._add_state_dict_hook("load_pre", hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
+        """``hook(optimizer)`` runs after :meth:`load_state_dict` has loaded, as torch's."""
+        return self._add_state_dict_hook("load_post", hook, prepend)
+
+    def _add_state_dict_hook(self, kind: str, hook: Callable, prepend: bool) -> RemovableHandle:
+        hooks = self._state_dict_hooks[kind]
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        if prepend:
+            hooks.move_to_end(handle.id, last=False)
+        return handle
+
+    def _with_state_dict_hooks(self, build: Callable[[], dict]) -> dict:
+        """``build()`` (the state dict) with the state_dict pre- and post-hooks around it."""
+        for hook in list(self._state_dict_hooks["state_dict_pre"].values()):
+            hook(self)
+        state_dict = build()
+        for hook in list(self._state_dict_hooks["state_dict_post"].values()):
+            replaced = hook(self, state_dict)
+            state_dict = state_dict if replaced is None else replaced
+        return state_dict
+
+    def _with_load_hooks(self, state_dict: dict, load: Callable[[dict], None]) -> None:
+        """``load(state_dict)`` with the load_state_dict pre- and post-hooks around it."""
+        for hook in list(self._state_dict_hooks["load_pre"].values()):
+            replaced = hook(self, state_dict)
+            state_dict = state_dict if replaced is None else replaced
+        load(state_dict)
+        for hook in list(self._state_dict_hooks["load_post"].values()):
+            hook(self)
 
     def __getstate__(self) -> dict:
         raise TypeError(f"{type(self).__name__} is not picklable; save optimizer.state_dict() instead")

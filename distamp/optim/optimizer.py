@@ -303,10 +303,12 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
     def state_dict(self) -> dict:
         """Inner state, FP32 masters, loss scaler and counters, as tensors and numbers.
 
-        Loadable with ``torch.load(path, weights_only=True)``.
+        Loadable with ``torch.load(path, weights_only=True)``. Hooks from
+        ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook``
+        run around it, as around torch's ``Optimizer.state_dict``.
         """
         self.finish_param_gather()
-        return optimizer_state(self)
+        return self._with_state_dict_hooks(lambda: optimizer_state(self))
 
     def local_state_dict(self) -> dict:
         """:meth:`state_dict` as this rank holds it: at sharding stage 3, its own shards and their layout.
@@ -317,12 +319,15 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         rank of the same world size; checkpoints re-slice it for any other.
         """
         self.finish_param_gather()
-        return optimizer_state(self, local=True)
+        return self._with_state_dict_hooks(lambda: optimizer_state(self, local=True))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what :meth:`state_dict` (or, on its own rank, :meth:`local_state_dict`) saved; the model copies
         are refreshed too."""
         self.finish_param_gather()
+        self._with_load_hooks(state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict: dict) -> None:
         load_optimizer_state(self, state_dict)
         self.replicas.follow_step_count()
 

@@ -469,6 +469,27 @@ def test_checkpoint_resume_is_bitwise_identical(dtype):
         assert torch.equal(got.detach(), want)
 
 
+def test_state_dict_hooks_run_around_the_meta_optimizers_state_dict_and_load():
+    """torch's four state_dict hook registrations, as on any ``torch.optim.Optimizer`` (they used to raise
+    AttributeError: 'AmpOptimizer' object has no attribute '_optimizer_state_dict_pre_hooks')."""
+    model = tiny_mlp()
+    opt = AmpOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                       make_strategy(use_pure_fp16=True, dtype="bfloat16"))
+    train(model, opt, batches(2), dtype="bfloat16")
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append(("save pre", o is opt)))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "epoch": 7})
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append(("save post first", sd.get("epoch"))), prepend=True)
+    opt.register_load_state_dict_pre_hook(lambda o, sd: {k: v for k, v in sd.items() if k != "epoch"})
+    handle = opt.register_load_state_dict_post_hook(lambda o: calls.append(("load post", o is opt)))
+    saved = opt.state_dict()
+    assert saved["epoch"] == 7
+    opt.load_state_dict(saved)  # the pre-hook took "epoch" out again
+    handle.remove()
+    opt.load_state_dict(saved)
+    assert calls == [("save pre", True), ("save post first", None), ("load post", True)]
+
+
 def test_load_state_dict_refuses_a_bare_torch_state_and_a_mismatched_mode():
     model = tiny_mlp()
     opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy(use_pure_fp16=True))
