@@ -190,6 +190,20 @@ def unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
     return step.__wrapped__.__get__(optimizer)
 
 
+def tell_lr_schedulers_it_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer`` as stepped for the LR schedulers built on it, as their wrapper of its ``step`` does.
+
+    ``LRScheduler.__init__`` replaces ``optimizer.step`` on the instance by a
+    wrapper that sets ``optimizer._opt_called = True``, and its first
+    ``step()`` warns "Detected call of `lr_scheduler.step()` before
+    `optimizer.step()`" unless that flag is set (torch/optim/lr_scheduler.py,
+    2.13.0 checked). A chunked update runs the class's step (:func:`unhooked_step`)
+    and never that wrapper, so it sets the flag itself. On a torch that reads
+    something else the flag is an unused attribute.
+    """
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
 # --------------------------------------------------------------------------- torch.compile
 def aot_autograd_cache_keys_autocast_dtype() -> bool:
     """Whether AOTAutograd's compiled-graph cache key holds the autocast dtype, not only whether autocast

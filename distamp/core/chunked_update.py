@@ -73,6 +73,7 @@ from distamp.torch_compat import (
     foreach_add_,
     foreach_copy_,
     foreach_norm,
+    tell_lr_schedulers_it_stepped,
     unhooked_step,
     with_step_hooks,
 )
@@ -327,10 +328,12 @@ def as_one_step(optimizer: torch.optim.Optimizer, update: Callable[[], None]) ->
     torch's step pre-hooks (global ones, then ``optimizer.register_step_pre_hook``'s)
     run once before ``update`` and the post-hooks once after it, with the
     param groups whole, as around one ``step()``; the chunks inside step
-    without them. Every chunked step (:func:`step_in_chunks`,
-    :func:`step_only`, :func:`step_and_free_in_chunks`) runs inside one.
+    without them, and LR schedulers built on ``optimizer`` see one step.
+    Every chunked step (:func:`step_in_chunks`, :func:`step_only`,
+    :func:`step_and_free_in_chunks`) runs inside one.
     """
     with_step_hooks(lambda _: update())(optimizer)
+    tell_lr_schedulers_it_stepped(optimizer)  # the chunks bypassed the wrapper a scheduler put on optimizer.step
 
 
 def _step_with(optimizer: torch.optim.Optimizer, members: Sequence[Sequence[nn.Parameter]]) -> None:

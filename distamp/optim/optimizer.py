@@ -43,6 +43,7 @@ from distamp.optim.precision_choice import precision_for
 from distamp.optim.replica_watch import ReplicaWatch
 from distamp.optim.state import load_optimizer_state, optimizer_state
 from distamp.optim.step_policy import StepPolicy
+from distamp.sharding.dtensor_state import reshard_loaded
 from distamp.strategy import DistributedStrategy
 from distamp.user_warning import warn_user
 
@@ -271,7 +272,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         optimizers do; ``step_was_skipped`` tells whether it was applied.
         The closure runs once per call (and once more per retry), with AMP
         on or off; optimizers that evaluate a closure several times per step
-        (``torch.optim.LBFGS``) are not supported.
+        (``torch.optim.LBFGS``) are not supported (refused when wrapped).
         With ``amp_configs["overflow_retries"] = N`` an overflowing step
         lowers the loss scale at once and calls the closure again, up to N
         times, on every rank together, so the batch is not dropped.
@@ -336,10 +337,12 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
     def state_dict(self) -> dict:
         """Inner state, FP32 masters, loss scaler and counters, as tensors and numbers.
 
-        Loadable with ``torch.load(path, weights_only=True)``.
+        Loadable with ``torch.load(path, weights_only=True)``. Hooks from
+        ``register_state_dict_pre_hook`` / ``register_state_dict_post_hook``
+        run around it, as around torch's ``Optimizer.state_dict``.
         """
         self.finish_param_gather()
-        return optimizer_state(self)
+        return self._with_state_dict_hooks(lambda: optimizer_state(self))
 
     def local_state_dict(self) -> dict:
         """:meth:`state_dict` as this rank holds it: at sharding stage 3, its own shards and their layout.
@@ -350,12 +353,15 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         rank of the same world size; checkpoints re-slice it for any other.
         """
         self.finish_param_gather()
-        return optimizer_state(self, local=True)
+        return self._with_state_dict_hooks(lambda: optimizer_state(self, local=True))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what :meth:`state_dict` (or, on its own rank, :meth:`local_state_dict`) saved; the model copies
         are refreshed too."""
         self.finish_param_gather()
+        self._with_load_hooks(state_dict, self._load_state_dict)
+
+    def _load_state_dict(self, state_dict: dict) -> None:
         load_optimizer_state(self, state_dict)
         self.replicas.follow_step_count()
 
@@ -417,7 +423,9 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
 
         ``fleet.distributed_model`` calls it when this optimizer was built
         before the model was sharded: the inner optimizer's param groups (and
-        any state it already has) move to the DTensor parameters.
+        any state it already has: Adagrad's sums made at construction, a
+        state loaded before sharding) move to the DTensor parameters, each
+        whole state tensor cut into this rank's shard (no collective).
 
         Raises:
             RuntimeError: this optimizer is not a stage-3 one.
@@ -431,6 +439,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
             self.inner_opt.state.clear()
             for p, s in old_state.items():
                 self.inner_opt.state[new_of.get(id(p), p)] = s
+            reshard_loaded(self.inner_opt)
         self._watch.params = [new_of.get(id(p), p) for p in self._watch.params]
         self._watch.after_step()
 

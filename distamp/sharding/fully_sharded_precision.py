@@ -113,7 +113,14 @@ class ShardedParameters:
         self.model_params = [new_of.get(id(p), p) for p in self.model_params]
 
     def install(self, optimizer: torch.optim.Optimizer) -> None:
-        """Nothing to install: the inner optimizer keeps the parameters."""
+        """The inner optimizer keeps the parameters; whole state tensors it loads become this rank's shards.
+
+        ``optimizer.inner_opt.load_state_dict`` of a bare torch optimizer's
+        state (saved before distamp was adopted) puts whole tensors beside the
+        DTensor parameters, which the next step would refuse; a load
+        post-hook cuts them (no collective).
+        """
+        optimizer.register_load_state_dict_post_hook(reshard_loaded)
 
     def master_for(self, param: torch.Tensor) -> nn.Parameter:
         """``param`` itself (it is its own master)."""

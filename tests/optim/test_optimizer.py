@@ -508,6 +508,30 @@ def test_lr_scheduler_works_without_warnings_and_can_skip_on_skipped_steps():
     assert opt.inner_opt.param_groups[0]["lr"] == 0.25
 
 
+@pytest.mark.parametrize("pure", [False, True])
+def test_lr_scheduler_built_on_the_inner_optimizer_before_wrapping_sees_its_steps(pure):
+    """O2 steps the inner optimizer a chunk at a time, past the wrapper a scheduler put on its ``step``: torch
+    then warned "Detected call of `lr_scheduler.step()` before `optimizer.step()`" at the first scheduler step,
+    though the optimizer had stepped. A skipped first step still warns, as with torch's ``GradScaler``."""
+    for skip_first in (False, True):
+        model = tiny_mlp()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+        opt = AmpOptimizer(inner, make_strategy(use_pure_fp16=pure, dtype="bfloat16"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step, (x, y) in enumerate(batches(2)):
+                with auto_cast(dtype="bfloat16"):
+                    loss = F.mse_loss(model(x), y)
+                opt.zero_grad()
+                opt.backward(loss * float("inf") if skip_first and step == 0 else loss)
+                opt.step()
+                scheduler.step()
+        detected = [w for w in caught if "Detected call of `lr_scheduler.step()`" in str(w.message)]
+        assert len(detected) == skip_first, [str(w.message) for w in detected]
+        assert opt.param_groups[0]["lr"] == 1e-2 / 4
+
+
 def test_minimize_is_backward_then_step():
     param = nn.Parameter(torch.ones(2))
     opt = AmpOptimizer(torch.optim.SGD([param], lr=0.5), make_strategy())
@@ -549,6 +573,27 @@ def test_checkpoint_resume_is_bitwise_identical(dtype):
         assert torch.equal(got.detach(), want)
 
 
+def test_state_dict_hooks_run_around_the_meta_optimizers_state_dict_and_load():
+    """torch's four state_dict hook registrations, as on any ``torch.optim.Optimizer`` (they used to raise
+    AttributeError: 'AmpOptimizer' object has no attribute '_optimizer_state_dict_pre_hooks')."""
+    model = tiny_mlp()
+    opt = AmpOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                       make_strategy(use_pure_fp16=True, dtype="bfloat16"))
+    train(model, opt, batches(2), dtype="bfloat16")
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append(("save pre", o is opt)))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "epoch": 7})
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append(("save post first", sd.get("epoch"))), prepend=True)
+    opt.register_load_state_dict_pre_hook(lambda o, sd: {k: v for k, v in sd.items() if k != "epoch"})
+    handle = opt.register_load_state_dict_post_hook(lambda o: calls.append(("load post", o is opt)))
+    saved = opt.state_dict()
+    assert saved["epoch"] == 7
+    opt.load_state_dict(saved)  # the pre-hook took "epoch" out again
+    handle.remove()
+    opt.load_state_dict(saved)
+    assert calls == [("save pre", True), ("save post first", None), ("load post", True)]
+
+
 def test_load_state_dict_refuses_a_bare_torch_state_and_a_mismatched_mode():
     model = tiny_mlp()
     opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy(use_pure_fp16=True))
@@ -582,3 +627,20 @@ def test_bad_arguments_raise_clear_errors():
         AmpOptimizer(opt, make_strategy())
     with pytest.raises(TypeError, match=r"loss must be a torch\.Tensor"):
         opt.backward(1.0)
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_when_wrapped(amp):
+    """LBFGS evaluates its closure several times per step; the meta-optimizer steps it without one.
+
+    It used to be accepted, run the closure, then fail inside the step with torch's "missing 1 required
+    positional argument: 'closure'" (leaving the step half done); now it is refused before anything changes.
+    """
+    model = tiny_mlp()
+    strategy = make_strategy(amp=amp, use_pure_fp16=True, dtype="bfloat16")
+    with pytest.raises(TypeError, match=r"^LBFGS\.step\(\) needs a closure, .* cannot drive LBFGS\. Use an optimizer "
+                                        r"whose step\(\) works without a closure"):
+        AmpOptimizer(torch.optim.LBFGS(model.parameters()), strategy)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before O2 converted anything
+    torch.optim.lr_scheduler.StepLR(sgd := torch.optim.SGD(model.parameters(), lr=0.1), step_size=1)
+    AmpOptimizer(sgd, strategy)  # a scheduler's wrapper around step() does not look like a required closure

@@ -8,6 +8,7 @@ computes gradients on the unsharded parameters, so the hook goes there.
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -861,3 +862,45 @@ def test_a_unit_skipped_on_every_rank_alike_trains():
     assert error1 is None
     assert not torch.equal(states0[1], states0[0])
     assert torch.equal(states0[1], states1[1])
+
+
+def _state_not_made_by_sharded_steps(rank, world):
+    """Adagrad (its sums made at construction) and a bare torch optimizer's state loaded into ``inner_opt``."""
+    from distamp import fleet
+
+    fleet.init()
+    batches = [(x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK])
+               for x, y in _batches(world, 3)]
+    bare = torch.optim.SGD(_model().parameters(), lr=0.1, momentum=0.9)
+    for p in bare.param_groups[0]["params"]:
+        bare.state[p]["momentum_buffer"] = torch.full_like(p, 0.25)
+    saved = bare.state_dict()  # as a script saved it before it adopted distamp
+
+    def run(make_inner, stage, order, load=False):
+        model = _model()
+        strategy = _strategy(stage, use_pure_fp16=True, dtype="bfloat16")
+        wrapped = fleet.distributed_model(model, strategy) if order == "model first" else None
+        opt = fleet.distributed_optimizer(make_inner(model.parameters()), strategy)
+        if load:
+            opt.inner_opt.load_state_dict(copy.deepcopy(saved))
+        wrapped = wrapped or fleet.distributed_model(model, strategy)
+        for x, y in batches:
+            _step(wrapped, opt, x, y)
+        return opt.fp32_state_dict(model)
+
+    adagrad = lambda params: torch.optim.Adagrad(params, lr=0.1, initial_accumulator_value=0.5)  # noqa: E731
+    momentum = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)  # noqa: E731
+    return {f"{name}, {order}": (run(make, 0, "optimizer first", load), run(make, 3, order, load))
+            for name, make, load in (("Adagrad", adagrad, False), ("loaded SGD", momentum, True))
+            for order in ("optimizer first", "model first")}
+
+
+def test_state_the_optimizer_did_not_make_on_the_shards_is_cut_into_each_ranks_shards():
+    """Adagrad's sums come from its constructor, before ``fleet.distributed_model`` shards the parameters;
+    ``inner_opt.load_state_dict`` of a bare torch optimizer's state (what distamp's own load asks for) holds
+    whole tensors. Both used to stay whole, plain tensors beside DTensor parameters, and the first step raised
+    DTensor's "got mixed torch.Tensor and DTensor"."""
+    for out in run_workers(_state_not_made_by_sharded_steps, 2, timeout=200):
+        for case, (unsharded, sharded) in out.items():
+            for name, value in unsharded.items():
+                assert torch.equal(sharded[name], value), (case, name)
