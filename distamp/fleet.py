@@ -45,6 +45,7 @@ from distamp.distributed.process_group import (
     world_info_from_group,
 )
 from distamp.model.data_parallel import DataParallel
+from distamp.model.sparse_gradients import refuse_sparse_gradients
 from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
 from distamp.strategy.applicability import check_applicable
@@ -296,6 +297,7 @@ def distributed_model(
     world = _world()
     strategy = _strategy(strategy)
     check_applicable(strategy, world.world_size)
+    refuse_sparse_gradients(model, strategy)
     if _fully_sharded(strategy):
         if kwargs:
             raise ValueError(

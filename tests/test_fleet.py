@@ -280,6 +280,26 @@ def test_bad_models_and_optimizers_are_refused_with_the_fix():
         fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), {"amp": True})
 
 
+@pytest.mark.parametrize(("configs", "needs"), [
+    ({"amp": True}, r"strategy\.amp \(loss scaling"),
+    ({"sharding": True, "sharding_configs": {"stage": 1}}, r"strategy\.sharding cannot"),
+    ({"sharding": True, "sharding_configs": {"stage": 3}}, r"strategy\.sharding cannot"),
+])
+def test_sparse_embeddings_are_refused_under_amp_or_sharding_and_train_without(configs, needs):
+    from distamp import fleet
+
+    fleet.init()
+    model = nn.Sequential(nn.Embedding(10, 4), nn.EmbeddingBag(10, 4, sparse=True))
+    with pytest.raises(ValueError, match=rf"model\.1 is EmbeddingBag\(\.\.\., sparse=True\), whose sparse "
+                                         rf"gradients {needs}.*build it with sparse=False"):
+        fleet.distributed_model(model, fleet.DistributedStrategy(**configs))
+    embedding = nn.Embedding(10, 4, sparse=True)
+    wrapped = fleet.distributed_model(embedding, fleet.DistributedStrategy())
+    opt = fleet.distributed_optimizer(torch.optim.SGD(embedding.parameters(), lr=0.1), fleet.DistributedStrategy())
+    opt.backward(wrapped(torch.tensor([1, 2])).sum())
+    assert opt.step() is True
+
+
 TIMES_OUT = """
     import json, os, sys, time, torch, torch.distributed as dist
     from distamp import fleet
