@@ -23,8 +23,13 @@ def _inputs(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     return weight, torch.randint(0, VOCAB, (2, 16), generator=g)
 
 
+_SUMS = ("aten::add", "aten::add_")
+
+
 def _backward_profile(weight: torch.Tensor, tokens: torch.Tensor, hooked: bool) -> tuple[set[str], int]:
-    """The op names run in backward, and the peak of tensor bytes allocated in it."""
+    """The op names run in backward, and the peak of tensor bytes allocated in it while the two gradients are
+    summed (the backward's own peak may lie elsewhere: on a host without avx512_bf16, in its software BF16
+    matrix product)."""
     loss = _tied_loss(weight, tokens)
     if hooked:
         assert accumulate_reused_leaf_grads_in_place(loss) == 2  # the head's TBackward0, EmbeddingBackward0
@@ -34,10 +39,14 @@ def _backward_profile(weight: torch.Tensor, tokens: torch.Tensor, hooked: bool) 
     # Only the thread that ran backward (a thread left by an earlier test must not count).
     threads = {e.start_thread_id() for e in events if e.name().startswith("autograd::engine::evaluate_function")}
     events = [e for e in events if e.start_thread_id() in threads]
-    live = peak = 0
-    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
-        live += nbytes
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    peak = 0
+    for start, end in [(e.start_ns(), e.end_ns()) for e in events if e.name() in _SUMS]:
+        live = sum(nbytes for time, nbytes in memory if time < start)
         peak = max(peak, live)
+        for _, nbytes in ((t, n) for t, n in memory if start <= t <= end):
+            live += nbytes
+            peak = max(peak, live)
     return {e.name() for e in events}, peak
 
 
@@ -66,7 +75,7 @@ def test_tied_bf16_gradients_are_summed_in_place_with_the_same_bits():
     assert torch.equal(weight.grad, reference)
     assert weight.grad.is_contiguous()
     weight_bytes = weight.numel() * weight.element_size()
-    assert hooked_peak <= peak - weight_bytes + 64 * 1024, (peak, hooked_peak)
+    assert 0 < hooked_peak <= peak - weight_bytes + 64 * 1024, (peak, hooked_peak)
 
 
 def test_nothing_is_hooked_without_a_reused_leaf():
