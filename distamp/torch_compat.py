@@ -243,6 +243,11 @@ def ddp_has_rebuilt_buckets(ddp: nn.Module) -> bool:
     return bool(ddp._has_rebuilt_buckets)
 
 
+def ddp_ignored_names(module: nn.Module) -> set[str]:
+    """Names ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` told DDP to skip (2.11-2.15)."""
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+
 def to_kwargs(
     args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:

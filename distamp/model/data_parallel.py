@@ -52,7 +52,7 @@ from distamp.sharding.param_gather_hooks import ForwardParamGather
 from distamp.sharding.reduce_scatter import ShardedGradReduce
 from distamp.sharding.slice_reducer import SliceReducer
 from distamp.strategy import DistributedStrategy
-from distamp.torch_compat import ddp_has_rebuilt_buckets
+from distamp.torch_compat import ddp_has_rebuilt_buckets, ddp_ignored_names
 
 __all__ = ["DataParallel", "strategy_fp32_parameters"]
 
@@ -298,7 +298,7 @@ class DataParallel(nn.Module):
         preparation = DDPPreparation(self.module, self.strategy, self._process_group, self._device,
                                      self.find_unused_parameters, self._ddp_kwargs)
         prepared = preparation.run(runtime.optimizers)
-        ignored = set(getattr(self.module, "_ddp_params_and_buffers_to_ignore", ()))
+        ignored = ddp_ignored_names(self.module)
         runtime.frozen_at_build = {name: p for name, p in self.module.named_parameters()
                                    if not p.requires_grad and name not in ignored}
         runtime.ddp, runtime.comm_hook, runtime.reduce_scatter, runtime.reducer = (

@@ -25,6 +25,7 @@ from torch import nn
 from distamp.amp import auto_cast
 from distamp.optim import AmpOptimizer
 from distamp.strategy import DistributedStrategy
+from tests.cpu_features import needs_native_bf16
 
 VOCAB, WIDTH, SEQ, BATCH = 8192, 256, 16, 2
 
@@ -101,6 +102,7 @@ def test_o2_bf16_peaks_below_torch_native_autocast_and_o1_matches_it():
     assert o2_peak <= 0.95 * torch_peak, per_param
 
 
+@needs_native_bf16
 @pytest.mark.timeout(300)
 def test_o2_bf16_sums_the_tied_gradients_in_place_and_peaks_below_torch_native():
     # Peak in backward: 10 B/param and the other gradients, plus the head's and the embedding's

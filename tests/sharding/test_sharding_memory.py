@@ -32,6 +32,7 @@ import sys
 
 import pytest
 
+from tests.cpu_features import needs_native_bf16
 from tests.multiprocess import run_workers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -78,6 +79,7 @@ def test_stage_1_peak_per_rank_is_at_most_0_7_and_stage_2_at_most_0_6_of_unshard
 STAGE3_ARGV = ["--hidden", "1024", "--layers", "3", "--batch", "8", "--steps", "2"]
 
 
+@needs_native_bf16
 @pytest.mark.timeout(240)
 def test_stage3_peak_per_rank_is_about_half_of_unsharded_on_two_ranks_when_a_unit_is_half_the_model():
     """Two Linear(1024, 1024) units, 48% of the model each: the backward of the first holds its 16-bit parameters
@@ -120,6 +122,7 @@ FOUR_LAYER_ARGV = ["--hidden", "1024", "--layers", "4", "--batch", "8", "--steps
 """Linear(64, 1024), 3x Linear(1024, 1024), LayerNorm, head: 3.23M parameters; an inf in rank 1's second batch."""
 
 
+@needs_native_bf16
 @pytest.mark.timeout(240)
 def test_stage3_peaks_at_most_half_of_unsharded_on_every_rank_when_one_rank_overflows():
     """Stage 3 on 2 ranks, every rank skipping the step rank 1's inf overflowed, peaks at most 0.50x sharding off
