@@ -619,6 +619,21 @@ def test_load_state_dict_refuses_the_state_of_another_inner_optimizer_class():
 # --------------------------------------------------------------------------- misuse
 
 
+@pytest.mark.parametrize(("amp", "sharding", "needs"), [
+    (True, False, r"strategy\.amp's fused unscale"), (False, True, r"strategy\.sharding's slices"),
+])
+def test_complex_parameters_are_refused_under_amp_or_sharding_and_train_without(amp, sharding, needs):
+    real, cplx = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2, 2, dtype=torch.complex64))
+    strategy = make_strategy(amp=amp)
+    strategy.sharding = sharding
+    with pytest.raises(TypeError, match=rf"parameter 1 \(shape \(2, 2\)\) is torch\.complex64, and {needs}"):
+        AmpOptimizer(torch.optim.SGD([real, cplx], lr=0.1), strategy)
+    opt = AmpOptimizer(torch.optim.SGD([real, cplx], lr=0.1), make_strategy(amp=False))
+    opt.backward((cplx.abs() ** 2).sum() + real.sum())
+    assert opt.step() is True
+    assert torch.equal(cplx.detach(), torch.full((2, 2), 0.8, dtype=torch.complex64))
+
+
 def test_bad_arguments_raise_clear_errors():
     with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
         AmpOptimizer(object(), make_strategy())
