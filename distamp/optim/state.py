@@ -93,9 +93,12 @@ def load_optimizer_state(opt: StatefulOptimizer, state_dict: dict) -> None:
     """
     if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT:
         keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
+        how = ("use optimizer.inner_opt.load_state_dict(...)" if opt.precision.stage not in (1, 2) else
+               f"at sharding stage {opt.precision.stage} the inner optimizer holds this rank's slice, which a whole "
+               "torch state does not fit: load it with sharding off (optimizer.inner_opt.load_state_dict(...)), "
+               "save with distamp.checkpoint.save_checkpoint, and resume that checkpoint here, which re-slices it")
         raise ValueError(
-            f"not a distamp AmpOptimizer state_dict (keys: {keys}); to load a bare torch "
-            "optimizer's state use optimizer.inner_opt.load_state_dict(...)"
+            f"not a distamp AmpOptimizer state_dict (keys: {keys}); to load a bare torch optimizer's state {how}"
         )
     _check_inner_type(opt, state_dict.get("inner_type"))
     masters = state_dict["master_weights"]

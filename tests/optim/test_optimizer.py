@@ -604,6 +604,17 @@ def test_load_state_dict_refuses_a_bare_torch_state_and_a_mismatched_mode():
         o1.load_state_dict(opt.state_dict())
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_bare_torch_state_at_stages_1_and_2_is_refused_with_what_works_there(stage):
+    strategy = make_strategy()
+    strategy.sharding = True
+    strategy.sharding_configs = {"stage": stage}
+    opt = AmpOptimizer(torch.optim.SGD(tiny_mlp().parameters(), lr=0.1), strategy)
+    with pytest.raises(ValueError, match=rf"at sharding stage {stage} the inner optimizer holds this rank's slice.*"
+                                         r"load it with sharding off.*save_checkpoint"):
+        opt.load_state_dict(torch.optim.SGD(tiny_mlp().parameters(), lr=0.1).state_dict())
+
+
 def test_load_state_dict_refuses_the_state_of_another_inner_optimizer_class():
     model = tiny_mlp()
     adamw = AmpOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), make_strategy(use_pure_fp16=True))
