@@ -216,6 +216,23 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach()
 
 
+def _refuse_non_fp32(params: Sequence[nn.Parameter]) -> None:
+    """O2 at stage 3 keeps each parameter's FP32 shard as its master: refuse another floating dtype.
+
+    Raises:
+        TypeError: naming the first such parameter and the fix.
+    """
+    for i, p in enumerate(params):
+        if p.is_floating_point() and p.dtype != torch.float32:
+            raise TypeError(
+                f"sharding stage 3 with use_pure_fp16 keeps each parameter's FP32 shard as its master and gathers "
+                f"it in amp_configs['dtype'], but parameter {i} (shape {tuple(p.shape)}) is {p.dtype}: its shard "
+                "would be the master (no FP32 copy for a 16-bit one; a float64 one gathered in 16 bits for float64 "
+                "inputs). Build the model in FP32 (model.float()) and let amp_configs['dtype'] choose the compute "
+                "dtype"
+            )
+
+
 class FullyShardedPrecision(MixedPrecision):
     """Sharding stage 3 (FSDP2) in any AMP mode: scale, check and clip on the DTensor shards.
 
@@ -240,6 +257,8 @@ class FullyShardedPrecision(MixedPrecision):
         self.group = group
         pure = strategy.amp and config.use_pure_fp16
         self.mode = "O2" if pure else ("O1" if strategy.amp else "off")
+        if pure:
+            _refuse_non_fp32(params)
         self.master_weights = ShardedParameters(params, pure)
         self.scaler = build_loss_scaler(config) if strategy.amp else None
         self.consecutive_stuck = 0

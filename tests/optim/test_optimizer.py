@@ -645,6 +645,18 @@ def test_complex_parameters_are_refused_under_amp_or_sharding_and_train_without(
     assert torch.equal(cplx.detach(), torch.full((2, 2), 0.8, dtype=torch.complex64))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_stage_3_o2_refuses_parameters_that_are_not_fp32(dtype):
+    strategy = make_strategy(use_pure_fp16=True, dtype="bfloat16")
+    strategy.sharding = True
+    strategy.sharding_configs = {"stage": 3}
+    params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2, 2, dtype=dtype))]
+    with pytest.raises(TypeError, match=rf"parameter 1 \(shape \(2, 2\)\) is {dtype}.*model\.float\(\)"):
+        AmpOptimizer(torch.optim.SGD(params, lr=0.1), strategy)
+    strategy.amp_configs = {"dtype": "bfloat16"}  # O1 keeps each parameter's dtype, as unsharded O1 does
+    AmpOptimizer(torch.optim.SGD(params, lr=0.1), strategy)
+
+
 def test_bad_arguments_raise_clear_errors():
     with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
         AmpOptimizer(object(), make_strategy())
