@@ -222,8 +222,32 @@ class FullPrecision:
             ValueError: both scalers hold state but of different kinds
                 (backoff, log-normal, static).
         """
-        if _carries_scaler_state(state["loss_scaler_type"], self.scaler) and self.scaler is not None:
+        if self._carries_scaler_state(state["loss_scaler_type"]) and self.scaler is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
+
+    def _carries_scaler_state(self, saved: str) -> bool:
+        """Whether a state saved with loss scaler ``saved`` restores this plugin's; False (with a warning) when
+        the precision changed between a scaler with state and one without.
+
+        Raises:
+            ValueError: both hold state, of different kinds.
+        """
+        own = self.scaler_kind
+        if saved == own:
+            return True
+        if saved not in _STATELESS_SCALERS and own not in _STATELESS_SCALERS:
+            raise ValueError(
+                f"checkpoint was saved with loss scaler {saved or 'none'!r} but this optimizer uses "
+                f"{own or 'none'!r}; build it with the same amp_configs (use_dynamic_loss_scaling, "
+                "loss_scaling_algorithm) to resume the scale"
+            )
+        start = f"starts at {self.scaler.scale:g} as configured" if self.scaler is not None else "is not used"
+        warn_user(
+            f"the loaded optimizer state was saved with loss scaler {saved or 'none (amp off)'!r} and this "
+            f"optimizer uses {own or 'none (amp off)'!r} (amp or amp_configs['dtype'] changed): the weights and "
+            f"the inner optimizer's state load as saved; the loss scale {start}."
+        )
+        return False
 
     @property
     def scaler_kind(self) -> str:
@@ -320,7 +344,7 @@ class MixedPrecision(FullPrecision):
 
     def state_dict(self) -> dict:
         """Scaler type and state as plain numbers."""
-        return {"loss_scaler_type": type(self.scaler).__name__, "loss_scaler": self._amp_scaler.state_dict()}
+        return {"loss_scaler_type": self.scaler_kind, "loss_scaler": self._amp_scaler.state_dict()}
 
 
 class PureLowPrecision(MixedPrecision):
@@ -501,31 +525,6 @@ def _pairs_by_device(pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> list[lis
 
 _STATELESS_SCALERS = ("", "UnitLossScaler")
 """Saved ``loss_scaler_type`` values with no scaler state: AMP off, and BF16's fixed scale."""
-
-
-def _carries_scaler_state(saved: str, scaler: LossScaler | None) -> bool:
-    """Whether a state saved with loss scaler ``saved`` restores ``scaler``; False (with a warning) when the
-    precision changed between a scaler with state and one without.
-
-    Raises:
-        ValueError: both hold state, of different kinds.
-    """
-    own = type(scaler).__name__ if scaler is not None else ""
-    if saved == own:
-        return True
-    if saved not in _STATELESS_SCALERS and own not in _STATELESS_SCALERS:
-        raise ValueError(
-            f"checkpoint was saved with loss scaler {saved or 'none'!r} but this optimizer uses "
-            f"{own or 'none'!r}; build it with the same amp_configs (use_dynamic_loss_scaling, "
-            "loss_scaling_algorithm) to resume the scale"
-        )
-    start = f"starts at {scaler.scale:g} as configured" if scaler is not None else "is not used"
-    warn_user(
-        f"the loaded optimizer state was saved with loss scaler {saved or 'none (amp off)'!r} and this optimizer "
-        f"uses {own or 'none (amp off)'!r} (amp or amp_configs['dtype'] changed): the weights and the inner "
-        f"optimizer's state load as saved; the loss scale {start}."
-    )
-    return False
 
 
 def _stuck_message(config: AmpConfig, scale: float, count: int) -> str:

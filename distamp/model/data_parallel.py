@@ -336,7 +336,7 @@ class DataParallel(nn.Module):
                 _free_zero_grads(ddp)
             output = ddp(*args, **kwargs)
         except RuntimeError as exc:
-            hint = self._outside_auto_cast_hint(exc)
+            hint = o2_dtype_error_hint(self.strategy, exc)
             if hint is None:
                 raise
             raise RuntimeError(f"{exc}\n{hint}") from exc
@@ -358,10 +358,6 @@ class DataParallel(nn.Module):
             "strategy.find_unused_parameters = True and freeze them after fleet.distributed_model until their "
             "time."
         )
-
-    def _outside_auto_cast_hint(self, exc: RuntimeError) -> str | None:
-        """The fix for torch's bare dtype error in O2 (:func:`~distamp.core.precision.o2_dtype_error_hint`)."""
-        return o2_dtype_error_hint(self.strategy, exc)
 
     def fp32_state_dict(self) -> dict[str, Any]:
         """The wrapped model's ``state_dict()`` with every parameter in exact FP32 (from the masters).

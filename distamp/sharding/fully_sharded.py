@@ -125,7 +125,7 @@ class FullyShardedModel(nn.Module):
         _shard(module, units, fp32_units, strategy, DeviceMesh.from_group(group, device.type), self._reduce_scatter)
         after = dict(module.named_parameters())
         module.register_load_state_dict_pre_hook(_shard_whole_tensors)
-        sharded = self._sharded_names()
+        sharded = {name for name, m in module.named_modules() if isinstance(m, FSDPModule)}
         sharded_units = [(name, m) for name, m in module.named_modules() if m is not module and name in sharded]
         self._unit_trace = UnitTrace(sharded_units) if self._group_size > 1 else None
         # Weak references: an id alone could be reused by a new tensor once the old parameter is freed.
@@ -135,10 +135,6 @@ class FullyShardedModel(nn.Module):
         self._grad_sync = True
         # FSDP2 syncs no buffer: DDP's broadcast_buffers rule keeps BatchNorm statistics equal across ranks.
         self._buffer_broadcast = BufferBroadcast(module, group, enabled=self._group_size > 1)
-
-    def _sharded_names(self) -> set[str]:
-        """Qualified names of the modules ``fully_shard`` made units (the root's is ``""``)."""
-        return {name for name, m in self.module.named_modules() if isinstance(m, FSDPModule)}
 
     # ------------------------------------------------------------------
     @property

@@ -59,8 +59,8 @@ class UnitTrace:
         # be guarded on and recompile the graph each time.
         self._compiled_digest = torch.zeros((), dtype=torch.int64)
         self._compiled_counts = torch.zeros(len(self.names), dtype=torch.int64)
-        self._handles = [module.register_forward_pre_hook(functools.partial(self._record, index))
-                         for index, (_, module) in enumerate(units)]
+        for index, (_, module) in enumerate(units):
+            module.register_forward_pre_hook(functools.partial(self._record, index))
 
     def _record(self, index: int, module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_compiling():
@@ -83,8 +83,6 @@ class UnitTrace:
         self._digest, self._counts = 0, [0] * len(self.names)
         self._compiled_digest.zero_()
         self._compiled_counts.zero_()
-        if group_size(group) == 1:
-            return
         values = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
         all_reduce_max(values, group)
         highest, lowest = values[0].item(), -values[1].item()
