@@ -501,17 +501,18 @@ class _Attention(nn.Module):
         return self.head(self.attn(h, h, h, need_weights=False)[0].squeeze(0))
 
 
-def _train_attention(rank, world, stage):
+def _train_o2_bf16_sgd(rank, world, stage, make_model):
+    """Three O2 BF16 SGD steps on this rank's batches: the wrapped model, the optimizer, the losses and the
+    last batch's input."""
     from distamp import fleet
 
     fleet.init()
     torch.manual_seed(0)
-    model = _Attention()
+    model = make_model()
     strategy = _strategy(stage, use_pure_fp16=True, dtype="bfloat16")
-    # SGD, not AdamW: the key bias's gradient is zero up to rounding (softmax ignores it), which AdamW would
-    # turn into full-size steps of either sign.
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
     wrapped = fleet.distributed_model(model, strategy)
+    losses = []
     for x, y in _batches(world, 3):
         x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
         with fleet.auto_cast():
@@ -519,6 +520,14 @@ def _train_attention(rank, world, stage):
         opt.zero_grad()
         opt.backward(loss)
         assert opt.step()
+        losses.append(loss.item())
+    return wrapped, opt, losses, x
+
+
+def _train_attention(rank, world, stage):
+    # SGD, not AdamW: the key bias's gradient is zero up to rounding (softmax ignores it), which AdamW would
+    # turn into full-size steps of either sign.
+    wrapped, opt, _, _ = _train_o2_bf16_sgd(rank, world, stage, _Attention)
     return _flat(opt.fp32_state_dict(wrapped))
 
 
@@ -542,23 +551,7 @@ class _FloatFeatures(nn.Module):
 
 
 def _train_float_features(rank, world, stage):
-    from distamp import fleet
-
-    fleet.init()
-    torch.manual_seed(0)
-    model = _FloatFeatures()
-    strategy = _strategy(stage, use_pure_fp16=True, dtype="bfloat16")
-    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
-    wrapped = fleet.distributed_model(model, strategy)
-    losses = []
-    for x, y in _batches(world, 3):
-        x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
-        with fleet.auto_cast():
-            loss = F.mse_loss(wrapped(x).float(), y)
-        opt.zero_grad()
-        opt.backward(loss)
-        assert opt.step()
-        losses.append(loss.item())
+    wrapped, opt, losses, x = _train_o2_bf16_sgd(rank, world, stage, _FloatFeatures)
     hint = ""
     try:
         wrapped(x)  # outside fleet.auto_cast()
