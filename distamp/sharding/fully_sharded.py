@@ -127,7 +127,7 @@ class FullyShardedModel(nn.Module):
         module.register_load_state_dict_pre_hook(_shard_whole_tensors)
         sharded = {name for name, m in module.named_modules() if isinstance(m, FSDPModule)}
         sharded_units = [(name, m) for name, m in module.named_modules() if m is not module and name in sharded]
-        self._unit_trace = UnitTrace(sharded_units) if self._group_size > 1 else None
+        self._unit_trace = UnitTrace(sharded_units)
         # Weak references: an id alone could be reused by a new tensor once the old parameter is freed.
         self._replaced = {id(old): (weakref.ref(old), after[name]) for name, old in before}
         self._optimizers: list[FullyShardedOptimizer] = []

@@ -264,8 +264,9 @@ class FullyShardedPrecision(MixedPrecision):
         self.consecutive_stuck = 0
         self._unit_trace: UnitTrace | None = None
 
-    def check_unit_forwards(self, trace: UnitTrace | None) -> None:
-        """Agree at each step, before the verdict, that every rank ran the units ``trace`` saw (None: one rank)."""
+    def check_unit_forwards(self, trace: UnitTrace) -> None:
+        """Agree at each step, before the verdict, that every rank ran the units ``trace`` saw and that FSDP2
+        finished their backward."""
         self._unit_trace = trace
 
     def follow_sharded_parameters(self, new_of: dict[int, nn.Parameter]) -> None:
@@ -289,11 +290,12 @@ class FullyShardedPrecision(MixedPrecision):
 
         Raises:
             RuntimeError: the parameters were never sharded (no
-                ``fleet.distributed_model`` for this optimizer's model), or
-                the ranks ran different units since the last step.
+                ``fleet.distributed_model`` for this optimizer's model), the
+                ranks ran different units since the last step, or FSDP2 did
+                not finish a unit's backward (see :class:`UnitTrace`).
         """
         self.require_sharded("a step", "run the forward through the model it returns")
-        if self._unit_trace is not None and self.group is not None:
+        if self._unit_trace is not None:
             self._unit_trace.agree(self.group, self._any_device())
         if self.scaler is None:
             return False, None  # AMP off: applied as they are
