@@ -53,8 +53,10 @@ logger = logging.getLogger("distamp")
 def o2_dtype_error_hint(strategy: DistributedStrategy, exc: RuntimeError) -> str | None:
     """The fix for torch's bare dtype error in an O2 forward, or ``None`` when ``exc`` is not one.
 
-    Either the forward ran outside ``fleet.auto_cast()``, or an op that
-    autocast does not cast for this device met FP32 inputs.
+    Either the forward ran outside ``fleet.auto_cast()``, or, inside it, an
+    op met FP32 inputs with 16-bit weights: one that autocast does not cast
+    for this device, or one in a region where the forward switched autocast
+    off (which the error no longer shows: it was left on the way out).
     """
     cfg = strategy.amp_config
     message = str(exc).lower()
@@ -65,9 +67,14 @@ def o2_dtype_error_hint(strategy: DistributedStrategy, exc: RuntimeError) -> str
             return None
         return (
             f"distamp: with use_pure_fp16 the model's weights are {cfg.dtype}, and autocast casts FP32 inputs "
-            "only for the ops on torch's lists for this device; an op outside them (on CPU e.g. "
-            "F.bilinear) met FP32 inputs. Add it to amp_configs['custom_white_list'] (it then runs in "
-            f"{cfg.dtype}), or its module to amp_configs['custom_black_varnames'] (it then runs in FP32)."
+            "only for the ops on torch's lists for this device, and only where it is on. Either an op outside "
+            "those lists (on CPU e.g. F.bilinear) met FP32 inputs: add it to amp_configs['custom_white_list'] "
+            f"(it then runs in {cfg.dtype}), or its module to amp_configs['custom_black_varnames'] (it then runs "
+            "in FP32). Or the forward switched autocast off around a module with 16-bit weights "
+            "(torch.autocast(..., enabled=False), fleet.auto_cast(enable=False), a "
+            "torch.amp.custom_fwd(cast_inputs=torch.float32) function): to run that module in FP32, list it in "
+            "amp_configs['custom_black_varnames'] (its weights then stay FP32), or cast its inputs to "
+            f"{cfg.dtype}."
         )
     return (
         f"distamp: with use_pure_fp16 the model's weights are {cfg.dtype} while its inputs are FP32; run the "

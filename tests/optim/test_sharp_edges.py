@@ -200,3 +200,47 @@ def test_add_param_group_refuses_a_parameter_of_another_group_as_torch_does(mode
     assert [len(g["params"]) for g in opt.param_groups] == [2]
     opt.add_param_group({"params": list(model[2].parameters()), "lr": 0.5})  # new ones only: added
     assert [len(g["params"]) for g in opt.param_groups] == [2, 2]
+
+
+class _FP32Block(torch.nn.Module):
+    """A block the forward runs with autocast switched off, as mixed-precision code does for a sensitive part."""
+
+    def __init__(self, switch_off: str) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.sensitive = torch.nn.Linear(4, 2)
+        self.switch_off = switch_off
+
+    def forward(self, x):
+        from distamp import fleet
+
+        h = self.proj(x)
+        region = torch.autocast("cpu", enabled=False) if self.switch_off == "torch" else fleet.auto_cast(enable=False)
+        with region:
+            return self.sensitive(h.float())
+
+
+@pytest.mark.parametrize("switch_off", ["torch", "fleet"])
+def test_an_o2_module_run_with_autocast_switched_off_gets_the_fix_that_works(switch_off):
+    # The hint said only that the op was outside torch's lists and to white-list it: F.linear is on them, and a
+    # white-listed op does nothing where autocast is off, so that fix failed the same way.
+    from distamp import fleet
+
+    def forward(**configs):
+        torch.manual_seed(0)
+        model = _FP32Block(switch_off)
+        strategy = fleet.DistributedStrategy(amp=True)
+        strategy.amp_configs = {"use_pure_fp16": True, "dtype": "bfloat16", **configs}
+        fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), strategy)
+        wrapped = fleet.distributed_model(model, strategy=strategy)
+        with fleet.auto_cast():
+            return wrapped(torch.ones(2, 4))
+
+    with pytest.raises(RuntimeError, match=re.escape(
+            "Or the forward switched autocast off around a module with 16-bit weights (torch.autocast(..., "
+            "enabled=False), fleet.auto_cast(enable=False), a torch.amp.custom_fwd(cast_inputs=torch.float32) "
+            "function): to run that module in FP32, list it in amp_configs['custom_black_varnames']")):
+        forward()
+    with pytest.raises(RuntimeError):
+        forward(custom_white_list=["linear"])
+    assert forward(custom_black_varnames=["sensitive"]).dtype == torch.float32
