@@ -298,6 +298,12 @@ def distributed_model(
     strategy = _strategy(strategy)
     check_applicable(strategy, world.world_size)
     refuse_sparse_gradients(model, strategy)
+    if "device" in kwargs:
+        raise ValueError(
+            f"fleet.distributed_model(..., device={kwargs['device']!r}): the model trains on fleet.device() "
+            f"({device()} here: cuda:LOCAL_RANK with CUDA, else the CPU); move it there with "
+            "model.to(fleet.device()) and remove device="
+        )
     if _fully_sharded(strategy):
         if kwargs:
             raise ValueError(

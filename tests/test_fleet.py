@@ -266,8 +266,19 @@ def test_bad_models_and_optimizers_are_refused_with_the_fix():
     model = nn.Linear(2, 2)
     with pytest.raises(TypeError, match=r"torch\.nn\.Module, got str"):
         fleet.distributed_model("model")
-    with pytest.raises(ValueError, match=r"device_ids=\[0\] is set by distamp.*remove it"):
+    with pytest.raises(ValueError, match=r"device_ids=\[0\] is set by distamp: .*fleet.device\(\).*remove it"):
         fleet.distributed_model(model, device_ids=[0])
+    # Each of DDP's arguments distamp sets says what it is set to, or what to set instead.
+    with pytest.raises(ValueError, match=r"bucket_cap_mb=50 is set by distamp: the bucket size is "
+                                         r"strategy\.fuse_grad_size_in_MB: set that instead; remove it"):
+        fleet.distributed_model(model, bucket_cap_mb=50)
+    with pytest.raises(ValueError, match=r"gradient_as_bucket_view=False is set by distamp: distamp always builds DDP "
+                                         r"with gradient_as_bucket_view=True"):
+        fleet.distributed_model(model, gradient_as_bucket_view=False)
+    # device= was listed as accepted by the error for unknown names, but failed with "got multiple values".
+    with pytest.raises(ValueError, match=r"device='cpu'\): the model trains on fleet\.device\(\) \(cpu here.*"
+                                         r"model\.to\(fleet\.device\(\)\) and remove device="):
+        fleet.distributed_model(model, device="cpu")
     # A one-process world builds no DDP: a misspelt DDP option was silently ignored there.
     with pytest.raises(ValueError, match=r"\['statc_graph'\] are not keyword arguments of fleet.distributed_model.*"
                                          r"'static_graph'"):

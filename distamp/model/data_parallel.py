@@ -56,7 +56,17 @@ from distamp.torch_compat import ddp_has_rebuilt_buckets, ddp_ignored_names
 
 __all__ = ["DataParallel", "strategy_fp32_parameters"]
 
-_SET_BY_DISTAMP = ("device_ids", "output_device", "gradient_as_bucket_view", "bucket_cap_mb", "bucket_cap_mb_list")
+_DEVICE_SET = "distamp builds DDP on the device it trains on (fleet.device(): cuda:LOCAL_RANK with CUDA, else the CPU)"
+_BUCKETS_SET = "the bucket size is strategy.fuse_grad_size_in_MB: set that instead"
+_SET_BY_DISTAMP = {
+    "device_ids": _DEVICE_SET,
+    "output_device": _DEVICE_SET,
+    "gradient_as_bucket_view": "distamp always builds DDP with gradient_as_bucket_view=True (each .grad is a view "
+                               "of its bucket: no second copy of the gradients)",
+    "bucket_cap_mb": _BUCKETS_SET,
+    "bucket_cap_mb_list": _BUCKETS_SET,
+}
+"""DDP's keyword arguments distamp sets itself, and what to do instead."""
 _DDP_KWARGS = tuple(name for name in inspect.signature(DistributedDataParallel.__init__).parameters
                     if name not in ("self", "module", "process_group", "find_unused_parameters", *_SET_BY_DISTAMP))
 """DDP's keyword arguments a user may pass through (the others distamp sets or takes itself)."""
@@ -146,15 +156,12 @@ class DataParallel(nn.Module):
         unknown = sorted(set(ddp_kwargs) - set(_DDP_KWARGS) - set(_SET_BY_DISTAMP))
         if unknown:
             raise ValueError(
-                f"{unknown} are not keyword arguments of fleet.distributed_model; it takes process_group, device, "
+                f"{unknown} are not keyword arguments of fleet.distributed_model; it takes process_group, "
                 f"find_unused_parameters and these of DDP's: {list(_DDP_KWARGS)}"
             )
-        for name in _SET_BY_DISTAMP:
+        for name, reason in _SET_BY_DISTAMP.items():
             if name in ddp_kwargs:
-                raise ValueError(
-                    f"{name}={ddp_kwargs[name]!r} is set by distamp (device from LOCAL_RANK, "
-                    "bucket size from strategy.fuse_grad_size_in_MB); remove it"
-                )
+                raise ValueError(f"{name}={ddp_kwargs[name]!r} is set by distamp: {reason}; remove it")
         if strategy.sharding and strategy.sharding_config.stage == 2:
             refused = sorted(set(ddp_kwargs) - set(STAGE2_DDP_KWARGS))
             if refused:
