@@ -148,6 +148,18 @@ def is_ddp_ready_twice_error(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "Expected to mark a variable ready only once" in str(error)
 
 
+def is_ddp_static_graph_unsynced_error(error: BaseException) -> bool:
+    """Whether ``error`` is DDP's reducer asserting that its static graph's first backward communicates.
+
+    A DDP built with ``static_graph=True`` whose first backward runs with
+    ``require_backward_grad_sync`` False (inside ``no_sync()``) gets an internal
+    assert, "expect_autograd_hooks_ INTERNAL ASSERT FAILED ... please report a
+    bug to PyTorch", raised from C++ as ``RuntimeError`` (2.11.0, 2.13.0, 2.15.0
+    checked).
+    """
+    return isinstance(error, RuntimeError) and "expect_autograd_hooks_ INTERNAL ASSERT FAILED" in str(error)
+
+
 def dtensor_local(tensor: DTensor) -> torch.Tensor:
     """This rank's local tensor of a DTensor, the same object FSDP2 updates (not an autograd view).
 

@@ -2,8 +2,10 @@
 
 torch's message for a gradient hook that fires twice ("Expected to mark a
 variable ready only once") suggests ``_set_static_graph()``, a private DDP
-method a distamp user never calls. :func:`explain_ddp_errors` names the
-distamp-level causes and fixes, and chains torch's message.
+method a distamp user never calls; a static graph whose first backward does
+not communicate gets an internal assert that asks for a bug report.
+:func:`explain_ddp_errors` names the distamp-level causes and fixes, and
+chains torch's message.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from distamp.torch_compat import is_ddp_ready_twice_error
+from distamp.torch_compat import is_ddp_ready_twice_error, is_ddp_static_graph_unsynced_error
 
 __all__ = ["explain_ddp_errors"]
 
@@ -27,13 +29,24 @@ _READY_TWICE = (
     "inside and outside the checkpointed region"
 )
 
+_STATIC_GRAPH_UNSYNCED = (
+    "fleet.distributed_model(..., static_graph=True): DDP records its static graph on the first backward, which "
+    "must communicate, but this first backward ran inside model.no_sync() (or with "
+    "model.require_backward_grad_sync = False), and torch's reducer asserted (torch's message is below). Run the "
+    "first step's backward passes synced (no_sync() from the second step on), or remove static_graph=True (for "
+    "reentrant activation checkpointing, checkpoint with use_reentrant=False instead)"
+)
+
 
 @contextlib.contextmanager
 def explain_ddp_errors() -> Iterator[None]:
-    """Re-raise DDP's "marked as ready twice" error inside the block with the distamp-level fixes."""
+    """Re-raise DDP's "marked as ready twice" error and its static graph's assert inside the block with the
+    distamp-level fixes."""
     try:
         yield
     except RuntimeError as exc:
-        if not is_ddp_ready_twice_error(exc):
-            raise
-        raise RuntimeError(f"{_READY_TWICE}. torch: {exc}") from exc
+        if is_ddp_ready_twice_error(exc):
+            raise RuntimeError(f"{_READY_TWICE}. torch: {exc}") from exc
+        if is_ddp_static_graph_unsynced_error(exc):
+            raise RuntimeError(f"{_STATIC_GRAPH_UNSYNCED}. torch: {exc}") from exc
+        raise

@@ -169,6 +169,7 @@ class DataParallel(nn.Module):
                     f"{refused} are DDP options, but sharding stage 2 replaces DDP by distamp's reducer, which "
                     f"takes only {list(STAGE2_DDP_KWARGS)} (and find_unused_parameters); remove the others"
                 )
+        _refuse_static_graph_with_merge(strategy, ddp_kwargs)
         self.module = module
         self.strategy = strategy
         self.find_unused_parameters = (
@@ -374,6 +375,29 @@ class DataParallel(nn.Module):
         ``module.`` prefix).
         """
         return fp32_model_state_dict(self.module, [opt.master_weights for opt in self._runtime.optimizers])
+
+
+def _refuse_static_graph_with_merge(strategy: DistributedStrategy, ddp_kwargs: dict[str, Any]) -> None:
+    """Raise ``ValueError`` for DDP's ``static_graph`` with gradient merge where merged micro-batches stay local.
+
+    DDP records its static graph on the first backward, which must
+    communicate; without sharding (PowerSGD included) a merge window's first
+    K-1 micro-batches do not, and torch's reducer fails with an internal
+    assert at the first backward. Sharding stage 1 communicates every
+    micro-batch and stage 2 has no DDP.
+    """
+    if not (ddp_kwargs.get("static_graph") and strategy.gradient_merge) or strategy.sharding:
+        return
+    k_steps = strategy.gradient_merge_config.k_steps
+    if k_steps == 1:
+        return
+    raise ValueError(
+        f"fleet.distributed_model(..., static_graph=True) with strategy.gradient_merge (k_steps={k_steps}): DDP "
+        "records its static graph on the first backward, which must communicate, but the first micro-batches of a "
+        "gradient-merge window do not (torch's reducer fails with an internal assert at the first backward). "
+        "Remove static_graph=True (gradient merge needs no hint; for reentrant activation checkpointing, checkpoint "
+        "with use_reentrant=False instead), or use sharding stage 1 or 2, which communicate every micro-batch"
+    )
 
 
 def _free_zero_grads(ddp: DistributedDataParallel) -> None:

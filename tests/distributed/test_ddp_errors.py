@@ -67,3 +67,38 @@ def test_other_errors_pass_through_unchanged():
     with pytest.raises(RuntimeError) as caught, explain_ddp_errors():
         raise error
     assert caught.value is error
+
+
+def _first_backward_in_no_sync(rank: int, world: int) -> str:
+    """DDP with static_graph=True whose first backward runs inside no_sync(): torch's internal assert."""
+    from distamp import fleet
+
+    torch.manual_seed(0)
+    model = _Checkpointed()
+    fleet.init()
+    strategy = fleet.DistributedStrategy(amp=True)
+    strategy.amp_configs = {"dtype": "bfloat16"}
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    model = fleet.distributed_model(model, strategy, static_graph=True)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    try:
+        with model.no_sync():
+            with fleet.auto_cast():
+                loss = model(x).float().square().mean()
+            opt.backward(loss)
+    except RuntimeError as exc:
+        return f"{exc!s} [cause: {type(exc.__cause__).__name__}]"
+    return "trained"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_static_graph_whose_first_backward_does_not_communicate_names_the_fix():
+    # torch's DDP records its static graph on the first backward, which must communicate; inside no_sync()
+    # the user got only "expect_autograd_hooks_ INTERNAL ASSERT FAILED ... please report a bug to PyTorch".
+    for message in run_workers(_first_backward_in_no_sync, 2, timeout=100, pg_timeout=60):
+        assert message.startswith("fleet.distributed_model(..., static_graph=True): DDP records its static graph "
+                                  "on the first backward, which must communicate")
+        assert "no_sync()" in message
+        assert "torch: expect_autograd_hooks_ INTERNAL ASSERT FAILED" in message
+        assert message.endswith("[cause: RuntimeError]")

@@ -684,3 +684,23 @@ def test_a_parameter_unfrozen_after_the_wrapper_was_built_is_refused_and_the_lat
         for name, value in expected.items():
             assert torch.equal(state[name], value), name
     assert not torch.equal(trained[0][1]["0.weight"], refused[0][1]["0.weight"])  # it trained from step 2 on
+
+
+def test_static_graph_with_gradient_merge_on_ddp_is_refused_before_anything_runs():
+    # Each window's first K-1 micro-batches do not communicate, and DDP's static graph is recorded on the first
+    # backward, which must: every run failed at its first backward with torch's "expect_autograd_hooks_ INTERNAL
+    # ASSERT FAILED ... please report a bug to PyTorch". Sharding stage 1 communicates every micro-batch.
+    import re
+
+    from distamp.model.data_parallel import DataParallel
+    from distamp.strategy import DistributedStrategy
+
+    strategy = DistributedStrategy(amp=True, gradient_merge=True)
+    strategy.gradient_merge_configs = {"k_steps": 2}
+    with pytest.raises(ValueError, match=re.escape(
+            "fleet.distributed_model(..., static_graph=True) with strategy.gradient_merge (k_steps=2): DDP records "
+            "its static graph on the first backward, which must communicate")):
+        DataParallel(nn.Linear(2, 2), strategy, static_graph=True)
+    DataParallel(nn.Linear(2, 2), strategy)
+    strategy.sharding = True
+    DataParallel(nn.Linear(2, 2), strategy, static_graph=True)
