@@ -86,7 +86,9 @@ class NanInfChecker:
                 if kind is not None:
                     self._fail(f"the forward output of {label}", kind, t.dtype)
 
-    def _check_grad(self, label: str, grad: torch.Tensor) -> None:
+    def _check_grad(self, label: str, grad: torch.Tensor | None) -> None:
+        if grad is None:  # an output the loss does not use, passed through DDP's find_unused_parameters sink
+            return
         kind = _nonfinite_kind(grad)
         if kind is not None:
             self._fail(f"the local gradient of {label} (before communication)", kind, grad.dtype)
