@@ -149,3 +149,20 @@ def test_a_gradient_hook_given_none_checks_nothing():
     assert model["used"].weight.grad is not None
     checker.remove()
 
+
+def test_a_parameter_unfrozen_after_the_checker_was_built_is_checked_from_its_next_forward():
+    # Was: a layer frozen when the model was adopted (gradual unfreezing; one process, or sharding stage 3)
+    # never got a gradient hook, so its non-finite gradient was only a skipped step.
+    model = _model()
+    model[0].bias.requires_grad_(False)
+    checker = NanInfChecker(model, step=lambda: 4)
+    model(torch.ones(1, 3)).sum().backward()
+    model[0].weight.requires_grad_(False)
+    model[0].bias.requires_grad_(True)
+    out = model(torch.ones(1, 3))
+    with pytest.raises(FloatingPointError,
+                       match=r"inf in the local gradient of parameter '0\.bias' \(before communication\) on rank 0 "
+                             r"at step 4"):
+        (out.sum() * torch.tensor(float("inf"))).backward()
+    checker.remove()
+    assert checker._frozen == {}
