@@ -25,6 +25,7 @@ __all__ = ["AmpConfig"]
 _LOSS_SCALING_KEYS = (
     "init_loss_scaling", "use_dynamic_loss_scaling", "incr_every_n_steps", "decr_every_n_nan_or_inf",
     "incr_ratio", "decr_ratio", "loss_scaling_algorithm", "min_loss_scaling", "max_loss_scaling",
+    "overflow_retries",  # a retry lowers the scale first, and a fixed one cannot fall
 )
 
 
