@@ -158,6 +158,13 @@ class AmpConfig(Config):
 
     def _warn_unused_scaling_keys(self) -> None:
         if self.dtype != "bfloat16":
+            if not self.use_dynamic_loss_scaling and self.overflow_retries:
+                warn_user(
+                    f"amp_configs: overflow_retries={self.overflow_retries!r} has no effect with "
+                    "use_dynamic_loss_scaling=False: a retry lowers the loss scale first, and a static one "
+                    "cannot fall, so an overflowing step(closure) is skipped. Use dynamic loss scaling, or "
+                    "remove overflow_retries."
+                )
             return
         default = AmpConfig()
         ignored = [f"{k}={getattr(self, k)!r}" for k in _LOSS_SCALING_KEYS if getattr(self, k) != getattr(default, k)]
