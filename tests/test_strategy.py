@@ -529,6 +529,21 @@ def test_bf16_with_scaling_keys_warns_once_at_the_callers_line():
     assert record[0].filename == __file__
 
 
+
+def test_bf16_with_overflow_retries_warns_that_they_never_happen():
+    # Was: silent; a retry lowers the scale first, and BF16's fixed 1.0 cannot fall, so every overflowing
+    # step(closure) was skipped (its batch dropped) without a retry or a word.
+    s = DistributedStrategy()
+    with pytest.warns(UserWarning, match=r"fixed at 1\.0 .* have no effect: overflow_retries=3\."):
+        s.amp_configs = {"dtype": "bfloat16", "overflow_retries": 3}
+
+
+def test_a_static_fp16_scale_with_overflow_retries_warns_that_they_never_happen():
+    # Was: silent; every overflowing step(closure) was skipped without a retry.
+    s = DistributedStrategy()
+    with pytest.warns(UserWarning, match=r"overflow_retries=2 has no effect with use_dynamic_loss_scaling=False"):
+        s.amp_configs = {"use_dynamic_loss_scaling": False, "init_loss_scaling": 8.0, "overflow_retries": 2}
+
 def test_bf16_without_scaling_keys_and_fp16_do_not_warn():
     s = DistributedStrategy()
     with warnings.catch_warnings():

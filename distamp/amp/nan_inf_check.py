@@ -56,21 +56,33 @@ class NanInfChecker:
         self._rank = rank
         self._handles: list[Any] = []
         self._watched: set[int] = set()
+        self._frozen: dict[int, tuple[str, torch.Tensor]] = {}  # given to watch_grads while requires_grad=False
         root = _class_name(model)
         for name, module in model.named_modules():
             label = f"module {name!r} ({_class_name(module)})" if name else f"the model ({root})"
-            self._handles.append(module.register_forward_hook(functools.partial(self._check_output, label)))
+            check = self._check_root_output if module is model else self._check_output
+            self._handles.append(module.register_forward_hook(functools.partial(check, label)))
         # A DTensor parameter (sharding stage 3) never gets a local gradient from autograd: FSDP2 computes it
         # on the unsharded parameter, which fleet.distributed_model hands to watch_grads after its first forward.
         self.watch_grads([(name, p) for name, p in model.named_parameters() if not isinstance(p, DTensor)])
 
     def watch_grads(self, named_params: list[tuple[str, torch.Tensor]]) -> None:
-        """Check the local gradient of each ``(name, parameter)`` that requires one (once per tensor)."""
+        """Check the local gradient of each ``(name, parameter)`` (once per tensor).
+
+        A parameter that does not require a gradient yet (a frozen layer) is
+        watched from the end of the first forward of the model after it was
+        made trainable (gradual unfreezing), before that forward's backward.
+        """
         for name, param in named_params:
-            if param.requires_grad and id(param) not in self._watched:
-                self._watched.add(id(param))
-                hook = functools.partial(self._check_grad, f"parameter {name!r}")
-                self._handles.append(param.register_hook(hook))
+            if id(param) in self._watched:
+                continue
+            if not param.requires_grad:
+                self._frozen[id(param)] = (name, param)
+                continue
+            self._frozen.pop(id(param), None)
+            self._watched.add(id(param))
+            hook = functools.partial(self._check_grad, f"parameter {name!r}")
+            self._handles.append(param.register_hook(hook))
 
     def _fail(self, what: str, kind: str, dtype: torch.dtype) -> None:
         raise FloatingPointError(
@@ -86,7 +98,14 @@ class NanInfChecker:
                 if kind is not None:
                     self._fail(f"the forward output of {label}", kind, t.dtype)
 
-    def _check_grad(self, label: str, grad: torch.Tensor) -> None:
+    def _check_root_output(self, label: str, module: nn.Module, args: Any, output: Any) -> None:
+        self._check_output(label, module, args, output)
+        if self._frozen:  # some may have been unfrozen since: their gradients come in this forward's backward
+            self.watch_grads(list(self._frozen.values()))
+
+    def _check_grad(self, label: str, grad: torch.Tensor | None) -> None:
+        if grad is None:  # an output the loss does not use, passed through DDP's find_unused_parameters sink
+            return
         kind = _nonfinite_kind(grad)
         if kind is not None:
             self._fail(f"the local gradient of {label} (before communication)", kind, grad.dtype)
@@ -97,3 +116,4 @@ class NanInfChecker:
             handle.remove()
         self._handles.clear()
         self._watched.clear()
+        self._frozen.clear()

@@ -43,7 +43,7 @@ class AmpStatus:
 
     @property
     def step_was_skipped(self) -> bool:
-        """True when the last completed ``step()`` found inf/NaN and skipped."""
+        """True when the last ``step()`` found inf/NaN and skipped (False after one inside a gradient-merge window)."""
         return self.policy.last_step_skipped
 
     @property

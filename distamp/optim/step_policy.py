@@ -98,6 +98,7 @@ class StepPolicy:
     def step(self) -> bool:
         """``optimizer.step()``: see :meth:`distamp.optim.optimizer.AmpOptimizer.step`."""
         if self.merge.is_accumulating:
+            self.last_step_skipped = False  # nothing was skipped, whatever the last window's verdict
             return False
         if not self.unscaled and not self.watch.before_step(self.precision.loss_scale):
             self.last_step_skipped = True

@@ -328,8 +328,9 @@ _STRATEGY_MISMATCH = (
 
 def _shard_whole_tensors(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
     """``load_state_dict`` pre-hook of the sharded root: a whole tensor (an unsharded checkpoint's, or
-    ``fp32_state_dict``'s) for a DTensor parameter becomes this rank's shard of it (no collective)."""
-    for name, param in module.named_parameters():
+    ``fp32_state_dict``'s) for a DTensor parameter becomes this rank's shard of it (no collective). Every name of
+    a tied parameter (an embedding shared with the output head) is one the state dict holds."""
+    for name, param in module.named_parameters(remove_duplicate=False):
         value = state_dict.get(prefix + name)
         if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
             state_dict[prefix + name] = distribute_tensor(value.to(param.device, param.dtype), param.device_mesh,

@@ -25,6 +25,7 @@ __all__ = ["AmpConfig"]
 _LOSS_SCALING_KEYS = (
     "init_loss_scaling", "use_dynamic_loss_scaling", "incr_every_n_steps", "decr_every_n_nan_or_inf",
     "incr_ratio", "decr_ratio", "loss_scaling_algorithm", "min_loss_scaling", "max_loss_scaling",
+    "overflow_retries",  # a retry lowers the scale first, and a fixed one cannot fall
 )
 
 
@@ -157,6 +158,13 @@ class AmpConfig(Config):
 
     def _warn_unused_scaling_keys(self) -> None:
         if self.dtype != "bfloat16":
+            if not self.use_dynamic_loss_scaling and self.overflow_retries:
+                warn_user(
+                    f"amp_configs: overflow_retries={self.overflow_retries!r} has no effect with "
+                    "use_dynamic_loss_scaling=False: a retry lowers the loss scale first, and a static one "
+                    "cannot fall, so an overflowing step(closure) is skipped. Use dynamic loss scaling, or "
+                    "remove overflow_retries."
+                )
             return
         default = AmpConfig()
         ignored = [f"{k}={getattr(self, k)!r}" for k in _LOSS_SCALING_KEYS if getattr(self, k) != getattr(default, k)]

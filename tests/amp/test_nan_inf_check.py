@@ -121,3 +121,48 @@ def test_the_module_imports_first_in_a_fresh_interpreter():
     done = subprocess.run([sys.executable, "-c", "import distamp.amp.nan_inf_check"], capture_output=True, text=True,
                           check=False)
     assert done.returncode == 0, done.stderr
+
+
+class _PassThrough(torch.autograd.Function):
+    """Outputs pass through; an output the loss does not use sends back None (as DDP's find_unused_parameters
+    sink does), which reaches the gradient hooks of the parameters behind it."""
+
+    @staticmethod
+    def forward(ctx, *xs):
+        ctx.set_materialize_grads(False)
+        return tuple(x.clone() for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+def test_a_gradient_hook_given_none_checks_nothing():
+    # Was: AttributeError 'NoneType' object has no attribute 'is_floating_point' from inside backward.
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"used": nn.Linear(3, 3), "unused": nn.Linear(3, 3)})
+    checker = NanInfChecker(model, step=lambda: 1)
+    x = torch.randn(2, 3)
+    used, _ = _PassThrough.apply(model["used"](x), model["unused"](x))
+    used.sum().backward()
+    assert model["unused"].weight.grad is None
+    assert model["used"].weight.grad is not None
+    checker.remove()
+
+
+def test_a_parameter_unfrozen_after_the_checker_was_built_is_checked_from_its_next_forward():
+    # Was: a layer frozen when the model was adopted (gradual unfreezing; one process, or sharding stage 3)
+    # never got a gradient hook, so its non-finite gradient was only a skipped step.
+    model = _model()
+    model[0].bias.requires_grad_(False)
+    checker = NanInfChecker(model, step=lambda: 4)
+    model(torch.ones(1, 3)).sum().backward()
+    model[0].weight.requires_grad_(False)
+    model[0].bias.requires_grad_(True)
+    out = model(torch.ones(1, 3))
+    with pytest.raises(FloatingPointError,
+                       match=r"inf in the local gradient of parameter '0\.bias' \(before communication\) on rank 0 "
+                             r"at step 4"):
+        (out.sum() * torch.tensor(float("inf"))).backward()
+    checker.remove()
+    assert checker._frozen == {}

@@ -338,3 +338,44 @@ def test_loading_before_the_model_is_sharded_is_refused_with_the_fix(tmp_path):
         assert "loading a checkpoint needs the shards" in errors[0]
         assert "then load it" in errors[0]
         assert stepped
+
+
+def _tied_head_round_trip(rank, world, root, stage):
+    """Two steps of the tied-head model at ``stage`` and a save; or (``stage`` None) a load at stage 3."""
+    import torch.nn.functional as F
+
+    from distamp import fleet
+    from distamp.checkpoint import load_latest_checkpoint, save_checkpoint
+    from tests.sharding.test_sharding_stage3 import _strategy, _TiedHead
+
+    torch.manual_seed(0)
+    model = _TiedHead()
+    strategy = _strategy(3 if stage is None else stage, use_pure_fp16=True, dtype="bfloat16")
+    opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    if stage is None:
+        info = load_latest_checkpoint(root, model=wrapped, optimizer=opt)
+        return info.step, opt.fp32_state_dict(wrapped)
+    for step in range(2):
+        x = torch.randint(0, 31, (2, 5), generator=torch.Generator().manual_seed(10 * step + rank))
+        with fleet.auto_cast():
+            loss = F.cross_entropy(wrapped(x).float().flatten(0, 1), x.flatten())
+        opt.zero_grad()
+        opt.backward(loss)
+        assert opt.step()
+    save_checkpoint(root, 2, model=wrapped, optimizer=opt)
+    return 2, opt.fp32_state_dict(wrapped)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("saved_at", [0, 2])
+def test_an_unsharded_or_stage2_checkpoint_of_tied_weights_loads_at_stage_3(tmp_path, saved_at):
+    # Was: RuntimeError 'aten.copy_.default got mixed torch.Tensor and DTensor' for 'head.weight': the
+    # stage-3 load hook made DTensors of each parameter's first name only, and the tied head's stayed whole.
+    saved = run_workers(_tied_head_round_trip, 2, str(tmp_path), saved_at, timeout=100)
+    loaded = run_workers(_tied_head_round_trip, 2, str(tmp_path), None, timeout=100)
+    for (step, state), (saved_step, saved_state) in zip(loaded, saved, strict=True):
+        assert step == saved_step == 2
+        assert state.keys() == saved_state.keys()
+        for name, value in state.items():
+            assert torch.equal(value, saved_state[name]), name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 
 import pytest
@@ -250,3 +251,92 @@ def test_a_skipped_first_step_with_the_documented_scheduler_pattern_warns_nothin
             if _train_step(model, opt, x, y, poison=model.body.bias if step == 0 else None):
                 scheduler.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
+
+
+class Branches(nn.Module):
+    """A body and an extra branch whose gradient turns NaN (finite forward) when ``poison`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(4, 2)
+        self.extra = nn.Linear(4, 2)
+        self.poison = False
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        extra = self.extra(x)
+        if self.poison:
+            extra = extra + (extra * 0).sqrt()   # forward 0, gradient inf * 0 = NaN in extra only
+        return self.body(x), extra
+
+
+def _check_nan_inf_with_find_unused_and_an_unused_output(rank, world_size, stage):
+    from distamp import fleet
+
+    strategy = _strategy(dtype="bfloat16", check_nan_inf=True)
+    strategy.find_unused_parameters = True
+    if stage:
+        strategy.sharding = True
+        strategy.sharding_configs = {"stage": stage}
+    model = Branches()
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(model)
+    applied = []
+    for _ in range(2):
+        with fleet.auto_cast():
+            body, _ = wrapped(torch.randn(3, 4))
+            loss = body.float().pow(2).mean()   # the extra output is not used
+        opt.zero_grad()
+        opt.backward(loss)
+        applied.append(opt.step())
+    return applied
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [0, 1])
+def test_check_nan_inf_with_find_unused_parameters_and_an_output_the_loss_does_not_use(stage):
+    # Was: AttributeError ('NoneType' object has no attribute 'is_floating_point') in backward: DDP's sink
+    # hands the unused output's None gradient to the check's hook.
+    out = run_workers(_check_nan_inf_with_find_unused_and_an_unused_output, 2, stage, timeout=100)
+    assert out == [[True, True], [True, True]]
+
+
+def _unfrozen_at_stage_3(rank, world_size):
+    from distamp import fleet
+
+    strategy = _strategy(dtype="bfloat16", check_nan_inf=True)
+    strategy.sharding = True
+    strategy.sharding_configs = {"stage": 3}
+    model = Branches()
+    for p in model.extra.parameters():
+        p.requires_grad_(False)
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(model)
+
+    def step() -> bool:
+        with fleet.auto_cast():
+            body, extra = wrapped(torch.randn(3, 4))
+            loss = (body + extra).float().pow(2).mean()
+        opt.zero_grad()
+        opt.backward(loss)
+        return opt.step()
+
+    assert step()
+    for p in model.extra.parameters():
+        p.requires_grad_(True)
+    assert step()
+    model.poison = True
+    try:
+        step()
+    except FloatingPointError as exc:
+        return str(exc)
+    return opt.stats()["last_overflow"]
+
+
+@pytest.mark.timeout(120)
+def test_check_nan_inf_checks_a_layer_unfrozen_during_training_at_stage_3():
+    # Was: the unfrozen layer had no gradient hook, so its NaN was only a skipped step.
+    for rank, message in enumerate(run_workers(_unfrozen_at_stage_3, 2, timeout=100)):
+        assert isinstance(message, str), message
+        assert re.match(rf"check_nan_inf: NaN in the local gradient of parameter 'extra\.(weight|bias)' \(before "
+                        rf"communication\) on rank {rank} at step 3, dtype torch\.float32", message), message

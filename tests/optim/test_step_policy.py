@@ -115,3 +115,15 @@ def test_a_closure_that_clips_after_its_backward_is_unscaled_once():
     assert clipper_norms == [5.0]  # unscaled by the clip, and not divided by the scale again at the step
     assert policy.steps_applied == 1
     assert torch.equal(model.weight.detach(), before - torch.tensor([[3.0, 4.0]]))
+
+
+def test_inside_the_window_after_a_skipped_one_nothing_is_skipped():
+    # Was: step_was_skipped stayed True through the next window's micro-batches, so a loop counting
+    # `step_was_skipped` counted one skipped window k_steps times.
+    policy, model = _policy(k_steps=2)
+    seen = []
+    for grad in ([1.0, 1.0], [float("inf"), 1.0], [1.0, 1.0], [1.0, 1.0]):
+        _backward(policy, model, grad)
+        seen.append((policy.step(), policy.last_step_skipped))
+    assert seen == [(False, False), (False, True), (False, False), (True, False)]
+    assert (policy.steps_applied, policy.steps_skipped) == (1, 1)
