@@ -247,7 +247,8 @@ def distributed_optimizer(
     soon as the model is known: at ``distributed_model`` (either order of the
     two calls works) or, without it, at the model's first forward.
     ``strategy`` (or, when None, the one given to ``init``) becomes the latest
-    strategy, which ``auto_cast`` follows.
+    strategy, which ``auto_cast`` follows. From then on the strategy's
+    settings cannot change (``ValueError``): what was built here follows them.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -264,6 +265,7 @@ def distributed_optimizer(
     for model in models:
         model.check_attachable(changes_dtypes=pure)
     opt = AmpOptimizer(optimizer, strategy)
+    strategy.mark_in_use("fleet.distributed_optimizer")
     _state.optimizers.add(opt)
     for model in models:
         model.attach_optimizer(opt)
@@ -293,6 +295,9 @@ def distributed_model(
     calls it), on the units ``sharding_configs["units"]`` names (default:
     the model's repeated blocks); no DDP, so DDP's keyword arguments are
     refused.
+
+    From then on the strategy's settings cannot change (``ValueError``), as
+    with ``distributed_optimizer``.
     """
     world = _world()
     strategy = _strategy(strategy)
@@ -309,12 +314,14 @@ def distributed_model(
         from distamp.sharding.fully_sharded import FullyShardedModel
 
         sharded = FullyShardedModel(model, strategy, ForwardPrecision(strategy), device=device())
+        strategy.mark_in_use("fleet.distributed_model")
         for opt in list(_state.optimizers):
             if sharded.owns_any(opt.master_weights.model_params):
                 sharded.attach_optimizer(opt)
         _state.models.add(sharded)
         return sharded
     wrapped = DataParallel(model, strategy, device=device(), **kwargs)
+    strategy.mark_in_use("fleet.distributed_model")
     for opt in list(_state.optimizers):
         if wrapped.owns_any(opt.master_weights.model_params):
             wrapped.attach_optimizer(opt)

@@ -240,6 +240,42 @@ def test_auto_cast_built_before_the_strategy_casts_once_the_strategy_exists():
         assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("built_by", ["distributed_optimizer", "distributed_model"])
+def test_a_strategy_in_use_refuses_changes_that_would_reach_only_part_of_the_job(built_by):
+    """Changing dtype after distributed_optimizer left FP16 parameters and a 32768 scale under BF16 autocast."""
+    from distamp import fleet
+
+    fleet.init()
+    model = nn.Linear(4, 2)
+    strategy = fleet.DistributedStrategy(amp=True, amp_configs={"use_pure_fp16": True})
+    if built_by == "distributed_optimizer":
+        fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    else:
+        fleet.distributed_model(model, strategy)
+    changes = [
+        ("amp_configs", {"use_pure_fp16": True, "dtype": "bfloat16"}),
+        ("amp", False),
+        ("gradient_merge", True),
+        ("gradient_merge_configs", {"k_steps": 4}),
+        ("fuse_grad_size_in_MB", 1),
+        ("check_replicas_every", 10),
+    ]
+    for name, value in changes:
+        with pytest.raises(ValueError, match=rf"strategy\.{name} = .* given to fleet\.{built_by}.*copy\.deepcopy"):
+            setattr(strategy, name, value)
+    assert strategy == fleet.DistributedStrategy(amp=True, amp_configs={"use_pure_fp16": True})
+    with fleet.auto_cast():
+        assert F.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype == torch.float16
+    strategy.amp = True  # changes nothing: accepted
+    strategy.amp_configs = {"use_pure_fp16": True}
+    with pytest.raises(ValueError, match=r"incr_ratio.*must be a finite float > 1"):
+        strategy.amp_configs = {"incr_ratio": 0.5}  # a bad value is named as before
+    copied = copy.deepcopy(strategy)  # a copy is a new strategy, free to change
+    copied.amp_configs = {"dtype": "bfloat16"}
+    assert copied.amp_config.dtype == "bfloat16"
+    assert strategy.amp_config.dtype == "float16"
+
+
 def test_distributed_optimizer_alone_is_enough_in_one_process():
     from distamp import fleet
 
