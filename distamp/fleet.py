@@ -48,7 +48,7 @@ from distamp.model.data_parallel import DataParallel
 from distamp.model.sparse_gradients import refuse_sparse_gradients
 from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
-from distamp.strategy.applicability import check_applicable
+from distamp.strategy.applicability import check_applicable, check_same_strategy
 
 if TYPE_CHECKING:
     from distamp.sharding.fully_sharded import FullyShardedModel
@@ -263,6 +263,7 @@ def distributed_optimizer(
     # Stage 3 converts nothing: FSDP2 casts each all-gather to the 16-bit param_dtype.
     pure = strategy.amp and strategy.amp_config.use_pure_fp16 and not _fully_sharded(strategy)
     for model in models:
+        check_same_strategy(strategy, model.strategy)
         model.check_attachable(changes_dtypes=pure)
     opt = AmpOptimizer(optimizer, strategy)
     strategy.mark_in_use("fleet.distributed_optimizer")
@@ -303,6 +304,11 @@ def distributed_model(
     strategy = _strategy(strategy)
     check_applicable(strategy, world.world_size)
     refuse_sparse_gradients(model, strategy)
+    if isinstance(model, nn.Module):  # anything else: the wrapper raises TypeError naming it
+        own = {id(p) for p in model.parameters()}
+        for opt in list(_state.optimizers):
+            if any(id(p) in own for p in opt.master_weights.model_params):
+                check_same_strategy(opt.strategy, strategy)
     if _fully_sharded(strategy):
         if kwargs:
             raise ValueError(

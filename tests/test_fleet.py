@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import subprocess
@@ -274,6 +275,49 @@ def test_a_strategy_in_use_refuses_changes_that_would_reach_only_part_of_the_job
     copied.amp_configs = {"dtype": "bfloat16"}
     assert copied.amp_config.dtype == "bfloat16"
     assert strategy.amp_config.dtype == "float16"
+
+
+@pytest.mark.parametrize("order", ["optimizer first", "model first"])
+def test_an_optimizer_and_its_model_given_different_strategies_are_refused(order):
+    """The strategy given to distributed_model only: FP16 autocast ran with no loss scaling (13% of the first
+    layer's gradients underflowed to 0 with a loss of 1e-5 scale)."""
+    from distamp import fleet
+
+    fleet.init()
+    model = nn.Linear(4, 2)
+    amp = fleet.DistributedStrategy(amp=True)
+    if order == "optimizer first":
+        kept = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # the strategy forgotten
+        sides = "optimizer False, model True"
+        second = functools.partial(fleet.distributed_model, model, amp)
+    else:
+        kept = fleet.distributed_model(model)  # or forgotten here
+        sides = "optimizer True, model False"
+        second = functools.partial(fleet.distributed_optimizer, torch.optim.SGD(model.parameters(), lr=0.1), amp)
+    with pytest.raises(ValueError, match=rf"different strategies for the same model \(amp: {sides}\).*same strategy"):
+        second()
+    del kept
+    other = nn.Linear(4, 2)
+    fp16 = fleet.distributed_optimizer(torch.optim.SGD(other.parameters(), lr=0.1), fleet.DistributedStrategy(amp=True))
+    bf16 = fleet.DistributedStrategy(amp=True, amp_configs={"dtype": "bfloat16"})
+    with pytest.raises(ValueError, match=r"amp_configs\['dtype'\]: optimizer 'float16', model 'bfloat16'"):
+        fleet.distributed_model(other, bf16)
+    assert fp16.get_loss_scaling() == 32768.0
+
+
+def test_equal_strategies_and_settings_read_by_one_side_only_may_differ():
+    from distamp import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    amp = {"init_loss_scaling": 128.0}
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      fleet.DistributedStrategy(amp=True, amp_configs=amp, check_replicas_every=5))
+    fleet.distributed_model(model, fleet.DistributedStrategy(amp=True, amp_configs=amp, fuse_grad_size_in_MB=1))
+    with fleet.auto_cast():
+        loss = F.mse_loss(model(torch.randn(3, 4)), torch.randn(3, 2))
+    assert opt.minimize(loss) is True
 
 
 def test_distributed_optimizer_alone_is_enough_in_one_process():
