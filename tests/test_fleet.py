@@ -339,6 +339,27 @@ def test_distributed_optimizer_alone_is_enough_in_one_process():
     assert opt.minimize(loss) is True
 
 
+@pytest.mark.parametrize("amp", [{"use_pure_fp16": True, "init_loss_scaling": 128.0}, None])
+def test_a_torch_optimizer_is_wrapped_once(amp):
+    """Wrapped twice in O2, the second AmpOptimizer took the first one's FP32 masters for the model's parameters:
+    minimize() returned True every step and the model never changed."""
+    from distamp import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    strategy = fleet.DistributedStrategy(amp=amp is not None, amp_configs=amp or {})
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = fleet.distributed_optimizer(inner, strategy)
+    with pytest.raises(ValueError, match=r"this SGD was already given to fleet\.distributed_optimizer.*Use that one"):
+        fleet.distributed_optimizer(inner, strategy)
+    before = model.weight.detach().clone()
+    with fleet.auto_cast():
+        loss = F.mse_loss(fleet.distributed_model(model)(torch.randn(3, 4)), torch.randn(3, 2))
+    assert optimizer.minimize(loss) is True
+    assert not torch.equal(model.weight, before)
+
+
 def test_bad_models_and_optimizers_are_refused_with_the_fix():
     from distamp import fleet
 
