@@ -20,13 +20,15 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import warnings
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -68,6 +70,30 @@ __all__ = [
 ]
 
 
+_T = TypeVar("_T")
+
+
+class _Built(Generic[_T]):
+    """Objects fleet built, held weakly and iterated in the order they were built.
+
+    The order is the same on every rank, so the collectives that tying an
+    optimizer to a model runs (``attach_optimizer``) come in the same order
+    everywhere; a ``WeakSet`` iterates in order of memory address, which
+    differs between processes.
+    """
+
+    def __init__(self) -> None:
+        self._objects: weakref.WeakValueDictionary[int, _T] = weakref.WeakValueDictionary()
+        self._numbers = itertools.count()
+
+    def add(self, obj: _T) -> None:
+        """Hold ``obj`` (weakly) after those added before it."""
+        self._objects[next(self._numbers)] = obj
+
+    def __iter__(self) -> Iterator[_T]:
+        return iter(list(self._objects.values()))
+
+
 @dataclass
 class _FleetState:
     """What ``init`` learned and which objects fleet has built since."""
@@ -75,8 +101,8 @@ class _FleetState:
     world: WorldInfo | None = None
     group_timeout: timedelta | None = None  # of the group init created, if it did
     strategy: DistributedStrategy | None = None
-    optimizers: weakref.WeakSet = field(default_factory=weakref.WeakSet)
-    models: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    optimizers: _Built[Any] = field(default_factory=_Built)  # AmpOptimizer
+    models: _Built[Any] = field(default_factory=_Built)  # DataParallel or FullyShardedModel
 
 
 _state = _FleetState()
@@ -328,9 +354,7 @@ def distributed_model(
         return sharded
     wrapped = DataParallel(model, strategy, device=device(), **kwargs)
     strategy.mark_in_use("fleet.distributed_model")
-    for opt in list(_state.optimizers):
-        if wrapped.owns_any(opt.master_weights.model_params):
-            wrapped.attach_optimizer(opt)
+    wrapped.attach_optimizers([opt for opt in _state.optimizers if wrapped.owns_any(opt.master_weights.model_params)])
     _state.models.add(wrapped)
     return wrapped
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.multiprocess import free_port
+from tests.multiprocess import free_port, run_workers
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -358,6 +358,44 @@ def test_a_torch_optimizer_is_wrapped_once(amp):
         loss = F.mse_loss(fleet.distributed_model(model)(torch.randn(3, 4)), torch.randn(3, 2))
     assert optimizer.minimize(loss) is True
     assert not torch.equal(model.weight, before)
+
+
+def _o2_bf16_training(rank, world_size, optimizers):
+    """Three O2 BF16 SGD steps on 2 ranks, with one optimizer or one per layer, all built before the model."""
+    from distamp import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    strategy = fleet.DistributedStrategy(amp=True, amp_configs={"use_pure_fp16": True, "dtype": "bfloat16"})
+    groups = [model.parameters()] if optimizers == 1 else [model[0].parameters(), model[2].parameters()]
+    opts = [fleet.distributed_optimizer(torch.optim.SGD(params, lr=0.1), strategy) for params in groups]
+    wrapped = fleet.distributed_model(model)
+    g = torch.Generator().manual_seed(rank)
+    applied = []
+    for _ in range(3):
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+        with fleet.auto_cast():
+            loss = F.cross_entropy(wrapped(x), y)
+        for opt in opts:
+            opt.zero_grad()
+        opts[0].backward(loss)
+        applied += [opt.step() for opt in opts]
+    masters = [p.detach().clone() for opt in opts for group in opt.param_groups for p in group["params"]]
+    return applied, [p.detach().clone() for p in model.parameters()], masters
+
+
+@pytest.mark.timeout(200)
+def test_several_optimizers_built_before_distributed_model_train_as_one():
+    """Two O2 optimizers built before distributed_model (as its error message advises) were refused there ('called
+    after the model's data-parallel wrapper was built'), or, when the ranks iterated fleet's WeakSet in different
+    orders, broadcast different masters and gloo aborted ('576 vs 272. Received data size doesn't match')."""
+    one = run_workers(_o2_bf16_training, 2, 1, timeout=90)
+    two = run_workers(_o2_bf16_training, 2, 2, timeout=90)
+    for rank in range(2):
+        assert all(two[rank][0])
+        for ours, theirs in zip(two[rank][1] + two[rank][2], one[rank][1] + one[rank][2], strict=True):
+            assert torch.equal(ours, theirs)
 
 
 def test_bad_models_and_optimizers_are_refused_with_the_fix():
