@@ -250,15 +250,23 @@ def _world() -> WorldInfo:
 
 
 def _strategy(strategy: DistributedStrategy | None) -> DistributedStrategy:
+    """The strategy a fleet call builds on: ``strategy``, else the latest one, else a default one."""
     if strategy is not None:
         if not isinstance(strategy, DistributedStrategy):
             raise TypeError(
                 f"strategy must be a fleet.DistributedStrategy, got {type(strategy).__name__}"
             )
-        _state.strategy = strategy
-    if _state.strategy is None:
-        _state.strategy = DistributedStrategy()
-    return _state.strategy
+        return strategy
+    return _state.strategy if _state.strategy is not None else DistributedStrategy()
+
+
+def _adopt(strategy: DistributedStrategy, by: str) -> None:
+    """Once ``by`` has built on ``strategy``: it is in use, and the latest (``auto_cast`` follows it).
+
+    Not before: a call that refuses its strategy leaves the latest one as it was.
+    """
+    strategy.mark_in_use(by)
+    _state.strategy = strategy
 
 
 def distributed_optimizer(
@@ -292,7 +300,7 @@ def distributed_optimizer(
         check_same_strategy(strategy, model.strategy)
         model.check_attachable(changes_dtypes=pure)
     opt = AmpOptimizer(optimizer, strategy)
-    strategy.mark_in_use("fleet.distributed_optimizer")
+    _adopt(strategy, "fleet.distributed_optimizer")
     _state.optimizers.add(opt)
     for model in models:
         model.attach_optimizer(opt)
@@ -346,14 +354,14 @@ def distributed_model(
         from distamp.sharding.fully_sharded import FullyShardedModel
 
         sharded = FullyShardedModel(model, strategy, ForwardPrecision(strategy), device=device())
-        strategy.mark_in_use("fleet.distributed_model")
+        _adopt(strategy, "fleet.distributed_model")
         for opt in list(_state.optimizers):
             if sharded.owns_any(opt.master_weights.model_params):
                 sharded.attach_optimizer(opt)
         _state.models.add(sharded)
         return sharded
     wrapped = DataParallel(model, strategy, device=device(), **kwargs)
-    strategy.mark_in_use("fleet.distributed_model")
+    _adopt(strategy, "fleet.distributed_model")
     wrapped.attach_optimizers([opt for opt in _state.optimizers if wrapped.owns_any(opt.master_weights.model_params)])
     _state.models.add(wrapped)
     return wrapped

@@ -305,6 +305,29 @@ def test_an_optimizer_and_its_model_given_different_strategies_are_refused(order
     assert fp16.get_loss_scaling() == 32768.0
 
 
+def test_a_refused_call_leaves_the_latest_strategy_as_it_was():
+    """A refused distributed_model(model, bf16_strategy) made BF16 the latest strategy: fleet.auto_cast() then cast
+    the FP16 optimizer's forward to BF16, and distributed_model(model) without a strategy was refused again."""
+    from distamp import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model, other = nn.Linear(4, 2), nn.Linear(4, 2)
+    fp16 = fleet.DistributedStrategy(amp=True, amp_configs={"init_loss_scaling": 128.0})
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), fp16)
+    with pytest.raises(ValueError, match="different strategies"):
+        fleet.distributed_model(model, fleet.DistributedStrategy(amp=True, amp_configs={"dtype": "bfloat16"}))
+    refused = fleet.DistributedStrategy(amp=True, sharding=True, amp_configs={"gradient_predivide_factor": 2.0})
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
+        fleet.distributed_optimizer(torch.optim.SGD(other.parameters(), lr=0.1), refused)
+    with fleet.auto_cast():
+        assert F.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype == torch.float16
+    wrapped = fleet.distributed_model(model)  # the latest strategy: the optimizer's
+    with fleet.auto_cast():
+        loss = F.mse_loss(wrapped(torch.randn(3, 4)), torch.randn(3, 2))
+    assert opt.minimize(loss) is True
+
+
 def test_equal_strategies_and_settings_read_by_one_side_only_may_differ():
     from distamp import fleet
 
