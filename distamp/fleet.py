@@ -20,13 +20,15 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import warnings
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,7 +50,7 @@ from distamp.model.data_parallel import DataParallel
 from distamp.model.sparse_gradients import refuse_sparse_gradients
 from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
-from distamp.strategy.applicability import check_applicable
+from distamp.strategy.applicability import check_applicable, check_same_strategy
 
 if TYPE_CHECKING:
     from distamp.sharding.fully_sharded import FullyShardedModel
@@ -68,6 +70,30 @@ __all__ = [
 ]
 
 
+_T = TypeVar("_T")
+
+
+class _Built(Generic[_T]):
+    """Objects fleet built, held weakly and iterated in the order they were built.
+
+    The order is the same on every rank, so the collectives that tying an
+    optimizer to a model runs (``attach_optimizer``) come in the same order
+    everywhere; a ``WeakSet`` iterates in order of memory address, which
+    differs between processes.
+    """
+
+    def __init__(self) -> None:
+        self._objects: weakref.WeakValueDictionary[int, _T] = weakref.WeakValueDictionary()
+        self._numbers = itertools.count()
+
+    def add(self, obj: _T) -> None:
+        """Hold ``obj`` (weakly) after those added before it."""
+        self._objects[next(self._numbers)] = obj
+
+    def __iter__(self) -> Iterator[_T]:
+        return iter(list(self._objects.values()))
+
+
 @dataclass
 class _FleetState:
     """What ``init`` learned and which objects fleet has built since."""
@@ -75,8 +101,8 @@ class _FleetState:
     world: WorldInfo | None = None
     group_timeout: timedelta | None = None  # of the group init created, if it did
     strategy: DistributedStrategy | None = None
-    optimizers: weakref.WeakSet = field(default_factory=weakref.WeakSet)
-    models: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    optimizers: _Built[Any] = field(default_factory=_Built)  # AmpOptimizer
+    models: _Built[Any] = field(default_factory=_Built)  # DataParallel or FullyShardedModel
 
 
 _state = _FleetState()
@@ -224,15 +250,23 @@ def _world() -> WorldInfo:
 
 
 def _strategy(strategy: DistributedStrategy | None) -> DistributedStrategy:
+    """The strategy a fleet call builds on: ``strategy``, else the latest one, else a default one."""
     if strategy is not None:
         if not isinstance(strategy, DistributedStrategy):
             raise TypeError(
                 f"strategy must be a fleet.DistributedStrategy, got {type(strategy).__name__}"
             )
-        _state.strategy = strategy
-    if _state.strategy is None:
-        _state.strategy = DistributedStrategy()
-    return _state.strategy
+        return strategy
+    return _state.strategy if _state.strategy is not None else DistributedStrategy()
+
+
+def _adopt(strategy: DistributedStrategy, by: str) -> None:
+    """Once ``by`` has built on ``strategy``: it is in use, and the latest (``auto_cast`` follows it).
+
+    Not before: a call that refuses its strategy leaves the latest one as it was.
+    """
+    strategy.mark_in_use(by)
+    _state.strategy = strategy
 
 
 def distributed_optimizer(
@@ -247,7 +281,8 @@ def distributed_optimizer(
     soon as the model is known: at ``distributed_model`` (either order of the
     two calls works) or, without it, at the model's first forward.
     ``strategy`` (or, when None, the one given to ``init``) becomes the latest
-    strategy, which ``auto_cast`` follows.
+    strategy, which ``auto_cast`` follows. From then on the strategy's
+    settings cannot change (``ValueError``): what was built here follows them.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -262,8 +297,10 @@ def distributed_optimizer(
     # Stage 3 converts nothing: FSDP2 casts each all-gather to the 16-bit param_dtype.
     pure = strategy.amp and strategy.amp_config.use_pure_fp16 and not _fully_sharded(strategy)
     for model in models:
+        check_same_strategy(strategy, model.strategy)
         model.check_attachable(changes_dtypes=pure)
     opt = AmpOptimizer(optimizer, strategy)
+    _adopt(strategy, "fleet.distributed_optimizer")
     _state.optimizers.add(opt)
     for model in models:
         model.attach_optimizer(opt)
@@ -293,6 +330,9 @@ def distributed_model(
     calls it), on the units ``sharding_configs["units"]`` names (default:
     the model's repeated blocks); no DDP, so DDP's keyword arguments are
     refused.
+
+    From then on the strategy's settings cannot change (``ValueError``), as
+    with ``distributed_optimizer``.
     """
     world = _world()
     strategy = _strategy(strategy)
@@ -304,6 +344,11 @@ def distributed_model(
             f"({device()} here: cuda:LOCAL_RANK with CUDA, else the CPU); move it there with "
             "model.to(fleet.device()) and remove device="
         )
+    if isinstance(model, nn.Module):  # anything else: the wrapper raises TypeError naming it
+        own = {id(p) for p in model.parameters()}
+        for opt in list(_state.optimizers):
+            if any(id(p) in own for p in opt.master_weights.model_params):
+                check_same_strategy(opt.strategy, strategy)
     if _fully_sharded(strategy):
         if kwargs:
             raise ValueError(
@@ -315,15 +360,15 @@ def distributed_model(
         from distamp.sharding.fully_sharded import FullyShardedModel
 
         sharded = FullyShardedModel(model, strategy, ForwardPrecision(strategy), device=device())
+        _adopt(strategy, "fleet.distributed_model")
         for opt in list(_state.optimizers):
             if sharded.owns_any(opt.master_weights.model_params):
                 sharded.attach_optimizer(opt)
         _state.models.add(sharded)
         return sharded
     wrapped = DataParallel(model, strategy, device=device(), **kwargs)
-    for opt in list(_state.optimizers):
-        if wrapped.owns_any(opt.master_weights.model_params):
-            wrapped.attach_optimizer(opt)
+    _adopt(strategy, "fleet.distributed_model")
+    wrapped.attach_optimizers([opt for opt in _state.optimizers if wrapped.owns_any(opt.master_weights.model_params)])
     _state.models.add(wrapped)
     return wrapped
 

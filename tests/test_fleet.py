@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import subprocess
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.multiprocess import free_port
+from tests.multiprocess import free_port, run_workers
 
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -240,6 +241,108 @@ def test_auto_cast_built_before_the_strategy_casts_once_the_strategy_exists():
         assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("built_by", ["distributed_optimizer", "distributed_model"])
+def test_a_strategy_in_use_refuses_changes_that_would_reach_only_part_of_the_job(built_by):
+    """Changing dtype after distributed_optimizer left FP16 parameters and a 32768 scale under BF16 autocast."""
+    from distamp import fleet
+
+    fleet.init()
+    model = nn.Linear(4, 2)
+    strategy = fleet.DistributedStrategy(amp=True, amp_configs={"use_pure_fp16": True})
+    if built_by == "distributed_optimizer":
+        fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    else:
+        fleet.distributed_model(model, strategy)
+    changes = [
+        ("amp_configs", {"use_pure_fp16": True, "dtype": "bfloat16"}),
+        ("amp", False),
+        ("gradient_merge", True),
+        ("gradient_merge_configs", {"k_steps": 4}),
+        ("fuse_grad_size_in_MB", 1),
+        ("check_replicas_every", 10),
+    ]
+    for name, value in changes:
+        with pytest.raises(ValueError, match=rf"strategy\.{name} = .* given to fleet\.{built_by}.*copy\.deepcopy"):
+            setattr(strategy, name, value)
+    assert strategy == fleet.DistributedStrategy(amp=True, amp_configs={"use_pure_fp16": True})
+    with fleet.auto_cast():
+        assert F.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype == torch.float16
+    strategy.amp = True  # changes nothing: accepted
+    strategy.amp_configs = {"use_pure_fp16": True}
+    with pytest.raises(ValueError, match=r"incr_ratio.*must be a finite float > 1"):
+        strategy.amp_configs = {"incr_ratio": 0.5}  # a bad value is named as before
+    copied = copy.deepcopy(strategy)  # a copy is a new strategy, free to change
+    copied.amp_configs = {"dtype": "bfloat16"}
+    assert copied.amp_config.dtype == "bfloat16"
+    assert strategy.amp_config.dtype == "float16"
+
+
+@pytest.mark.parametrize("order", ["optimizer first", "model first"])
+def test_an_optimizer_and_its_model_given_different_strategies_are_refused(order):
+    """The strategy given to distributed_model only: FP16 autocast ran with no loss scaling (13% of the first
+    layer's gradients underflowed to 0 with a loss of 1e-5 scale)."""
+    from distamp import fleet
+
+    fleet.init()
+    model = nn.Linear(4, 2)
+    amp = fleet.DistributedStrategy(amp=True)
+    if order == "optimizer first":
+        kept = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))  # the strategy forgotten
+        sides = "optimizer False, model True"
+        second = functools.partial(fleet.distributed_model, model, amp)
+    else:
+        kept = fleet.distributed_model(model)  # or forgotten here
+        sides = "optimizer True, model False"
+        second = functools.partial(fleet.distributed_optimizer, torch.optim.SGD(model.parameters(), lr=0.1), amp)
+    with pytest.raises(ValueError, match=rf"different strategies for the same model \(amp: {sides}\).*same strategy"):
+        second()
+    del kept
+    other = nn.Linear(4, 2)
+    fp16 = fleet.distributed_optimizer(torch.optim.SGD(other.parameters(), lr=0.1), fleet.DistributedStrategy(amp=True))
+    bf16 = fleet.DistributedStrategy(amp=True, amp_configs={"dtype": "bfloat16"})
+    with pytest.raises(ValueError, match=r"amp_configs\['dtype'\]: optimizer 'float16', model 'bfloat16'"):
+        fleet.distributed_model(other, bf16)
+    assert fp16.get_loss_scaling() == 32768.0
+
+
+def test_a_refused_call_leaves_the_latest_strategy_as_it_was():
+    """A refused distributed_model(model, bf16_strategy) made BF16 the latest strategy: fleet.auto_cast() then cast
+    the FP16 optimizer's forward to BF16, and distributed_model(model) without a strategy was refused again."""
+    from distamp import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model, other = nn.Linear(4, 2), nn.Linear(4, 2)
+    fp16 = fleet.DistributedStrategy(amp=True, amp_configs={"init_loss_scaling": 128.0})
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), fp16)
+    with pytest.raises(ValueError, match="different strategies"):
+        fleet.distributed_model(model, fleet.DistributedStrategy(amp=True, amp_configs={"dtype": "bfloat16"}))
+    refused = fleet.DistributedStrategy(amp=True, sharding=True, amp_configs={"gradient_predivide_factor": 2.0})
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
+        fleet.distributed_optimizer(torch.optim.SGD(other.parameters(), lr=0.1), refused)
+    with fleet.auto_cast():
+        assert F.linear(torch.randn(2, 3), torch.randn(4, 3)).dtype == torch.float16
+    wrapped = fleet.distributed_model(model)  # the latest strategy: the optimizer's
+    with fleet.auto_cast():
+        loss = F.mse_loss(wrapped(torch.randn(3, 4)), torch.randn(3, 2))
+    assert opt.minimize(loss) is True
+
+
+def test_equal_strategies_and_settings_read_by_one_side_only_may_differ():
+    from distamp import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    amp = {"init_loss_scaling": 128.0}
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      fleet.DistributedStrategy(amp=True, amp_configs=amp, check_replicas_every=5))
+    fleet.distributed_model(model, fleet.DistributedStrategy(amp=True, amp_configs=amp, fuse_grad_size_in_MB=1))
+    with fleet.auto_cast():
+        loss = F.mse_loss(model(torch.randn(3, 4)), torch.randn(3, 2))
+    assert opt.minimize(loss) is True
+
+
 def test_distributed_optimizer_alone_is_enough_in_one_process():
     from distamp import fleet
 
@@ -257,6 +360,65 @@ def test_distributed_optimizer_alone_is_enough_in_one_process():
     with fleet.auto_cast():
         loss = F.mse_loss(wrapped(torch.randn(3, 4)), torch.randn(3, 2))
     assert opt.minimize(loss) is True
+
+
+@pytest.mark.parametrize("amp", [{"use_pure_fp16": True, "init_loss_scaling": 128.0}, None])
+def test_a_torch_optimizer_is_wrapped_once(amp):
+    """Wrapped twice in O2, the second AmpOptimizer took the first one's FP32 masters for the model's parameters:
+    minimize() returned True every step and the model never changed."""
+    from distamp import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    strategy = fleet.DistributedStrategy(amp=amp is not None, amp_configs=amp or {})
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = fleet.distributed_optimizer(inner, strategy)
+    with pytest.raises(ValueError, match=r"this SGD was already given to fleet\.distributed_optimizer.*Use that one"):
+        fleet.distributed_optimizer(inner, strategy)
+    before = model.weight.detach().clone()
+    with fleet.auto_cast():
+        loss = F.mse_loss(fleet.distributed_model(model)(torch.randn(3, 4)), torch.randn(3, 2))
+    assert optimizer.minimize(loss) is True
+    assert not torch.equal(model.weight, before)
+
+
+def _o2_bf16_training(rank, world_size, optimizers):
+    """Three O2 BF16 SGD steps on 2 ranks, with one optimizer or one per layer, all built before the model."""
+    from distamp import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    strategy = fleet.DistributedStrategy(amp=True, amp_configs={"use_pure_fp16": True, "dtype": "bfloat16"})
+    groups = [model.parameters()] if optimizers == 1 else [model[0].parameters(), model[2].parameters()]
+    opts = [fleet.distributed_optimizer(torch.optim.SGD(params, lr=0.1), strategy) for params in groups]
+    wrapped = fleet.distributed_model(model)
+    g = torch.Generator().manual_seed(rank)
+    applied = []
+    for _ in range(3):
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+        with fleet.auto_cast():
+            loss = F.cross_entropy(wrapped(x), y)
+        for opt in opts:
+            opt.zero_grad()
+        opts[0].backward(loss)
+        applied += [opt.step() for opt in opts]
+    masters = [p.detach().clone() for opt in opts for group in opt.param_groups for p in group["params"]]
+    return applied, [p.detach().clone() for p in model.parameters()], masters
+
+
+@pytest.mark.timeout(200)
+def test_several_optimizers_built_before_distributed_model_train_as_one():
+    """Two O2 optimizers built before distributed_model (as its error message advises) were refused there ('called
+    after the model's data-parallel wrapper was built'), or, when the ranks iterated fleet's WeakSet in different
+    orders, broadcast different masters and gloo aborted ('576 vs 272. Received data size doesn't match')."""
+    one = run_workers(_o2_bf16_training, 2, 1, timeout=90)
+    two = run_workers(_o2_bf16_training, 2, 2, timeout=90)
+    for rank in range(2):
+        assert all(two[rank][0])
+        for ours, theirs in zip(two[rank][1] + two[rank][2], one[rank][1] + one[rank][2], strict=True):
+            assert torch.equal(ours, theirs)
 
 
 def test_bad_models_and_optimizers_are_refused_with_the_fix():

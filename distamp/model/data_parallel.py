@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -240,18 +240,33 @@ class DataParallel(nn.Module):
         Raises:
             RuntimeError: see :meth:`check_attachable`.
         """
+        self.attach_optimizers([optimizer])
+
+    def attach_optimizers(self, optimizers: Sequence[AttachedOptimizer]) -> None:
+        """Tie each of ``optimizers`` to this model, then prepare it once (collective).
+
+        ``fleet.distributed_model`` hands over every optimizer built on the
+        model's parameters before it, in the order they were built (the same
+        on every rank): all are attached before DDP is built on the
+        parameters' dtypes and their masters are broadcast.
+
+        Raises:
+            RuntimeError: see :meth:`check_attachable`.
+        """
         runtime = self._runtime
-        if optimizer in runtime.optimizers:
-            return
-        self.check_attachable(changes_dtypes=optimizer.master_weights.enabled)
-        optimizer.adopt_model(self.module, self._fp32_params)
-        runtime.optimizers.append(optimizer)
-        optimizer.add_sync_listener(self)
-        if self.distributed:
-            runtime.param_gather.attach(optimizer)
+        new = [opt for opt in dict.fromkeys(optimizers) if opt not in runtime.optimizers]
+        for optimizer in new:
+            self.check_attachable(changes_dtypes=optimizer.master_weights.enabled)
+        for optimizer in new:
+            optimizer.adopt_model(self.module, self._fp32_params)
+            runtime.optimizers.append(optimizer)
+            optimizer.add_sync_listener(self)
+            if self.distributed:
+                runtime.param_gather.attach(optimizer)
+                if runtime.prepared:
+                    self._bind_compressor(optimizer)
+        if new and self.distributed:
             # The second of the two fleet calls prepares (collective: every rank makes both calls).
-            if runtime.prepared:
-                self._bind_compressor(optimizer)
             self.prepare()
 
     def set_grad_sync(self, optimizer: AttachedOptimizer, flag: bool) -> None:

@@ -20,6 +20,8 @@ from torch.utils.hooks import RemovableHandle
 
 __all__ = ["DelegatingOptimizer"]
 
+_WRAPPED = "_distamp_wrapped"  # set on an inner optimizer once a meta-optimizer has taken it over
+
 
 class DelegatingOptimizer(torch.optim.Optimizer):
     """Base of :class:`~distamp.optim.optimizer.AmpOptimizer`: everything torch asks of an optimizer.
@@ -34,6 +36,8 @@ class DelegatingOptimizer(torch.optim.Optimizer):
         TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, is
             already wrapped, or cannot step without a closure
             (``torch.optim.LBFGS``).
+        ValueError: ``optimizer`` was taken over by another meta-optimizer
+            already (see :meth:`take_over_inner`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -41,6 +45,13 @@ class DelegatingOptimizer(torch.optim.Optimizer):
             raise TypeError("optimizer is already an AmpOptimizer; wrap the inner optimizer only once")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if getattr(optimizer, _WRAPPED, False):
+            raise ValueError(
+                f"this {type(optimizer).__name__} was already given to fleet.distributed_optimizer, which took it "
+                "over (in O2 or with sharding its param groups now hold FP32 masters, not the model's parameters) "
+                "and returned the AmpOptimizer to train with. Use that one: wrap each torch optimizer once; a new "
+                "meta-optimizer needs a new torch optimizer built on the model's parameters"
+            )
         if _step_needs_closure(optimizer):
             name = type(optimizer).__name__
             raise TypeError(
@@ -52,6 +63,15 @@ class DelegatingOptimizer(torch.optim.Optimizer):
         self.inner_opt = optimizer
         self._state_dict_hooks: dict[str, OrderedDict[int, Callable]] = {
             kind: OrderedDict() for kind in ("state_dict_pre", "state_dict_post", "load_pre", "load_post")}
+
+    def take_over_inner(self) -> None:
+        """Mark the inner optimizer as this meta-optimizer's: wrapping it again raises ``ValueError``.
+
+        Called once the inner optimizer has been changed for this wrapper
+        (its parameters replaced by masters or slices); a second wrapper
+        would take those for the model's parameters and never update the model.
+        """
+        setattr(self.inner_opt, _WRAPPED, True)
 
     # torch.optim.Optimizer declares param_groups/state/defaults as assignable attributes; this wrapper
     # deliberately exposes the inner optimizer's as read-only views (a setter would let the two diverge).

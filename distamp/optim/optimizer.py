@@ -109,6 +109,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
             )
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.precision: FullPrecision = precision_for(strategy, params, data_parallel_group(process_group))
+        self.take_over_inner()
         self.precision.master_weights.install(optimizer)  # masters (or this rank's slices) replace the params
         self.merge = GradientMerge.from_strategy(strategy)
         self.binding = ModelBinding(self.master_weights, strategy.amp_config, self.amp_enabled,

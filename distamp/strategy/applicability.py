@@ -16,6 +16,9 @@ fuse_grad_size_in_MB           DDP's buckets, stages 1 and 2's buckets, PowerSGD
 
 Stage 3 (FSDP2) reduce-scatters unit by unit (``sharding_configs["units"]``),
 with the sum taken in FP32.
+
+:func:`check_same_strategy` refuses a meta-optimizer and a model wrapper
+given different strategies (one of the two fleet calls without it).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from distamp.strategy.distributed_strategy import DistributedStrategy
 
-__all__ = ["check_applicable"]
+__all__ = ["check_applicable", "check_same_strategy"]
 
 
 
@@ -40,7 +43,7 @@ def check_applicable(strategy: DistributedStrategy, world_size: int) -> None:
     """
     from distamp.strategy.distributed_strategy import DEFAULT_FUSE_GRAD_SIZE_IN_MB as default_bucket_mb
 
-    stage = strategy.sharding_config.stage if strategy.sharding else 0
+    stage = _stage(strategy)
     factor = strategy.amp_config.gradient_predivide_factor
     if strategy.amp and factor is not None:
         if stage:
@@ -69,4 +72,56 @@ def check_applicable(strategy: DistributedStrategy, world_size: int) -> None:
             f"strategy.fuse_grad_size_in_MB={strategy.fuse_grad_size_in_MB!r} has no effect with sharding stage "
             "3: FSDP2 all-gathers and reduce-scatters one unit at a time, so sharding_configs['units'] decides "
             f"what travels together. Leave it at its default {default_bucket_mb}, or choose the units instead"
+        )
+
+
+# Read by one side only: the model wrapper (DDP's options) or the meta-optimizer (the replica check).
+_ONE_SIDED = ("find_unused_parameters", "fuse_grad_size_in_MB", "check_replicas_every")
+_FEATURE_OF = {"amp_configs": "amp", "gradient_merge_configs": "gradient_merge", "sharding_configs": "sharding",
+               "powersgd_configs": "powersgd"}
+
+
+def _stage(strategy: DistributedStrategy) -> int:
+    """The sharding stage, 0 without sharding."""
+    return strategy.sharding_config.stage if strategy.sharding else 0
+
+
+def _effective(strategy: DistributedStrategy, other: DistributedStrategy) -> dict[str, object]:
+    """``strategy``'s settings by name (``amp_configs['dtype']``), leaving out configs neither strategy turns on."""
+    values: dict[str, object] = {}
+    for name, value in strategy.to_dict().items():
+        if isinstance(value, dict):
+            feature = _FEATURE_OF[name]
+            if getattr(strategy, feature) or getattr(other, feature):
+                values.update({f"{name}[{key!r}]": item for key, item in value.items()})
+        else:
+            values[name] = value
+    return {name: value for name, value in values.items() if name not in _ONE_SIDED}
+
+
+def check_same_strategy(optimizer_strategy: DistributedStrategy, model_strategy: DistributedStrategy) -> None:
+    """``ValueError`` when a meta-optimizer and the model wrapper it is tied to follow different settings.
+
+    Both act on the same gradients: the model forwards (O2's FP32 modules)
+    and communicates them (the wire dtype, PowerSGD), the optimizer scales
+    the loss, unscales and steps, and ``fleet.auto_cast`` follows whichever
+    strategy was given last. A strategy given to only one of the two calls
+    (the other taking the default, AMP off) would run FP16 autocast without
+    loss scaling. Settings only one side reads are not compared, nor are
+    the others when the sharding stages differ (the stage checks report that).
+
+    Raises:
+        ValueError: naming each differing setting with both values.
+    """
+    if optimizer_strategy is model_strategy or _stage(optimizer_strategy) != _stage(model_strategy):
+        return  # the stage checks name the stages (model/ddp_preparation, core/precision, sharding/fully_sharded)
+    ours, theirs = _effective(optimizer_strategy, model_strategy), _effective(model_strategy, optimizer_strategy)
+    differing = [f"{name}: optimizer {ours.get(name)!r}, model {theirs.get(name)!r}"
+                 for name in ours if ours[name] != theirs.get(name)]
+    if differing:
+        raise ValueError(
+            "fleet.distributed_optimizer and fleet.distributed_model were given different strategies for the "
+            f"same model ({'; '.join(differing)}); the optimizer and the model act on the same gradients, so "
+            "they must follow the same settings. Pass the same strategy to both calls (or to fleet.init and to "
+            "neither call)"
         )

@@ -80,11 +80,28 @@ class _TypedConfig(Generic[_C]):
 
 def _restore_strategy(state: tuple) -> DistributedStrategy:
     """Unpickle (and deepcopy) a strategy: its configs are frozen and already valid, so rebuilding
-    them (and re-emitting warnings) is unnecessary."""
+    them (and re-emitting warnings) is unnecessary. The copy is not in use (see ``mark_in_use``)."""
     strategy = object.__new__(DistributedStrategy)
-    for slot, value in zip(DistributedStrategy.__slots__, state, strict=True):
+    for slot, value in zip(_STATE_SLOTS, state, strict=True):
         object.__setattr__(strategy, slot, value)
+    object.__setattr__(strategy, "_in_use_by", None)
     return strategy
+
+
+# The settings, in the order pickles hold them; "_in_use_by" is not a setting and is never copied.
+_STATE_SLOTS = (
+    "_amp",
+    "_amp_config",
+    "_check_replicas_every",
+    "_find_unused_parameters",
+    "_fuse_grad_size_in_MB",
+    "_gradient_merge",
+    "_gradient_merge_config",
+    "_powersgd",
+    "_powersgd_config",
+    "_sharding",
+    "_sharding_config",
+)
 
 
 class DistributedStrategy:
@@ -118,6 +135,11 @@ class DistributedStrategy:
     ``amp_config``, ``gradient_merge_config``, ``sharding_config`` and ``powersgd_config`` return
     the typed configs.
 
+    Once given to ``fleet.distributed_optimizer`` or ``fleet.distributed_model``
+    (:meth:`mark_in_use`), the strategy is in use: an assignment that would
+    change a setting raises ``ValueError``; ``copy.deepcopy`` gives a copy
+    that is not in use.
+
     Example::
 
         strategy = DistributedStrategy()
@@ -132,19 +154,7 @@ class DistributedStrategy:
     Keyword arguments to the constructor set the same attributes.
     """
 
-    __slots__ = (
-        "_amp",
-        "_amp_config",
-        "_check_replicas_every",
-        "_find_unused_parameters",
-        "_fuse_grad_size_in_MB",
-        "_gradient_merge",
-        "_gradient_merge_config",
-        "_powersgd",
-        "_powersgd_config",
-        "_sharding",
-        "_sharding_config",
-    )
+    __slots__ = (*_STATE_SLOTS, "_in_use_by")
     # Declared for the type checker only: no values here, which __slots__ would refuse.
     _amp: bool
     _amp_config: AmpConfig
@@ -157,6 +167,7 @@ class DistributedStrategy:
     _powersgd_config: PowerSGDConfig
     _sharding: bool
     _sharding_config: ShardingConfig
+    _in_use_by: str | None
 
     # Mutable, so unhashable; typeshed declares list.__hash__ this way, with the same ignore.
     __hash__: ClassVar[None] = None  # type: ignore[assignment]
@@ -173,11 +184,15 @@ class DistributedStrategy:
         object.__setattr__(self, "_find_unused_parameters", False)
         object.__setattr__(self, "_fuse_grad_size_in_MB", _DEFAULTS["fuse_grad_size_in_MB"])
         object.__setattr__(self, "_check_replicas_every", _DEFAULTS["check_replicas_every"])
+        object.__setattr__(self, "_in_use_by", None)
         for name, value in attributes.items():
             setattr(self, name, value)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _ATTRS:
+            if self._in_use_by is not None:
+                self._refuse_change(name, value)
+                return
             object.__setattr__(self, name, value)  # goes through the property setter
             return
         if name in ("amp_config", "gradient_merge_config", "sharding_config", "powersgd_config"):
@@ -189,6 +204,31 @@ class DistributedStrategy:
             f"DistributedStrategy has no attribute {name!r}.{did_you_mean(name, _ATTRS)} "
             f"distamp supports only: {', '.join(_ATTRS)}. Paddle Fleet's other strategy flags "
             f"(recompute, pipeline, dgc, ...) are not implemented by distamp."
+        )
+
+    def mark_in_use(self, by: str) -> None:
+        """Refuse, from now on, any change of a setting: ``by`` (e.g. ``"fleet.distributed_optimizer"``) built on them.
+
+        What ``fleet.distributed_optimizer`` and ``fleet.distributed_model``
+        build reads the settings once (the parameters' dtype, the loss
+        scaler, the reducer) or at every step (``auto_cast``, closure
+        retries); a later change would reach some of those parts and not the
+        others. A copy (``copy.deepcopy``, ``from_dict(to_dict())``) is not in use.
+        """
+        if self._in_use_by is None:
+            object.__setattr__(self, "_in_use_by", by)
+
+    def _refuse_change(self, name: str, value: Any) -> None:
+        """Accept an assignment to a strategy in use only when it changes nothing; else raise ``ValueError``."""
+        trial = _restore_strategy(tuple(getattr(self, slot) for slot in _STATE_SLOTS))
+        setattr(trial, name, value)  # validates the value as usual
+        if trial == self:
+            return
+        raise ValueError(
+            f"strategy.{name} = {show(value)} cannot change this strategy: it was given to {self._in_use_by}, "
+            f"which has built the optimizer or model on its settings; a change now would reach some of what "
+            f"was built and not the rest. Set strategy.{name} before that call, or use a copy for a new "
+            f"optimizer and model (copy.deepcopy(strategy) can be changed)."
         )
 
     # -- flags ---------------------------------------------------------------
@@ -316,7 +356,7 @@ class DistributedStrategy:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, DistributedStrategy):
             return NotImplemented
-        return all(getattr(self, slot) == getattr(other, slot) for slot in self.__slots__)
+        return all(getattr(self, slot) == getattr(other, slot) for slot in _STATE_SLOTS)
 
     def __repr__(self) -> str:
         parts = []
@@ -330,4 +370,4 @@ class DistributedStrategy:
         return f"DistributedStrategy({', '.join(parts)})"
 
     def __reduce__(self):
-        return (_restore_strategy, (tuple(getattr(self, slot) for slot in self.__slots__),))
+        return (_restore_strategy, (tuple(getattr(self, slot) for slot in _STATE_SLOTS),))
