@@ -149,7 +149,7 @@ def test_an_o2_forward_outside_auto_cast_says_how_to_fix_it():
 
     model = _model()
     strategy = _strategy("o2_bf16")
-    fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), strategy)
+    _opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), strategy)
     wrapped = fleet.distributed_model(model, strategy=strategy)   # strategy= is accepted too
     with pytest.raises(RuntimeError, match=r"run the forward under `with fleet.auto_cast\(\):`"):
         wrapped(torch.ones(2, 4))
@@ -177,7 +177,7 @@ def test_an_o2_op_autocast_does_not_cast_names_both_fixes_and_each_works():
         model = _BilinearHead()
         strategy = fleet.DistributedStrategy(amp=True)
         strategy.amp_configs = {"use_pure_fp16": True, "dtype": "bfloat16", **configs}
-        fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), strategy)
+        _opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), strategy)
         wrapped = fleet.distributed_model(model, strategy=strategy)
         with fleet.auto_cast():
             return wrapped(torch.ones(2, 4))
@@ -231,7 +231,7 @@ def test_an_o2_module_run_with_autocast_switched_off_gets_the_fix_that_works(swi
         model = _FP32Block(switch_off)
         strategy = fleet.DistributedStrategy(amp=True)
         strategy.amp_configs = {"use_pure_fp16": True, "dtype": "bfloat16", **configs}
-        fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), strategy)
+        _opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), strategy)
         wrapped = fleet.distributed_model(model, strategy=strategy)
         with fleet.auto_cast():
             return wrapped(torch.ones(2, 4))

@@ -405,7 +405,7 @@ def _cast_after_sharding(rank, world, names):
 
     fleet.init()
     model = _model()
-    fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), _strategy(3, dtype="bfloat16"))
+    _opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), _strategy(3, dtype="bfloat16"))
     wrapped = fleet.distributed_model(model)
     casts = {"half": wrapped.half, "double": wrapped.double, "to": lambda: wrapped.to("cpu", torch.float16),
              "type": lambda: wrapped.type(torch.bfloat16)}
@@ -772,7 +772,7 @@ def _rank_seeded_start(rank, world):
     model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Linear(16, 3))
     model[1].running_mean.normal_()
     fleet.init()
-    fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), _strategy(3))
+    _opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), _strategy(3))
     wrapped = fleet.distributed_model(model)
     return {"state": {k: v.clone() for k, v in wrapped.fp32_state_dict().items()},
             "buffer": model[1].running_mean.clone()}
