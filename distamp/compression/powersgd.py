@@ -89,7 +89,7 @@ from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
 from distamp.strategy import PowerSGDConfig
 from distamp.user_warning import warn_user
 
-__all__ = ["GradCompressor", "PowerSGD", "fit_state_to_world", "powersgd_hook"]
+__all__ = ["GradCompressor", "PowerSGD", "fit_state_to_world", "powersgd_hook", "refuse_optimizers"]
 
 logger = logging.getLogger("distamp")
 
@@ -127,6 +127,24 @@ def fit_state_to_world(state: dict, world_size: int, rank: int) -> dict:
             "ranks and has no counterpart now, so it restarts from zero (Q and the step count are kept)"
         )
     return {**state, "world_size": world_size, "error": {}}
+
+
+def refuse_optimizers(count: int) -> None:
+    """Raise unless ``count`` (the optimizers a compressed model would have) is at most one.
+
+    ``fleet.distributed_model`` calls it as each optimizer is attached,
+    before any collective.
+
+    Raises:
+        RuntimeError: more than one optimizer: the state is committed on one
+            verdict per step, so one optimizer must own the model.
+    """
+    if count > 1:
+        raise RuntimeError(
+            "strategy.powersgd needs exactly one fleet.distributed_optimizer per model: its error feedback "
+            f"is kept or dropped on that optimizer's step verdict, and {count} optimizers were attached. "
+            "Put every parameter in one optimizer (param groups), or turn powersgd off"
+        )
 
 
 @dataclass
@@ -228,12 +246,7 @@ class PowerSGD:
             RuntimeError: a second optimizer tries to bind: the state is
                 committed on one verdict per step, so one optimizer must own the model.
         """
-        if self._bound:
-            raise RuntimeError(
-                "strategy.powersgd needs exactly one fleet.distributed_optimizer per model: its error feedback "
-                "is kept or dropped on that optimizer's step verdict, and a second optimizer was attached. "
-                "Put every parameter in one optimizer (param groups), or turn powersgd off"
-            )
+        refuse_optimizers(2 if self._bound else 1)
         self._bound = True
         self._loss_scale = loss_scale
 

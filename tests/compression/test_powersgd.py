@@ -495,6 +495,58 @@ def test_overflow_retry_discards_the_attempt():
     assert torch.equal(out[0]["params"], out[1]["params"])
 
 
+def _two_optimizers_worker(rank, world_size, order):
+    """A second optimizer on a compressed model: refused before any collective, the first left working."""
+    import torch.distributed as dist
+
+    from distamp import fleet
+
+    fleet.init()
+    model = _mlp()
+    strategy = _strategy(dtype="float16", start_step=1)
+    collectives: list[str] = []
+    names = ("all_gather", "all_gather_object", "all_reduce", "broadcast", "broadcast_object_list", "barrier")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            collectives.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    first = fleet.distributed_optimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(model) if order == "after" else None
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        fleet.distributed_optimizer(torch.optim.SGD(model[2].parameters(), lr=0.1), strategy)
+        if order == "before":
+            fleet.distributed_model(model)
+        message = ""
+    except RuntimeError as err:
+        message = str(err)
+    finally:
+        for name in names:
+            setattr(dist, name, originals[name])
+    result = {"message": message, "collectives": collectives}
+    if wrapped is not None:
+        result["applied"] = [_train_step(wrapped, first, *_batch(rank, step)) for step in range(1, 4)]
+        result["params"] = _flat(model)
+    return result
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_a_second_optimizer_is_refused_before_any_collective(order):
+    out = run_workers(_two_optimizers_worker, 2, order, timeout=100)
+    for result in out:
+        assert "exactly one fleet.distributed_optimizer per model" in result["message"]
+        assert result["collectives"] == []
+    if order == "after":
+        # The refused optimizer was never attached: the first one trains on, compressed from step 2.
+        assert out[0]["applied"] == [True] * 3
+        assert torch.equal(out[0]["params"], out[1]["params"])
+
+
 def _merge_worker(rank, world_size):
     strategy = _strategy(dtype="bfloat16", o2=True, merge=2, start_step=1)
     model, wrapped, opt = _build(strategy)
