@@ -713,6 +713,43 @@ def test_another_world_size_drops_the_error_feedback_with_one_warning():
     assert out[1][0] == []  # rank 0 warns, once
 
 
+def _rank0_state_worker(rank, world_size):
+    """torch's DDP idiom: rank 0's optimizer.state_dict() loaded on every rank."""
+    import torch.distributed as dist
+
+    strategy = _strategy(dtype="bfloat16", o2=True, start_step=0)
+    _, wrapped, opt = _build(strategy)
+    for step in range(1, 3):
+        _train_step(wrapped, opt, *_batch(rank, step))
+    compressor = opt.policy.compressor
+    own_error = {name: t.clone() for name, t in compressor.error.items()}
+    box = [opt.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(box[0])
+    same_as_own = compressor.error.keys() == own_error.keys() and all(
+        torch.equal(compressor.error[name], own_error[name]) for name in own_error)
+    applied = _train_step(wrapped, opt, *_batch(rank, 3))
+    return {"messages": [str(w.message) for w in caught], "error_kept": same_as_own,
+            "has_error": bool(compressor.error), "has_q": bool(compressor.q), "applied": applied}
+
+
+def test_another_ranks_state_drops_the_error_feedback_with_a_warning():
+    out = run_workers(_rank0_state_worker, 2, timeout=100)
+    # Rank 0 loaded its own state: its error feedback is kept, silently.
+    assert out[0]["messages"] == []
+    assert out[0]["error_kept"]
+    # Rank 1 loaded rank 0's: rank 0's residual is not rank 1's; it restarts from zero, with a warning.
+    assert not out[1]["error_kept"]
+    assert len(out[1]["messages"]) == 1
+    assert "PowerSGD error feedback dropped on rank 1" in out[1]["messages"][0]
+    assert "saved by rank 0" in out[1]["messages"][0]
+    assert out[1]["has_q"]
+    assert out[0]["applied"]
+    assert out[1]["applied"]
+
+
 # ----------------------------------------------------------------------------- compile, check_nan_inf
 
 
