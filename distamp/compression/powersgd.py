@@ -89,7 +89,7 @@ from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
 from distamp.strategy import PowerSGDConfig
 from distamp.user_warning import warn_user
 
-__all__ = ["GradCompressor", "PowerSGD", "fit_state_to_world", "powersgd_hook"]
+__all__ = ["GradCompressor", "PowerSGD", "fit_state_to_world", "powersgd_hook", "refuse_optimizers"]
 
 logger = logging.getLogger("distamp")
 
@@ -102,14 +102,18 @@ _TORCH_OPS_COST = ("The same algorithm, the ranks still agree bit for bit; the h
 
 
 def fit_state_to_world(state: dict, world_size: int, rank: int) -> dict:
-    """:meth:`PowerSGD.state_dict`'s ``state`` as a job of ``world_size`` ranks may use it.
+    """:meth:`PowerSGD.state_dict`'s ``state`` as rank ``rank`` of a job of ``world_size`` ranks may use it.
 
-    At the saving world size it is returned as it is. At another, the
-    error feedback (one rank's residual of a sum over the saving ranks, with
-    no counterpart now) is dropped, rank 0 warning once, and the state is
-    labelled with ``world_size``; Q and the step count, the same on every
-    rank, are kept. The optimizer calls it too when it holds the state for a
-    compressor not built yet, so the warning comes at load either way.
+    Saved by this rank at this world size it is returned as it is. At
+    another world size, the error feedback (one rank's residual of a sum
+    over the saving ranks, with no counterpart now) is dropped, rank 0
+    warning once. Saved by another rank at this world size (every rank
+    loading rank 0's ``optimizer.state_dict()``, as with torch's DDP), the
+    error feedback is that rank's residual, not this one's: it is dropped,
+    this rank warning. Either way the state is labelled with ``world_size``
+    and ``rank``; Q and the step count, the same on every rank, are kept.
+    The optimizer calls it too when it holds the state for a compressor not
+    built yet, so the warning comes at load either way.
 
     Raises:
         ValueError: not a PowerSGD state.
@@ -117,16 +121,41 @@ def fit_state_to_world(state: dict, world_size: int, rank: int) -> dict:
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"not a distamp PowerSGD state (found {found!r}); expected format {STATE_FORMAT!r}")
-    saved_world = int(state["world_size"])
-    if saved_world == world_size:
+    saved_world, saved_rank = int(state["world_size"]), int(state["rank"])
+    if saved_world == world_size and saved_rank == rank:
         return state
-    if rank == 0 and state["error"]:
+    if saved_world != world_size and rank == 0 and state["error"]:
         warn_user(
             f"PowerSGD error feedback dropped: the checkpoint was saved by {saved_world} rank(s) and is "
             f"resumed by {world_size}; each rank's error is its residual of a sum over the saving "
             "ranks and has no counterpart now, so it restarts from zero (Q and the step count are kept)"
         )
-    return {**state, "world_size": world_size, "error": {}}
+    elif saved_world == world_size and state["error"]:
+        warn_user(
+            f"PowerSGD error feedback dropped on rank {rank}: it loaded the state saved by rank {saved_rank}, "
+            "whose error feedback is that rank's own residual, so this rank's restarts from zero (Q and the "
+            "step count are kept). To resume it, save and load each rank's optimizer.state_dict() "
+            "(fleet's checkpoints do)"
+        )
+    return {**state, "world_size": world_size, "rank": rank, "error": {}}
+
+
+def refuse_optimizers(count: int) -> None:
+    """Raise unless ``count`` (the optimizers a compressed model would have) is at most one.
+
+    ``fleet.distributed_model`` calls it as each optimizer is attached,
+    before any collective.
+
+    Raises:
+        RuntimeError: more than one optimizer: the state is committed on one
+            verdict per step, so one optimizer must own the model.
+    """
+    if count > 1:
+        raise RuntimeError(
+            "strategy.powersgd needs exactly one fleet.distributed_optimizer per model: its error feedback "
+            f"is kept or dropped on that optimizer's step verdict, and {count} optimizers were attached. "
+            "Put every parameter in one optimizer (param groups), or turn powersgd off"
+        )
 
 
 @dataclass
@@ -228,12 +257,7 @@ class PowerSGD:
             RuntimeError: a second optimizer tries to bind: the state is
                 committed on one verdict per step, so one optimizer must own the model.
         """
-        if self._bound:
-            raise RuntimeError(
-                "strategy.powersgd needs exactly one fleet.distributed_optimizer per model: its error feedback "
-                "is kept or dropped on that optimizer's step verdict, and a second optimizer was attached. "
-                "Put every parameter in one optimizer (param groups), or turn powersgd off"
-            )
+        refuse_optimizers(2 if self._bound else 1)
         self._bound = True
         self._loss_scale = loss_scale
 
@@ -309,8 +333,9 @@ class PowerSGD:
 
         The error feedback is one rank's residual of a sum over that many
         ranks: it has no counterpart once the ranks change, so it restarts
-        from zero (rank 0 warns once). The warm-start Q and the step count
-        are the same on every rank and are kept.
+        from zero (rank 0 warns once), as it does on a rank that loads
+        another rank's state (that rank warns). The warm-start Q and the
+        step count are the same on every rank and are kept.
 
         Raises:
             ValueError: not a PowerSGD state.

@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distamp.amp.black_modules import keep_in_fp32
 from distamp.amp.fp32_parameters import fp32_parameters
-from distamp.compression.powersgd import PowerSGD
+from distamp.compression.powersgd import PowerSGD, refuse_optimizers
 from distamp.core.attached import AttachedOptimizer
 from distamp.core.precision import o2_dtype_error_hint
 from distamp.distributed.comm_hooks import CommStats, LowPrecisionAllReduce
@@ -251,12 +251,16 @@ class DataParallel(nn.Module):
         parameters' dtypes and their masters are broadcast.
 
         Raises:
-            RuntimeError: see :meth:`check_attachable`.
+            RuntimeError: see :meth:`check_attachable`; or ``strategy.powersgd``
+                and a second optimizer (before any collective).
         """
         runtime = self._runtime
         new = [opt for opt in dict.fromkeys(optimizers) if opt not in runtime.optimizers]
         for optimizer in new:
             self.check_attachable(changes_dtypes=optimizer.master_weights.enabled)
+        if new and self.distributed and self.strategy.powersgd:
+            # Before the start-up collectives (or, once prepared, before the optimizer is half attached).
+            refuse_optimizers(len(runtime.optimizers) + len(new))
         for optimizer in new:
             optimizer.adopt_model(self.module, self._fp32_params)
             runtime.optimizers.append(optimizer)

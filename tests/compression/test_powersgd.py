@@ -495,6 +495,58 @@ def test_overflow_retry_discards_the_attempt():
     assert torch.equal(out[0]["params"], out[1]["params"])
 
 
+def _two_optimizers_worker(rank, world_size, order):
+    """A second optimizer on a compressed model: refused before any collective, the first left working."""
+    import torch.distributed as dist
+
+    from distamp import fleet
+
+    fleet.init()
+    model = _mlp()
+    strategy = _strategy(dtype="float16", start_step=1)
+    collectives: list[str] = []
+    names = ("all_gather", "all_gather_object", "all_reduce", "broadcast", "broadcast_object_list", "barrier")
+    originals = {name: getattr(dist, name) for name in names}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            collectives.append(name)
+            return originals[name](*args, **kwargs)
+        return call
+
+    first = fleet.distributed_optimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(model) if order == "after" else None
+    for name in names:
+        setattr(dist, name, counting(name))
+    try:
+        fleet.distributed_optimizer(torch.optim.SGD(model[2].parameters(), lr=0.1), strategy)
+        if order == "before":
+            fleet.distributed_model(model)
+        message = ""
+    except RuntimeError as err:
+        message = str(err)
+    finally:
+        for name in names:
+            setattr(dist, name, originals[name])
+    result = {"message": message, "collectives": collectives}
+    if wrapped is not None:
+        result["applied"] = [_train_step(wrapped, first, *_batch(rank, step)) for step in range(1, 4)]
+        result["params"] = _flat(model)
+    return result
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_a_second_optimizer_is_refused_before_any_collective(order):
+    out = run_workers(_two_optimizers_worker, 2, order, timeout=100)
+    for result in out:
+        assert "exactly one fleet.distributed_optimizer per model" in result["message"]
+        assert result["collectives"] == []
+    if order == "after":
+        # The refused optimizer was never attached: the first one trains on, compressed from step 2.
+        assert out[0]["applied"] == [True] * 3
+        assert torch.equal(out[0]["params"], out[1]["params"])
+
+
 def _merge_worker(rank, world_size):
     strategy = _strategy(dtype="bfloat16", o2=True, merge=2, start_step=1)
     model, wrapped, opt = _build(strategy)
@@ -659,6 +711,43 @@ def test_another_world_size_drops_the_error_feedback_with_one_warning():
     assert "saved by 4 rank(s) and is resumed by 2" in messages[0]
     assert (has_error, has_q, steps) == (False, True, 1)
     assert out[1][0] == []  # rank 0 warns, once
+
+
+def _rank0_state_worker(rank, world_size):
+    """torch's DDP idiom: rank 0's optimizer.state_dict() loaded on every rank."""
+    import torch.distributed as dist
+
+    strategy = _strategy(dtype="bfloat16", o2=True, start_step=0)
+    _, wrapped, opt = _build(strategy)
+    for step in range(1, 3):
+        _train_step(wrapped, opt, *_batch(rank, step))
+    compressor = opt.policy.compressor
+    own_error = {name: t.clone() for name, t in compressor.error.items()}
+    box = [opt.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(box[0])
+    same_as_own = compressor.error.keys() == own_error.keys() and all(
+        torch.equal(compressor.error[name], own_error[name]) for name in own_error)
+    applied = _train_step(wrapped, opt, *_batch(rank, 3))
+    return {"messages": [str(w.message) for w in caught], "error_kept": same_as_own,
+            "has_error": bool(compressor.error), "has_q": bool(compressor.q), "applied": applied}
+
+
+def test_another_ranks_state_drops_the_error_feedback_with_a_warning():
+    out = run_workers(_rank0_state_worker, 2, timeout=100)
+    # Rank 0 loaded its own state: its error feedback is kept, silently.
+    assert out[0]["messages"] == []
+    assert out[0]["error_kept"]
+    # Rank 1 loaded rank 0's: rank 0's residual is not rank 1's; it restarts from zero, with a warning.
+    assert not out[1]["error_kept"]
+    assert len(out[1]["messages"]) == 1
+    assert "PowerSGD error feedback dropped on rank 1" in out[1]["messages"][0]
+    assert "saved by rank 0" in out[1]["messages"][0]
+    assert out[1]["has_q"]
+    assert out[0]["applied"]
+    assert out[1]["applied"]
 
 
 # ----------------------------------------------------------------------------- compile, check_nan_inf
