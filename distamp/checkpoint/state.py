@@ -136,15 +136,18 @@ def build_payload(
     *,
     model_state_dict: dict | None = None,
     dcp_directory: str | None = None,
+    scheduler_type: str | None = None,
 ) -> dict[str, Any]:
     """The common payload: everything but per-rank shards, identical on every rank but the RNG.
 
     ``model_state_dict``: the model's state with slots for the tensors in
     DCP files (stage 3, :func:`~distamp.checkpoint.dcp_tensors.split`'s);
     None: ``model``'s own ``state_dict()``. ``dcp_directory``: the DCP
-    directory holding those tensors, recorded as ``"dcp"``.
+    directory holding those tensors, recorded as ``"dcp"``. ``scheduler_type``:
+    the scheduler's class name, which :func:`check_fits` compares.
     """
     index = {} if dcp_directory is None else {"dcp": dcp_directory}
+    scheduler_kind = {} if scheduler_type is None else {"scheduler_type": scheduler_type}
     return {
         "format": FORMAT,
         "step": step,
@@ -154,6 +157,7 @@ def build_payload(
         "optimizer_type": optimizer_type,
         "optimizer": optimizer_state,
         "scheduler": scheduler_state,
+        **scheduler_kind,
         "rng": rng_states,
         "extra": extra,
     }
@@ -306,7 +310,7 @@ def restore_from_dcp(
 
 
 def check_fits(payload: Mapping, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
-    """``ValueError`` unless the checkpoint's optimizer type and its scheduler's presence match these."""
+    """``ValueError`` unless the checkpoint's optimizer type and its scheduler's presence and type match these."""
     saved_opt = payload["optimizer_type"]
     if saved_opt != type(optimizer).__name__:
         raise ValueError(
@@ -321,4 +325,11 @@ def check_fits(payload: Mapping, optimizer: torch.optim.Optimizer, scheduler: An
             + " LR scheduler state but scheduler="
             + ("a scheduler" if scheduler is not None else "None")
             + " was passed; pass the same kind of scheduler the saving run used"
+        )
+    saved_scheduler = payload.get("scheduler_type")  # absent from checkpoints saved before it was recorded
+    if scheduler is not None and saved_scheduler is not None and saved_scheduler != type(scheduler).__name__:
+        raise ValueError(
+            f"the checkpoint's LR scheduler is a {saved_scheduler}, this one is a {type(scheduler).__name__}, "
+            f"whose load_state_dict would take the other's state without a word; pass a {saved_scheduler} built "
+            "as the saving run did"
         )
