@@ -231,3 +231,35 @@ def test_a_refused_checkpoint_leaves_the_model_and_optimizer_untouched(tmp_path,
     # torch's load_state_dict copies every entry that fits before it raises: nothing may be loaded at all.
     assert _same(before[0], model.state_dict())
     assert _same(before[1], optimizer.state_dict())
+
+
+def _only_rank_1_misfits(rank, world_size, directory):
+    from distamp import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = _net()
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy_o2())
+    save_checkpoint(directory, 1, model=model, optimizer=optimizer)
+    torch.manual_seed(5)
+    model = _net(last=3 if rank == 0 else 4)
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy_o2())
+    before = {k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict()
+    with pytest.raises(RuntimeError) as refused:
+        load_latest_checkpoint(directory, model=model, optimizer=optimizer)
+    return str(refused.value), (_same(before[0], model.state_dict()), _same(before[1], optimizer.state_dict()))
+
+
+def make_strategy_o2():
+    from tests.checkpoint.test_checkpoint import make_strategy
+
+    return make_strategy()
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_one_rank_cannot_take_is_loaded_by_no_rank(tmp_path):
+    (error0, untouched0), (error1, untouched1) = run_workers(_only_rank_1_misfits, 2, str(tmp_path), timeout=100)
+    assert error0 == error1
+    assert "rank 1: RuntimeError: Error(s) in loading state_dict for Sequential" in error0
+    assert "size mismatch for 2.weight" in error0
+    assert untouched0 == untouched1 == (True, True)  # rank 0, which could have loaded it, did not either
