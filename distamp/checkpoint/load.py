@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from distamp.distributed.process_group import validate_timeout
+from distamp.optim.optimizer import AmpOptimizer
+from distamp.optim.state import check_optimizer_state
 from distamp.user_warning import warn_user
 
 from . import dcp_tensors, flat_state, model_shards, rng, storage
@@ -19,11 +21,13 @@ from .collective import Coordinator
 from .manifest import COMMON, CheckpointCorrupt, Manifest, manifest_name, rank_part
 from .state import (
     UnusablePayload,
+    apply_restore,
     check_fits,
+    check_model_fits,
     check_objects,
     check_payload,
     check_shard_payload,
-    restore,
+    prepare_restore,
     restore_from_dcp,
     unwrap,
 )
@@ -154,7 +158,7 @@ def load_latest_checkpoint(
     if payload.get("dcp"):
         errors = _restore_dcp(coordinator, os.path.join(path, payload["dcp"]), payload, model, optimizer, scheduler)
     else:
-        errors = _collectively(coordinator, lambda: restore(payload, model, optimizer, scheduler, shards))
+        errors = _restore(coordinator, payload, model, optimizer, scheduler, shards)
     coordinator.finish()
     if errors:
         raise RuntimeError(f"could not resume from {payload_path}: " + "; ".join(errors))
@@ -179,6 +183,22 @@ def _collectively(coordinator: Coordinator, action: Any) -> list[str]:
     return coordinator.decide(error, lambda found: [e for e in found if e is not None])
 
 
+def _restore(coordinator: Coordinator, payload: dict, model: nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler: Any, shards: dict[int, dict]) -> list[str]:
+    """Restore a checkpoint read whole by this rank; the errors, as for :func:`_collectively`.
+
+    In two rounds: every rank first checks that the checkpoint fits its model and optimizer, and only if it fits
+    on all does any rank load it, so a refused checkpoint leaves every rank's model and optimizer as they were.
+    """
+    prepared: list[tuple[dict, dict]] = []
+    errors = _collectively(
+        coordinator, lambda: prepared.append(prepare_restore(payload, model, optimizer, scheduler, shards))
+    )
+    if errors:
+        return errors
+    return _collectively(coordinator, lambda: apply_restore(prepared[0], payload, model, optimizer, scheduler))
+
+
 def _restore_dcp(coordinator: Coordinator, directory: str, payload: dict, model: nn.Module,
                  optimizer: torch.optim.Optimizer, scheduler: Any) -> list[str]:
     """Restore a checkpoint whose stage-3 tensors are in the DCP ``directory``; the errors, as for
@@ -191,6 +211,9 @@ def _restore_dcp(coordinator: Coordinator, directory: str, payload: dict, model:
 
     def prepare() -> None:
         check_fits(payload, optimizer, scheduler)
+        check_model_fits(payload["model"], unwrap(model))
+        if isinstance(optimizer, AmpOptimizer):
+            check_optimizer_state(optimizer, payload["optimizer"])
         tensors.update(dcp_tensors.targets(payload["model"], payload["optimizer"], unwrap(model), optimizer))
 
     errors = _collectively(coordinator, prepare)

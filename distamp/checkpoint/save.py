@@ -153,7 +153,8 @@ def save_checkpoint(
             parts = _part_files(gathered)
             payload = build_payload(step, coordinator.world_size, model, type(optimizer).__name__,
                                     optimizer_state, scheduler_state, [g[0] for g in gathered], extra,
-                                    model_state_dict=model_state, dcp_directory=dcp_directory)
+                                    model_state_dict=model_state, dcp_directory=dcp_directory,
+                                    scheduler_type=type(scheduler).__name__ if scheduler is not None else None)
             outcome = ("saved", _write(path, step, payload, keep, parts))
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             outcome, failure = ("failed", f"{type(exc).__name__}: {exc}"), exc

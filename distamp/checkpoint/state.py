@@ -17,19 +17,25 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from distamp.optim.optimizer import AmpOptimizer
+from distamp.optim.state import check_optimizer_state
+
 from . import dcp_tensors, flat_state, model_shards
 from .manifest import FORMAT, LEGACY_FORMAT
 
 __all__ = [
     "UnusablePayload",
+    "apply_restore",
     "build_payload",
     "build_shard_payload",
     "check_extra",
     "check_fits",
+    "check_model_fits",
     "check_objects",
     "check_payload",
     "check_plain",
     "check_shard_payload",
+    "prepare_restore",
     "restore",
     "restore_from_dcp",
     "unwrap",
@@ -130,15 +136,18 @@ def build_payload(
     *,
     model_state_dict: dict | None = None,
     dcp_directory: str | None = None,
+    scheduler_type: str | None = None,
 ) -> dict[str, Any]:
     """The common payload: everything but per-rank shards, identical on every rank but the RNG.
 
     ``model_state_dict``: the model's state with slots for the tensors in
     DCP files (stage 3, :func:`~distamp.checkpoint.dcp_tensors.split`'s);
     None: ``model``'s own ``state_dict()``. ``dcp_directory``: the DCP
-    directory holding those tensors, recorded as ``"dcp"``.
+    directory holding those tensors, recorded as ``"dcp"``. ``scheduler_type``:
+    the scheduler's class name, which :func:`check_fits` compares.
     """
     index = {} if dcp_directory is None else {"dcp": dcp_directory}
+    scheduler_kind = {} if scheduler_type is None else {"scheduler_type": scheduler_type}
     return {
         "format": FORMAT,
         "step": step,
@@ -148,6 +157,7 @@ def build_payload(
         "optimizer_type": optimizer_type,
         "optimizer": optimizer_state,
         "scheduler": scheduler_state,
+        **scheduler_kind,
         "rng": rng_states,
         "extra": extra,
     }
@@ -190,27 +200,89 @@ def check_payload(payload: Any, step: int) -> None:
 def restore(
     payload: Mapping, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, parts: Mapping | None = None
 ) -> None:
-    """Load model, optimizer and scheduler state; ``ValueError`` (or torch's error) on a mismatch.
+    """Load model, optimizer and scheduler state; ``ValueError`` (``RuntimeError`` for the model, as torch's
+    ``load_state_dict``) on a mismatch, found before anything changes.
 
     ``parts`` maps saving ranks to the rank parts this rank needs (sharded
     checkpoints, :func:`build_shard_payload`'s); the optimizer state is
     re-sliced for this optimizer's own layout, and a stage-3 model's rows
     for this model (whole, or this rank's shards).
     """
+    apply_restore(prepare_restore(payload, model, optimizer, scheduler, parts), payload, model, optimizer, scheduler)
+
+
+def prepare_restore(
+    payload: Mapping, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, parts: Mapping | None = None
+) -> tuple[dict, dict]:
+    """The ``(model state, optimizer state)`` :func:`apply_restore` loads, once checked to fit; changes nothing.
+
+    ``parts`` as for :func:`restore`.
+
+    Raises:
+        RuntimeError: the checkpoint's model does not fit (keys, shapes), as ``load_state_dict`` says it.
+        ValueError: its optimizer (type, inner optimizer, O1/O2, parameters) or scheduler does not fit.
+    """
     check_fits(payload, optimizer, scheduler)
-    # Model first: in O2 the optimizer then overwrites the 16-bit weights from its exact masters.
     parts = dict(parts or {})
     module = unwrap(model)
     model_state = dict(payload["model"])
     if payload.get("model_shards"):
         rows = {r: p["model_shard"] for r, p in parts.items() if p.get("model_shard") is not None}
         model_state.update(model_shards.assemble(payload["model_shards"], rows, module))
-    module.load_state_dict(model_state)
+    check_model_fits(model_state, module)
     target = flat_state.describe(optimizer)
     shards = {r: p["optimizer_shard"] for r, p in parts.items() if p.get("optimizer_shard") is not None}
-    optimizer.load_state_dict(flat_state.join(payload["optimizer"], shards, target, int(payload["world_size"])))
+    optimizer_state = flat_state.join(payload["optimizer"], shards, target, int(payload["world_size"]))
+    if isinstance(optimizer, AmpOptimizer):
+        check_optimizer_state(optimizer, optimizer_state)
+    return model_state, optimizer_state
+
+
+def apply_restore(
+    prepared: tuple[dict, dict], payload: Mapping, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any
+) -> None:
+    """Load :func:`prepare_restore`'s states into ``model`` and ``optimizer``, and the scheduler's."""
+    model_state, optimizer_state = prepared
+    # Model first: in O2 the optimizer then overwrites the 16-bit weights from its exact masters.
+    unwrap(model).load_state_dict(model_state)
+    optimizer.load_state_dict(optimizer_state)
     if scheduler is not None:
         scheduler.load_state_dict(payload["scheduler"])
+
+
+def check_model_fits(model_state: Mapping[str, Any], module: nn.Module) -> None:
+    """``RuntimeError`` when ``module`` cannot take ``model_state``, listing what ``load_state_dict(strict=True)``
+    would, in its words and error type (it reports them only after copying every entry that fits).
+
+    Shapes are compared where both sides are plain tensors (a DTensor's, or a
+    stage-3 slot's, is checked when it is read).
+    """
+    own = module.state_dict()
+    problems = []
+    unexpected = [k for k in model_state if k not in own]
+    if unexpected:
+        problems.append("Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in unexpected) + ".")
+    missing = [k for k in own if k not in model_state]
+    if missing:
+        problems.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ".")
+    problems += [
+        f"size mismatch for {k}: copying a param with shape {model_state[k].shape} from checkpoint, the shape in "
+        f"current model is {own[k].shape}."
+        for k in own
+        if k in model_state and _plain_tensor(own[k]) and _plain_tensor(model_state[k])
+        and model_state[k].shape != own[k].shape
+    ]
+    if problems:
+        name = type(module).__name__
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {name}:\n\t" + "\n\t".join(problems) + "\n\tNothing was "
+            "loaded: build the model the way the saving run did, or move the checkpoint directory away to start "
+            "from scratch"
+        )
+
+
+def _plain_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
 
 
 def restore_from_dcp(
@@ -238,7 +310,7 @@ def restore_from_dcp(
 
 
 def check_fits(payload: Mapping, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
-    """``ValueError`` unless the checkpoint's optimizer type and its scheduler's presence match these."""
+    """``ValueError`` unless the checkpoint's optimizer type and its scheduler's presence and type match these."""
     saved_opt = payload["optimizer_type"]
     if saved_opt != type(optimizer).__name__:
         raise ValueError(
@@ -253,4 +325,11 @@ def check_fits(payload: Mapping, optimizer: torch.optim.Optimizer, scheduler: An
             + " LR scheduler state but scheduler="
             + ("a scheduler" if scheduler is not None else "None")
             + " was passed; pass the same kind of scheduler the saving run used"
+        )
+    saved_scheduler = payload.get("scheduler_type")  # absent from checkpoints saved before it was recorded
+    if scheduler is not None and saved_scheduler is not None and saved_scheduler != type(scheduler).__name__:
+        raise ValueError(
+            f"the checkpoint's LR scheduler is a {saved_scheduler}, this one is a {type(scheduler).__name__}, "
+            f"whose load_state_dict would take the other's state without a word; pass a {saved_scheduler} built "
+            "as the saving run did"
         )

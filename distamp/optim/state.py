@@ -46,7 +46,7 @@ class StatefulOptimizer(Protocol):
 
     def load_state_dict(self, state_dict: dict) -> None: ...
 
-__all__ = ["STATE_FORMAT", "load_optimizer_state", "optimizer_state"]
+__all__ = ["STATE_FORMAT", "check_optimizer_state", "load_optimizer_state", "optimizer_state"]
 
 STATE_FORMAT = "distamp.AmpOptimizer/1"
 
@@ -79,17 +79,13 @@ def optimizer_state(opt: StatefulOptimizer, *, local: bool = False) -> dict:
     }
 
 
-def load_optimizer_state(opt: StatefulOptimizer, state_dict: dict) -> None:
-    """``opt.load_state_dict(state_dict)``; the model copies of the masters are refreshed.
-
-    The next step starts afresh: nothing is unscaled yet, misuse detection
-    compares with the loaded gradients, and sync listeners hear the merge
-    window's position.
+def check_optimizer_state(opt: StatefulOptimizer, state_dict: Any) -> None:
+    """``ValueError`` unless ``opt`` can take ``state_dict``: checks what :func:`load_optimizer_state` checks
+    before it loads anything (a distamp state, the inner optimizer class, ``use_pure_fp16``), changing nothing.
 
     Raises:
         ValueError: not a distamp optimizer state, or saved around another
-            inner optimizer class, with another loss scaler or another
-            ``use_pure_fp16``.
+            inner optimizer class or with another ``use_pure_fp16``.
     """
     if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT:
         keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
@@ -108,6 +104,21 @@ def load_optimizer_state(opt: StatefulOptimizer, state_dict: dict) -> None:
             f"{'present' if masters else 'absent'} in the checkpoint); build the optimizer "
             "with the strategy the checkpoint was saved with"
         )
+
+
+def load_optimizer_state(opt: StatefulOptimizer, state_dict: dict) -> None:
+    """``opt.load_state_dict(state_dict)``; the model copies of the masters are refreshed.
+
+    The next step starts afresh: nothing is unscaled yet, misuse detection
+    compares with the loaded gradients, and sync listeners hear the merge
+    window's position.
+
+    Raises:
+        ValueError: not a distamp optimizer state, or saved around another
+            inner optimizer class, with another loss scaler or another
+            ``use_pure_fp16``.
+    """
+    check_optimizer_state(opt, state_dict)
     opt.precision.load_checkpoint_state(opt.inner_opt, state_dict)
     counters, policy = state_dict["counters"], opt.policy
     policy.steps_applied = int(counters["steps_applied"])

@@ -549,3 +549,15 @@ def test_a_checkpoint_of_another_inner_optimizer_is_refused_before_training(tmp_
     wrong_sched = torch.optim.lr_scheduler.StepLR(wrong, step_size=3, gamma=0.5)
     with pytest.raises(RuntimeError, match=rf"an AmpOptimizer around AdamW, this one is around {other.__name__}"):
         load_latest_checkpoint(tmp_path, model=net, optimizer=wrong, scheduler=wrong_sched)
+
+
+def test_a_checkpoint_of_another_scheduler_class_is_refused_and_its_own_class_loads(tmp_path):
+    save_steps(tmp_path, [1])  # a StepLR
+    model, opt, _ = build(3)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    # torch's load_state_dict would update the CosineAnnealingLR's __dict__ with the StepLR's state, silently.
+    with pytest.raises(RuntimeError, match=r"LR scheduler is a StepLR, this one is a CosineAnnealingLR"):
+        load_latest_checkpoint(tmp_path, model=model, optimizer=opt, scheduler=cosine)
+    assert not hasattr(cosine, "step_size")
+    model, opt, sched = build(3)
+    assert load_latest_checkpoint(tmp_path, model=model, optimizer=opt, scheduler=sched).step == 1

@@ -184,3 +184,82 @@ def test_the_verdict_skips_a_file_only_one_rank_read_and_raises_on_one_another_r
     # A payload that matches its checksum on every rank but that torch.load refuses: the same bytes, skipped.
     refused = ("bad", "/c/step-00000015.common.aa.pt: refused", "step-00000015.common.aa.pt", common)
     assert _verdict([refused, ("ok", None, None, {**common, **shard1})])[0] == "skip"
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def _o2(model, inner=torch.optim.AdamW, pure=True):
+    from distamp.optim.optimizer import AmpOptimizer
+    from tests.checkpoint.test_checkpoint import make_strategy
+
+    strategy = make_strategy()
+    strategy.amp_configs = {**strategy.amp_configs, "use_pure_fp16": pure}
+    return AmpOptimizer(inner(model.parameters(), lr=1e-2), strategy)
+
+
+def _net(last: int = 3, more: bool = False) -> nn.Module:
+    layers = [nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, last)]
+    return nn.Sequential(*layers, *([nn.Linear(last, 2)] if more else []))
+
+
+@pytest.mark.parametrize(("other", "match"), [
+    (lambda: (m := _net(more=True), _o2(m)), r'Missing key\(s\) in state_dict: "3\.weight", "3\.bias"'),
+    (lambda: (m := nn.Sequential(nn.Linear(6, 8)), _o2(m)),
+     r'Unexpected key\(s\) in state_dict: "2\.weight", "2\.bias"'),
+    (lambda: (m := _net(last=4), _o2(m)),
+     r"size mismatch for 2\.weight: copying a param with shape torch\.Size\(\[3, 8\]\) from checkpoint"),
+    (lambda: (m := _net(), _o2(m, torch.optim.Adam)), r"around AdamW, this one is around Adam"),
+    (lambda: (m := _net(), _o2(m, pure=False)), r"disagree on use_pure_fp16"),
+], ids=["extra-layer", "fewer-layers", "other-shape", "other-inner-optimizer", "o1-into-o2-checkpoint"])
+def test_a_refused_checkpoint_leaves_the_model_and_optimizer_untouched(tmp_path, other, match):
+    model = _net()
+    optimizer = _o2(model)
+    save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer)
+    torch.manual_seed(7)
+    model, optimizer = other()
+    before = {k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict()
+    with pytest.raises(RuntimeError, match=match):
+        load_latest_checkpoint(tmp_path, model=model, optimizer=optimizer)
+    # torch's load_state_dict copies every entry that fits before it raises: nothing may be loaded at all.
+    assert _same(before[0], model.state_dict())
+    assert _same(before[1], optimizer.state_dict())
+
+
+def _only_rank_1_misfits(rank, world_size, directory):
+    from distamp import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = _net()
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy_o2())
+    save_checkpoint(directory, 1, model=model, optimizer=optimizer)
+    torch.manual_seed(5)
+    model = _net(last=3 if rank == 0 else 4)
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy_o2())
+    before = {k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict()
+    with pytest.raises(RuntimeError) as refused:
+        load_latest_checkpoint(directory, model=model, optimizer=optimizer)
+    return str(refused.value), (_same(before[0], model.state_dict()), _same(before[1], optimizer.state_dict()))
+
+
+def make_strategy_o2():
+    from tests.checkpoint.test_checkpoint import make_strategy
+
+    return make_strategy()
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_one_rank_cannot_take_is_loaded_by_no_rank(tmp_path):
+    (error0, untouched0), (error1, untouched1) = run_workers(_only_rank_1_misfits, 2, str(tmp_path), timeout=100)
+    assert error0 == error1
+    assert "rank 1: RuntimeError: Error(s) in loading state_dict for Sequential" in error0
+    assert "size mismatch for 2.weight" in error0
+    assert untouched0 == untouched1 == (True, True)  # rank 0, which could have loaded it, did not either
