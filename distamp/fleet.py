@@ -297,6 +297,9 @@ def distributed_optimizer(
     # Stage 3 converts nothing: FSDP2 casts each all-gather to the 16-bit param_dtype.
     pure = strategy.amp and strategy.amp_config.use_pure_fp16 and not _fully_sharded(strategy)
     for model in models:
+        if isinstance(model, DataParallel) and model.strategy_is_default and model.strategy is not strategy:
+            refuse_sparse_gradients(model.module, strategy)
+            model.follow_strategy(strategy)  # distributed_model came first, before any strategy was known
         check_same_strategy(strategy, model.strategy)
         model.check_attachable(changes_dtypes=pure)
     opt = AmpOptimizer(optimizer, strategy)
@@ -335,6 +338,7 @@ def distributed_model(
     with ``distributed_optimizer``.
     """
     world = _world()
+    default = strategy is None and _state.strategy is None
     strategy = _strategy(strategy)
     check_applicable(strategy, world.world_size)
     refuse_sparse_gradients(model, strategy)
@@ -367,6 +371,7 @@ def distributed_model(
         _state.models.add(sharded)
         return sharded
     wrapped = DataParallel(model, strategy, device=device(), **kwargs)
+    wrapped.strategy_is_default = default
     _adopt(strategy, "fleet.distributed_model")
     wrapped.attach_optimizers([opt for opt in _state.optimizers if wrapped.owns_any(opt.master_weights.model_params)])
     _state.models.add(wrapped)

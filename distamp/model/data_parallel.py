@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from distamp.amp.black_modules import keep_in_fp32
+from distamp.amp.black_modules import BlackModulesHandle, keep_in_fp32
 from distamp.amp.fp32_parameters import fp32_parameters
 from distamp.compression.powersgd import PowerSGD, refuse_optimizers
 from distamp.core.attached import AttachedOptimizer
@@ -70,6 +70,18 @@ _SET_BY_DISTAMP = {
 _DDP_KWARGS = tuple(name for name in inspect.signature(DistributedDataParallel.__init__).parameters
                     if name not in ("self", "module", "process_group", "find_unused_parameters", *_SET_BY_DISTAMP))
 """DDP's keyword arguments a user may pass through (the others distamp sets or takes itself)."""
+
+
+def _check_ddp_kwargs(strategy: DistributedStrategy, ddp_kwargs: dict[str, Any]) -> None:
+    """Refuse DDP keyword arguments that ``strategy``'s path would not use."""
+    if strategy.sharding and strategy.sharding_config.stage == 2:
+        refused = sorted(set(ddp_kwargs) - set(STAGE2_DDP_KWARGS))
+        if refused:
+            raise ValueError(
+                f"{refused} are DDP options, but sharding stage 2 replaces DDP by distamp's reducer, which "
+                f"takes only {list(STAGE2_DDP_KWARGS)} (and find_unused_parameters); remove the others"
+            )
+    _refuse_static_graph_with_merge(strategy, ddp_kwargs)
 
 
 def strategy_fp32_parameters(module: nn.Module, strategy: DistributedStrategy) -> list[nn.Parameter]:
@@ -162,29 +174,62 @@ class DataParallel(nn.Module):
         for name, reason in _SET_BY_DISTAMP.items():
             if name in ddp_kwargs:
                 raise ValueError(f"{name}={ddp_kwargs[name]!r} is set by distamp: {reason}; remove it")
-        if strategy.sharding and strategy.sharding_config.stage == 2:
-            refused = sorted(set(ddp_kwargs) - set(STAGE2_DDP_KWARGS))
-            if refused:
-                raise ValueError(
-                    f"{refused} are DDP options, but sharding stage 2 replaces DDP by distamp's reducer, which "
-                    f"takes only {list(STAGE2_DDP_KWARGS)} (and find_unused_parameters); remove the others"
-                )
-        _refuse_static_graph_with_merge(strategy, ddp_kwargs)
+        _check_ddp_kwargs(strategy, ddp_kwargs)
         self.module = module
-        self.strategy = strategy
-        self.find_unused_parameters = (
-            strategy.find_unused_parameters if find_unused_parameters is None else find_unused_parameters
-        )
+        self._find_unused_arg = find_unused_parameters
         self._process_group = process_group
         self._device = None if device is None else check_device(module, torch.device(device))
         self._ddp_kwargs = ddp_kwargs
-        self._fp32_params = strategy_fp32_parameters(module, strategy)
         self._runtime = _Runtime(module)
         self._runtime.prepared = not self.distributed  # one process: nothing to agree on or build
+        self._black_modules: BlackModulesHandle | None = None
+        self.strategy_is_default = False
+        self._configure(strategy)
+
+    def _configure(self, strategy: DistributedStrategy) -> None:
+        self.strategy = strategy
+        self.find_unused_parameters = (
+            strategy.find_unused_parameters if self._find_unused_arg is None else self._find_unused_arg
+        )
+        self._fp32_params = strategy_fp32_parameters(self.module, strategy)
         cfg = strategy.amp_config
         self._black_modules = (
-            keep_in_fp32(module, cfg.custom_black_varnames) if strategy.amp and cfg.custom_black_varnames else None
+            keep_in_fp32(self.module, cfg.custom_black_varnames)
+            if strategy.amp and cfg.custom_black_varnames else None
         )
+
+    def follow_strategy(self, strategy: DistributedStrategy) -> None:
+        """Build on ``strategy`` instead of the default one this wrapper was made with.
+
+        ``fleet.distributed_model`` called before any strategy was known (none
+        given to it or to ``fleet.init``) wraps the model on a default
+        strategy; the first ``fleet.distributed_optimizer`` of its parameters
+        then brings the job's strategy, which the wrapper takes before the
+        optimizer is attached (either order of the two calls works).
+
+        Raises:
+            RuntimeError: the wrapper was already prepared (it ran a forward),
+                or ``strategy`` shards at stage 3, which needs the model
+                sharded by ``fleet.distributed_model`` itself.
+            ValueError: the wrapper's DDP keyword arguments do not fit ``strategy``.
+        """
+        if (self._runtime.prepared and self.distributed) or self._runtime.optimizers:
+            raise RuntimeError(
+                "fleet.distributed_model(model) was called before any strategy was known and the model has "
+                "already run a forward or been given an optimizer on that default strategy; pass the strategy "
+                "to fleet.distributed_model (or to fleet.init) before the first forward"
+            )
+        if strategy.sharding and strategy.sharding_config.stage == 3:
+            raise RuntimeError(
+                "fleet.distributed_model(model) was called before any strategy was known, so it wrapped the "
+                "model for data parallelism; sharding stage 3 shards the model in fleet.distributed_model: "
+                "call it after fleet.distributed_optimizer, or pass it the strategy"
+            )
+        _check_ddp_kwargs(strategy, self._ddp_kwargs)
+        if self._black_modules is not None:
+            self._black_modules.remove()
+        self._configure(strategy)
+        self.strategy_is_default = False
 
     # ------------------------------------------------------------------
     @property

@@ -704,3 +704,39 @@ def test_static_graph_with_gradient_merge_on_ddp_is_refused_before_anything_runs
     DataParallel(nn.Linear(2, 2), strategy)
     strategy.sharding = True
     DataParallel(nn.Linear(2, 2), strategy, static_graph=True)
+
+
+def _model_first_without_a_strategy(rank, world_size, model_first, custom_black):
+    from distamp import fleet
+
+    fleet.init()
+    model = WithHead()
+    strategy = make_strategy(use_pure_fp16=True, dtype="bfloat16",
+                             custom_black_varnames=["head"] if custom_black else [])
+    if model_first:  # no strategy given to init or distributed_model: the optimizer's comes later
+        wrapped = fleet.distributed_model(model)
+        opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    else:
+        opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+        wrapped = fleet.distributed_model(model)
+    for batch in global_batches(3, world_size):
+        x, y = shard(batch, rank, world_size)
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(x), y)
+        opt.zero_grad()
+        opt.backward(loss)
+        assert opt.step()
+    return flat_params(model), model.head.weight.dtype, wrapped.comm_stats.bytes
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("custom_black", [False, True])
+def test_a_model_wrapped_before_any_strategy_takes_its_optimizers(custom_black):
+    # The model-first order of the README's loop, strategy given to distributed_optimizer only: the wrapper was built
+    # on a default strategy, and the new check refused the optimizer's as "different strategies".
+    first = run_workers(_model_first_without_a_strategy, 2, True, custom_black, timeout=100)
+    second = run_workers(_model_first_without_a_strategy, 2, False, custom_black, timeout=100)
+    for (params, head_dtype, sent), (ref_params, ref_head_dtype, ref_sent) in zip(first, second, strict=True):
+        assert torch.equal(params, ref_params)
+        assert head_dtype == ref_head_dtype == (torch.float32 if custom_black else torch.bfloat16)
+        assert sent == ref_sent  # the 16-bit wire of the optimizer's strategy
