@@ -310,6 +310,12 @@ def distributed_optimizer(
     return opt
 
 
+def _optimizers_of(model: nn.Module) -> list[Any]:
+    """The optimizers fleet built on any of ``model``'s parameters, in the order they were built."""
+    own = {id(p) for p in model.parameters()}
+    return [opt for opt in _state.optimizers if any(id(p) in own for p in opt.master_weights.model_params)]
+
+
 def _fully_sharded(strategy: DistributedStrategy) -> bool:
     return strategy.sharding and strategy.sharding_config.stage == 3
 
@@ -348,11 +354,9 @@ def distributed_model(
             f"({device()} here: cuda:LOCAL_RANK with CUDA, else the CPU); move it there with "
             "model.to(fleet.device()) and remove device="
         )
-    if isinstance(model, nn.Module):  # anything else: the wrapper raises TypeError naming it
-        own = {id(p) for p in model.parameters()}
-        for opt in list(_state.optimizers):
-            if any(id(p) in own for p in opt.master_weights.model_params):
-                check_same_strategy(opt.strategy, strategy)
+    optimizers = _optimizers_of(model) if isinstance(model, nn.Module) else []  # else: the wrapper's TypeError
+    for opt in optimizers:
+        check_same_strategy(opt.strategy, strategy)
     if _fully_sharded(strategy):
         if kwargs:
             raise ValueError(
@@ -373,7 +377,7 @@ def distributed_model(
     wrapped = DataParallel(model, strategy, device=device(), **kwargs)
     wrapped.strategy_is_default = default
     _adopt(strategy, "fleet.distributed_model")
-    wrapped.attach_optimizers([opt for opt in _state.optimizers if wrapped.owns_any(opt.master_weights.model_params)])
+    wrapped.attach_optimizers(optimizers)
     _state.models.add(wrapped)
     return wrapped
 
