@@ -63,6 +63,7 @@ __all__ = [
     "tree_flatten",
     "tree_leaves",
     "tree_map_only",
+    "unflatten_dense_tensors",
     "unhooked_step",
     "with_step_hooks",
 ]
@@ -77,6 +78,9 @@ foreach_zero_ = torch._foreach_zero_
 # GradScaler's fused unscale and inf/NaN check (torch/amp/grad_scaler.py): one
 # kernel per device and dtype, no host sync. 2.11-2.14: (grads, found_inf, inv_scale).
 amp_foreach_non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
+# Views of a flat buffer shaped like each of a list of tensors, in order, made in one C++ loop
+# (torch._utils._unflatten_dense_tensors calls it; DDP and Apex use it). 2.11-2.15: (flat, tensors).
+unflatten_dense_tensors = torch._C._nn.unflatten_dense_tensors
 
 
 def foreach_norm(tensors: list[torch.Tensor], norm_type: float = 2.0) -> list[torch.Tensor]:

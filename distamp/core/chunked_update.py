@@ -10,11 +10,12 @@ and Megatron-LM's distributed optimizer update their masters chunk by chunk:
 1. :func:`check_in_chunks`: copy a chunk of 16-bit gradients into the
    scratch buffer (adding the gradient-merge sum, if any), unscale and check
    it with the fused kernel of torch's ``GradScaler``, keep the flag and the
-   maximum; repeat. Nothing is kept but two numbers.
+   maximum; repeat. Nothing is kept but two numbers, unless every gradient
+   made one chunk: then that chunk is kept (:class:`CheckedGrads`) for the step.
 2. :func:`step_in_chunks` (only when every rank agreed to apply): rebuild
    each chunk's FP32 gradients the same way (the same kernels, so the same
-   bits), run the inner optimizer on that chunk's masters only, and round
-   the updated masters into the model.
+   bits), or take the one kept chunk, run the inner optimizer on that
+   chunk's masters only, and round the updated masters into the model.
 
 A parameter larger than a chunk is cut into slices of the flat master
 buffer, each given to the inner optimizer as a parameter of its own with
@@ -41,7 +42,11 @@ large as fits below the peak the device's allocator has already reached
 (:func:`room_below_peak`, counting 16 bytes per element for the scratch
 and the inner optimizer's temporaries): where activations dominate, the
 whole model is one chunk and one ``step()``, and the step still raises no
-peak; where the parameters dominate, the chunks stay small.
+peak; where the parameters dominate, the chunks stay small. A whole-model
+chunk is built once, by the check, and kept until the step (which would
+allocate the same chunk), and its views are made in one call: on an H100
+(185.76M-parameter GPT, BF16 O2, torch 2.11) that took the step from 12.25
+to 9.62 ms, against 2.25 ms for torch's own SGD step in BF16 autocast.
 
 Sharding stages 1 and 2 use the same two functions on one rank's 16-bit
 gradient slice: there the gradient comes from a :class:`GradSource` per
@@ -61,7 +66,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import NamedTuple, Protocol, cast
 
 import torch
 from torch import nn
@@ -74,13 +79,15 @@ from distamp.torch_compat import (
     foreach_copy_,
     foreach_norm,
     tell_lr_schedulers_it_stepped,
+    unflatten_dense_tensors,
     unhooked_step,
     with_step_hooks,
 )
 
-__all__ = ["SLICEABLE_OPTIMIZERS", "SLICE_ALIGN", "GradSource", "Pair", "Piece", "as_one_step", "check_in_chunks",
-           "chunk_limit", "chunk_numel", "copy_and_unscale_", "plan_chunks", "room_below_peak",
-           "step_and_free_in_chunks", "step_in_chunks", "step_makes_temporaries", "step_only", "steps_in_chunks"]
+__all__ = ["SLICEABLE_OPTIMIZERS", "SLICE_ALIGN", "CheckedGrads", "GradSource", "Pair", "Piece", "Verdict",
+           "as_one_step", "check_in_chunks", "chunk_limit", "chunk_numel", "copy_and_unscale_", "plan_chunks",
+           "room_below_peak", "step_and_free_in_chunks", "step_in_chunks", "step_makes_temporaries", "step_only",
+           "steps_in_chunks"]
 
 SLICEABLE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 """Optimizers whose update of an element depends on that element's gradient and state only."""
@@ -146,6 +153,40 @@ class Piece:
     whole: bool
 
 
+@dataclass(frozen=True)
+class CheckedGrads:
+    """The unscaled FP32 gradients :func:`check_in_chunks` built when every pair fitted in one chunk.
+
+    Kept from the check to the step that follows it, :func:`step_in_chunks`
+    steps on them instead of building the same bits again: one pass less
+    over the gradients and one fill less, whose per-tensor Python calls are
+    what a GPU step waits on. They occupy the chunk the step would allocate
+    anyway, so the step's peak is unchanged.
+    """
+
+    masters: tuple[int, ...]
+    """``id`` of each pair's master, in order: the pairs these gradients were built for."""
+    pieces: list[Piece]
+    grads: list[torch.Tensor]
+    """One per piece, shaped like its master (views of one scratch buffer)."""
+
+    def built_for(self, pairs: Sequence[Pair]) -> bool:
+        """Whether these are the gradients of ``pairs`` (the same masters, in the same order)."""
+        return len(pairs) == len(self.masters) and all(
+            id(master) == kept for (_, master), kept in zip(pairs, self.masters, strict=True))
+
+
+class Verdict(NamedTuple):
+    """What :func:`check_in_chunks` found."""
+
+    found: torch.Tensor
+    """One-element FP32 tensor, nonzero when a gradient is inf or NaN."""
+    grad_max: torch.Tensor | None
+    """``max |g|`` over the unscaled gradients (zero-dim FP32) when asked for, else None."""
+    kept: CheckedGrads | None
+    """The unscaled FP32 gradients, when asked to keep them and they made one chunk."""
+
+
 def plan_chunks(numels: Sequence[int], limit: int, sliceable: Sequence[bool]) -> list[list[Piece]]:
     """Cut parameters of ``numels`` elements into chunks of at most ``limit`` elements, in order.
 
@@ -193,25 +234,25 @@ class _Filler:
         needed = sum(p.hi - p.lo for p in chunk)
         if needed > self.scratch.numel():  # a parameter that may not be cut, larger than a chunk
             self.scratch = torch.empty(needed, dtype=torch.float32, device=self.scratch.device)
-        dst, src, add_dst, add_src = [], [], [], []
-        offset = 0
-        for piece in chunk:
-            model_p, master = self.pairs[piece.index]
+        pairs = [self.pairs[piece.index] for piece in chunk]
+        if all(piece.whole for piece in chunk):  # every view in one call, not two per parameter
+            dst = list(unflatten_dense_tensors(self.scratch[:needed], [master for _, master in pairs]))
+        else:
+            dst, offset = [], 0
+            for piece, (_, master) in zip(chunk, pairs, strict=True):
+                view = self.scratch[offset : offset + piece.hi - piece.lo]
+                offset += piece.hi - piece.lo
+                dst.append(view.view(master.shape) if piece.whole else view)
+        src, add_dst, add_src = [], [], []
+        for piece, (model_p, _), view in zip(chunk, pairs, dst, strict=True):
             grad = model_p.grad
             if grad is None:
                 raise RuntimeError("a gradient disappeared between the inf/NaN check and the step")
-            view = self.scratch[offset : offset + piece.hi - piece.lo]
-            offset += piece.hi - piece.lo
-            if piece.whole:
-                view, source = view.view(master.shape), grad
-            else:
-                source = grad.view(-1)[piece.lo : piece.hi]
-            dst.append(view)
-            src.append(source)
-            extra = self.extra.get(id(model_p))
+            src.append(grad if piece.whole else grad.view(-1)[piece.lo : piece.hi])
+            extra = self.extra.get(id(model_p)) if self.extra else None
             if extra is not None:
                 add_dst.append(view)
-                add_src.append(extra.view(master.shape) if piece.whole else extra.view(-1)[piece.lo : piece.hi])
+                add_src.append(extra.view(view.shape) if piece.whole else extra.view(-1)[piece.lo : piece.hi])
         copy_and_unscale_(dst, src, self.found, self.factor, add_dst, add_src)
         return dst
 
@@ -232,24 +273,29 @@ def copy_and_unscale_(dst: list[torch.Tensor], src: list[torch.Tensor], found: t
 
 
 def check_in_chunks(pairs: Sequence[Pair], extra: dict[int, torch.Tensor] | None,
-                    inv_scale: float, needs_max: bool, limit: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(found, max)`` over the unscaled FP32 gradients of ``pairs``, one chunk at a time.
+                    inv_scale: float, needs_max: bool, limit: int, keep: bool = False) -> Verdict:
+    """Unscale and check the FP32 gradients of ``pairs``, one chunk at a time.
 
     ``pairs`` are ``(model parameter or other gradient source, FP32
     master)`` on one device, each with a gradient; ``extra`` maps
-    ``id(source)`` to an FP32 gradient-merge sum to add first. ``found`` is a one-element FP32 tensor,
-    nonzero when a gradient is inf or NaN; ``max`` is ``max |g|`` (a
-    zero-dim FP32 tensor) when ``needs_max``. The model's gradients are not
-    changed.
+    ``id(source)`` to an FP32 gradient-merge sum to add first. The model's
+    gradients are not changed. With ``keep``, the FP32 gradients are kept
+    in the :class:`Verdict` when all of them made one chunk (on CUDA, where
+    they fit below the peak already reached: see :func:`room_below_peak`).
     """
     filler = _Filler(pairs, extra, inv_scale, limit)
     maxima = []
-    for chunk in plan_chunks([m.numel() for _, m in pairs], limit, [_contiguous(p) for p, _ in pairs]):
+    chunks = plan_chunks([m.numel() for _, m in pairs], limit, [_contiguous(p) for p, _ in pairs])
+    grads: list[torch.Tensor] = []
+    for chunk in chunks:
         grads = filler.fill(chunk)
         if needs_max:
             maxima.append(torch.stack(foreach_norm(grads, math.inf)).max())
     grad_max = torch.stack(maxima).max() if maxima else None
-    return filler.found, grad_max
+    kept = None
+    if keep and len(chunks) == 1:
+        kept = CheckedGrads(tuple(id(master) for _, master in pairs), chunks[0], grads)
+    return Verdict(filler.found, grad_max, kept)
 
 
 def steps_in_chunks(optimizer: torch.optim.Optimizer) -> bool:
@@ -276,11 +322,12 @@ def step_makes_temporaries(optimizer: torch.optim.Optimizer) -> bool:
 
 def step_in_chunks(optimizer: torch.optim.Optimizer, pairs: Sequence[Pair],
                    extra: dict[int, torch.Tensor] | None, inv_scale: float, limit: int,
-                   into_model: bool = True) -> None:
+                   into_model: bool = True, kept: CheckedGrads | None = None) -> None:
     """Step ``optimizer`` on the masters of ``pairs`` chunk by chunk and round each chunk into the model.
 
     Each chunk's FP32 gradients are rebuilt as :func:`check_in_chunks`
-    built them; the inner optimizer's param groups hold only that chunk's
+    built them, or taken from ``kept``, the gradients that check kept for
+    these pairs; the inner optimizer's param groups hold only that chunk's
     masters (or slices of them) while it steps, and are restored after.
     ``optimizer`` must satisfy :func:`steps_in_chunks`. With ``into_model``
     False the masters are not copied anywhere (``pairs`` then need not be
@@ -291,12 +338,20 @@ def step_in_chunks(optimizer: torch.optim.Optimizer, pairs: Sequence[Pair],
     fresh = {id(m) for _, m in pairs if not optimizer.state.get(m)}
     # Per-parameter scalars (Adam's step) as they were before the step: every slice advances its own copy.
     before: dict[int, dict[str, object]] = {}
-    filler = _Filler(pairs, extra, inv_scale, limit)
-    for chunk in plan_chunks([m.numel() for _, m in pairs], limit, [_contiguous(p) for p, _ in pairs]):
+    if kept is not None and kept.built_for(pairs):
+        chunks, filler = [kept.pieces], None
+    else:
+        filler = _Filler(pairs, extra, inv_scale, limit)
+        chunks = plan_chunks([m.numel() for _, m in pairs], limit, [_contiguous(p) for p, _ in pairs])
+    for chunk in chunks:
         pieces = [p for p in chunk if id(pairs[p.index][1]) in group_of]
         if not pieces:
             continue
-        grads = filler.fill(pieces)
+        if filler is None:
+            grads = [grad for p, grad in zip(chunk, cast(CheckedGrads, kept).grads, strict=True)
+                     if id(pairs[p.index][1]) in group_of]
+        else:
+            grads = filler.fill(pieces)
         members: list[list[nn.Parameter]] = [[] for _ in optimizer.param_groups]
         slices: list[tuple[Piece, nn.Parameter]] = []
         for piece, grad in zip(pieces, grads, strict=True):

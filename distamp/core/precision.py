@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.core.chunked_update import (
+    CheckedGrads,
     as_one_step,
     check_in_chunks,
     chunk_limit,
@@ -363,7 +364,8 @@ class PureLowPrecision(MixedPrecision):
     unscaled and checked there with the same fused kernel as O1, so the
     check never needs a 16-bit kernel (torch has had none for BF16 on CUDA
     in several releases, pytorch issue 127176); once every rank agreed to
-    apply, each chunk is rebuilt the same way, its masters are updated and
+    apply, each chunk is rebuilt the same way (or, where one chunk held all
+    of them, the check's is kept for the step), its masters are updated and
     rounded into the model. ``unscale_()`` and clipping, which show and
     change whole gradients, make whole FP32 master gradients for that step.
 
@@ -388,6 +390,7 @@ class PureLowPrecision(MixedPrecision):
         self.grad_accumulator: Fp32GradAccumulator | None = None
         self._merge_sum: dict[int, torch.Tensor] | None = None  # taken at the check, added again at the step
         self._inv_scale = 1.0
+        self._kept: dict[torch.device, CheckedGrads] = {}  # the check's FP32 gradients, where one chunk held them
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * scale`` in FP32; a tied parameter's gradients will be summed in place.
@@ -433,11 +436,15 @@ class PureLowPrecision(MixedPrecision):
         device = self._any_device()
         flags = torch.zeros(2, dtype=torch.float32, device=device)
         maxima = []
+        self._kept = {}
         for pairs in _pairs_by_device(masters.pairs_with_grads()):
-            found, grad_max = check_in_chunks(pairs, self._merge_sum, self._inv_scale, needs_max, chunk_limit(pairs))
+            found, grad_max, kept = check_in_chunks(pairs, self._merge_sum, self._inv_scale, needs_max,
+                                                    chunk_limit(pairs), keep=True)
             flags[0] += found.to(device)[0]
             if grad_max is not None:
                 maxima.append(grad_max.to(device))
+            if kept is not None:
+                self._kept[pairs[0][1].device] = kept
         own = masters.own_grads()
         for (dev, _), group_grads in _by_device_and_dtype(own).items():
             found = torch.zeros(1, dtype=torch.float32, device=dev)
@@ -450,6 +457,8 @@ class PureLowPrecision(MixedPrecision):
             flags[1] = torch.stack(maxima).max()
         all_reduce_max(flags, group)
         found_inf, grad_max = flags.tolist()
+        if found_inf > 0:
+            self._kept = {}
         return found_inf > 0, (grad_max if needs_max else None)
 
     def _whole_master_grads(self) -> None:
@@ -472,6 +481,7 @@ class PureLowPrecision(MixedPrecision):
         taken back by :meth:`take_user_grad_changes`. The whole FP32 master
         gradients this needs live until the step is applied.
         """
+        self._kept = {}
         self._whole_master_grads()
         pairs = self.master_weights.grad_pairs()
         if pairs:
@@ -503,17 +513,20 @@ class PureLowPrecision(MixedPrecision):
         if not masters.has_master_grads and steps_in_chunks(optimizer):
             as_one_step(optimizer, lambda: self._step_in_chunks(optimizer))
         else:
+            self._kept = {}  # freed before the whole gradients are made
             if not masters.has_master_grads:
                 self._whole_master_grads()
             optimizer.step()
             self.after_applied_step()
         masters.zero_master_grads()
         self._merge_sum = None
+        self._kept = {}
 
     def _step_in_chunks(self, optimizer: torch.optim.Optimizer) -> None:
         masters = self.master_weights
         for pairs in _pairs_by_device(masters.pairs_with_grads()):
-            step_in_chunks(optimizer, pairs, self._merge_sum, self._inv_scale, chunk_limit(pairs))
+            step_in_chunks(optimizer, pairs, self._merge_sum, self._inv_scale, chunk_limit(pairs),
+                           kept=self._kept.pop(pairs[0][1].device, None))
         own = [p for p in masters.model_params if masters.master_for(p) is p and p.grad is not None]
         if own:
             step_only(optimizer, own)

@@ -30,7 +30,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distamp.core.chunked_update import as_one_step, check_in_chunks, chunk_limit, step_in_chunks, steps_in_chunks
+from distamp.core.chunked_update import (
+    CheckedGrads,
+    as_one_step,
+    check_in_chunks,
+    chunk_limit,
+    step_in_chunks,
+    steps_in_chunks,
+)
 from distamp.core.grad_accumulator import Fp32GradAccumulator
 from distamp.core.precision import FullPrecision, MixedPrecision
 from distamp.distributed.flag_sync import all_reduce_max
@@ -95,6 +102,7 @@ class ShardedPrecision(MixedPrecision):
         self.grad_accumulator: Fp32GradAccumulator | None = None
         self._exposed: list[tuple[torch.Tensor, int]] | None = None
         self._inv_scale = 1.0
+        self._kept: CheckedGrads | None = None  # the check's FP32 slice gradients, where one chunk held them
 
     @property
     def loss_scale(self) -> float:
@@ -140,11 +148,12 @@ class ShardedPrecision(MixedPrecision):
         device = slice_grads.device
         flags = torch.zeros(2, dtype=torch.float32, device=device)
         grads = slice_grads.fp32_buffer
+        self._kept = None
         if grads is None:  # a 16-bit slice: FP32 one chunk at a time
             pairs = slice_grads.pairs()
             if pairs:
-                found, grad_max = check_in_chunks(pairs, None, self._inv_scale, self.scaler.needs_grad_max,
-                                                  chunk_limit(pairs))
+                found, grad_max, self._kept = check_in_chunks(pairs, None, self._inv_scale,
+                                                              self.scaler.needs_grad_max, chunk_limit(pairs), keep=True)
                 flags[0] = found[0]
                 if grad_max is not None:
                     flags[1] = grad_max
@@ -157,6 +166,8 @@ class ShardedPrecision(MixedPrecision):
                 flags[1] = grads.abs().max()
         all_reduce_max(flags, self.group)
         found_inf, grad_max = flags.tolist()
+        if found_inf > 0:
+            self._kept = None
         return found_inf > 0, (grad_max if self.scaler.needs_grad_max else None)
 
     def expose_unscaled_grads(self) -> None:
@@ -165,6 +176,7 @@ class ShardedPrecision(MixedPrecision):
         A 16-bit slice gets its whole unscaled FP32 copy first, which the
         step then applies (clipping changes it).
         """
+        self._kept = None
         self.master_weights.grads.materialize(self._inv_scale)
         self._exposed = self.master_weights.grads.expose()
 
@@ -206,20 +218,24 @@ class ShardedPrecision(MixedPrecision):
         copy made for this step; the copy is freed after the step.
         """
         slice_grads = self.master_weights.grads
+        kept, self._kept = self._kept, None
         if slice_grads.fp32_buffer is None:
             if steps_in_chunks(optimizer):
                 pairs = slice_grads.pairs()
 
                 def update() -> None:
                     if pairs:  # a rank whose slice holds nothing still runs the step's hooks
-                        step_in_chunks(optimizer, pairs, None, self._inv_scale, chunk_limit(pairs), into_model=False)
+                        step_in_chunks(optimizer, pairs, None, self._inv_scale, chunk_limit(pairs), into_model=False,
+                                       kept=kept)
 
                 as_one_step(optimizer, update)
             else:
+                kept = None  # freed before the whole FP32 copy is made
                 slice_grads.materialize(self._inv_scale)
                 optimizer.step()
         else:
             optimizer.step()
+        kept = None
         slice_grads.drop_fp32()
         self.after_applied_step()
 

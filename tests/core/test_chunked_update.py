@@ -46,10 +46,25 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(chunked_update, "_CHUNKS", 10_000)
 
 
+@pytest.fixture(params=["small_chunks", "one_chunk"])
+def chunking(request, monkeypatch):
+    """Small chunks (the embedding cut into slices, every chunk built twice: to check, then to step), or one
+    chunk, as on a GPU with room below the peak (the check's FP32 gradients are kept and stepped on)."""
+    if request.param == "small_chunks":
+        request.getfixturevalue("small_chunks")
+    else:
+        monkeypatch.setattr(chunked_update, "room_below_peak", lambda device: 1 << 40)
+    fills = []
+    fill = chunked_update._Filler.fill
+    monkeypatch.setattr(chunked_update._Filler, "fill", lambda self, chunk: (fills.append(1), fill(self, chunk))[1])
+    return request.param, fills
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_o2_masters_state_and_skips_are_bitwise_the_whole_gradient_algorithm(small_chunks, name, dtype):
+def test_o2_masters_state_and_skips_are_bitwise_the_whole_gradient_algorithm(chunking, name, dtype):
     low = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    how, fills = chunking
     model = _model()
     ref_masters = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
     ref_opt = OPTIMIZERS[name](ref_masters)
@@ -70,7 +85,12 @@ def test_o2_masters_state_and_skips_are_bitwise_the_whole_gradient_algorithm(sma
             model[0].weight.grad[5, 7] = float("inf")
         grads16 = [p.grad.clone() for p in model.parameters()]
         scale = opt.get_loss_scaling()
+        fills.clear()
         decisions.append(opt.step())
+        if how == "one_chunk" and name != "rmsprop":
+            assert len(fills) == 1  # the check's fill; the step used its gradients
+        elif how == "small_chunks" and decisions[-1] and name != "rmsprop":
+            assert len(fills) == 2 * 5  # 5 chunks (the embedding in 4 slices), built to check, then to step
 
         # The reference: whole FP32 gradients, unscaled by GradScaler's float32 reciprocal, checked, one step.
         inv = torch.tensor(1.0 / scale, dtype=torch.float32)
@@ -187,7 +207,7 @@ def test_sources_that_are_not_parameters_step_their_masters_and_nothing_is_copie
     torch.optim.AdamW(reference, lr=1e-2).step()
     optimizer = torch.optim.AdamW(masters, lr=1e-2)
     pairs = list(zip(sources, masters, strict=True))
-    found, grad_max = chunked_update.check_in_chunks(pairs, None, 1 / 64, True, SLICE_ALIGN)
+    found, grad_max, _ = chunked_update.check_in_chunks(pairs, None, 1 / 64, True, SLICE_ALIGN)
     assert found.item() == 0
     assert grad_max.item() == max(grad.float().abs().max().item() / 64 for grad in grads16)
     chunked_update.step_in_chunks(optimizer, pairs, None, 1 / 64, SLICE_ALIGN, into_model=False)
