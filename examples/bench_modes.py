@@ -116,6 +116,12 @@ def bf16_gloo_compress_hook(process_group, bucket: dist.GradBucket) -> torch.fut
 class Runner:
     """One mode's model and its training step; ``step(x, y)`` returns the detached loss.
 
+    A step is three phases, which ``step_phases.py`` times apart:
+    ``forward(x, y)`` (the loss under the mode's autocast), ``backward(loss)``
+    (zeroing the gradients first, then the backward with the mode's loss
+    scaling and gradient communication) and ``update()`` (unscaling, the
+    inf/NaN verdict where the mode has one, the optimizer step).
+
     ``model`` is what the step calls (compiled when asked). ``ddp`` is the
     torch-native modes' DDP, where a probe may register a hook; ``None`` for
     distamp (which registers its own) and in a one-process world. Call
@@ -125,9 +131,18 @@ class Runner:
 
     mode: str
     model: nn.Module
-    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    backward: Callable[[torch.Tensor], None]
+    update: Callable[[], None]
     ddp: DDP | None = None
     select: Callable[[], None] = lambda: None
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One training step on ``(x, y)``: the three phases in order; the detached loss."""
+        loss = self.forward(x, y)
+        self.backward(loss)
+        self.update()
+        return loss.detach()
 
 
 def _multi_rank() -> bool:
@@ -162,20 +177,22 @@ def _torch_runner(mode: str, model: nn.Module, loss_fn: LossFn, device: torch.de
         optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     scaler = torch.amp.GradScaler(device.type) if dtype is torch.float16 else None
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def run_forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            loss = loss_fn(forward(x), y)
+            return loss_fn(forward(x), y)
+
+    def run_backward(loss: torch.Tensor) -> None:
         optimizer.zero_grad(set_to_none=True)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+
+    def run_update() -> None:
         if scaler is None:
-            loss.backward()
             optimizer.step()
         else:
-            scaler.scale(loss).backward()
             scaler.step(optimizer)
             scaler.update()
-        return loss.detach()
 
-    return Runner(mode, forward, step, ddp)
+    return Runner(mode, forward, run_forward, run_backward, run_update, ddp)
 
 
 def _fully_shard_like_stage3(model: nn.Module, device: torch.device) -> None:
@@ -226,15 +243,16 @@ def _distamp_runner(mode: str, model: nn.Module, loss_fn: LossFn, lr: float, buc
     wrapped = fleet.distributed_model(model, strategy)
     forward = torch.compile(wrapped) if compiled else wrapped
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def run_forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with fleet.auto_cast():
-            loss = loss_fn(forward(x), y)
+            return loss_fn(forward(x), y)
+
+    def run_backward(loss: torch.Tensor) -> None:
         optimizer.zero_grad()
         optimizer.backward(loss)
-        optimizer.step()
-        return loss.detach()
 
-    return Runner(mode, forward, step, select=lambda: fleet.init(strategy=strategy))
+    return Runner(mode, forward, run_forward, run_backward, optimizer.step,
+                  select=lambda: fleet.init(strategy=strategy))
 
 
 def build_runner(mode: str, fam: ModelFamily, device: torch.device, *, seed: int = 0, lr: float = 0.01,

@@ -6,13 +6,14 @@
 #   bash examples/gpu_check.sh --dry-run     # print the plan only (also what a machine without a GPU does)
 #
 # Installs nothing. Each step runs under its own `timeout`, so a hang costs only that step's
-# seconds; the budgets below add up to 455 s. Files in OUT_DIR (8):
+# seconds; the budgets below add up to 480 s. Files in OUT_DIR (8):
 #   env.txt          GPU, driver, torch, CUDA, NCCL, Python versions
 #   cuda_tests.txt   pytest -m cuda tests/cuda -rA
 #   digits.txt       examples/train_digits.py, 900 steps on GPU 0: FP32, FP16 O1, FP16 O2, BF16 O2,
 #                    BF16 O2 stage 2, BF16 stage 3, FP16 O2 PowerSGD (concurrently, each its own out dir)
 #   bench_eager.txt  examples/benchmark.py, GPT 185.76M (d_model 1024, 12 layers, 16 heads, vocab 32768,
-#                    seq 1024, batch 8): FP32, torch BF16/FP16, distamp O1/O2 BF16/FP16; peak memory probes
+#                    seq 1024, batch 8): FP32, torch BF16/FP16, distamp O1/O2 BF16/FP16; peak memory probes;
+#                    then examples/step_phases.py on it: forward, backward and update apart, torch against O2
 #   bench_compiled.txt  the same GPT with --compile: torch and distamp O2, BF16 and FP16 (no probes: a probe
 #                    compiles again in its own process, which the budget does not hold)
 #   peak_breakdown.txt  examples/peak_breakdown.py on the same GPT, torch BF16 and distamp O2 BF16 (side by
@@ -71,15 +72,18 @@ T_EAGER=170
 T_COMPILED=110
 T_BREAKDOWN=45
 T_NCCL=45
+T_PHASES=25
+PHASE_MODES="torch_bf16,distamp_o2_bf16,torch_fp16,distamp_o2_fp16"
 
 plan() {
-  echo "gpu_check plan ($GPUS GPU(s) visible; step budgets add up to $((T_ENV + T_TESTS_AND_DIGITS + T_EAGER + T_COMPILED + T_BREAKDOWN + T_NCCL)) s):"
+  echo "gpu_check plan ($GPUS GPU(s) visible; step budgets add up to $((T_ENV + T_TESTS_AND_DIGITS + T_EAGER + T_PHASES + T_COMPILED + T_BREAKDOWN + T_NCCL)) s):"
   echo "  step env: ${T_ENV} s -> env.txt (nvidia-smi; torch, CUDA, NCCL, Python versions)"
   echo "  step cuda_tests: ${T_TESTS_AND_DIGITS} s, alongside the digits -> cuda_tests.txt: $PY -m pytest -m cuda tests/cuda -rA"
   for name in $DIGITS_ORDER; do
     echo "  step digits_$name: ${T_TESTS_AND_DIGITS} s, concurrent -> digits.txt: $PY examples/train_digits.py ${DIGITS[$name]} --max_steps $DIGITS_STEPS --no_progress"
   done
   echo "  step bench_eager: ${T_EAGER} s -> bench_eager.txt: $PY examples/benchmark.py $GPT --modes $EAGER_MODES --reps 2 --steps 5 --warmup 2 --probe_steps 2"
+  echo "  step step_phases: ${T_PHASES} s -> bench_eager.txt (appended): $PY examples/step_phases.py $GPT --modes $PHASE_MODES --steps 4 --warmup 2"
   echo "  step bench_compiled: ${T_COMPILED} s -> bench_compiled.txt: $PY examples/benchmark.py $GPT --compile --modes $COMPILED_MODES --reps 2 --steps 5 --warmup 2 --probe_steps 0"
   echo "  step peak_breakdown: ${T_BREAKDOWN} s -> peak_breakdown.txt: $PY examples/peak_breakdown.py $GPT --mode torch_bf16|distamp_o2_bf16 --steps 3 (both at once)"
   for name in $NCCL_ORDER; do
@@ -160,6 +164,15 @@ bench() {  # NAME SECONDS FILE FLAGS...
   record "$name" "$rc" $((SECONDS - t0)) "$(grep -m1 -E 'distamp_o2_bf16' "$OUT/$file" | tr -s ' ' | cut -c1-100)"
 }
 bench bench_eager "$T_EAGER" bench_eager.txt --modes "$EAGER_MODES" --reps 2 --steps 5 --warmup 2 --probe_steps 2
+t0=$SECONDS
+{
+  echo
+  echo "===== step_phases.py: forward, backward and update apart"
+  # shellcheck disable=SC2086
+  timeout -k 5 "$T_PHASES" "$PY" examples/step_phases.py $GPT --modes "$PHASE_MODES" --steps 4 --warmup 2
+} >> "$OUT/bench_eager.txt" 2>&1
+rc=$?
+record step_phases "$rc" $((SECONDS - t0)) "$(grep -m1 '^| distamp_o2_bf16 |' "$OUT/bench_eager.txt" | tr -s ' ' | cut -c1-100)"
 bench bench_compiled "$T_COMPILED" bench_compiled.txt --compile --modes "$COMPILED_MODES" --reps 2 --steps 5 \
   --warmup 2 --probe_steps 0
 

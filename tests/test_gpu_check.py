@@ -15,7 +15,7 @@ STEPS = [
     "env", "cuda_tests",
     *(f"digits_{n}" for n in ("fp32", "fp16_o1", "fp16_o2", "bf16_o2", "bf16_o2_stage2", "bf16_stage3",
                               "fp16_o2_powersgd")),
-    "bench_eager", "bench_compiled", "peak_breakdown",
+    "bench_eager", "step_phases", "bench_compiled", "peak_breakdown",
     *(f"nccl_2rank_{n}" for n in ("lockstep_bf16_o2", "stage2", "stage3", "powersgd")),
 ]
 
@@ -44,6 +44,6 @@ def test_the_dry_run_plans_every_step_into_at_most_eight_files_within_eight_minu
     assert budget <= 480
     for needle in ("pytest -m cuda tests/cuda -rA", "--d_model 1024 --layers 12 --heads 16 --vocab 32768",
                    "--seq_len 1024 --batch 8", "--compile", "--probe_steps 2", "distrun --gpus 0,1",
-                   "examples/peak_breakdown.py"):
+                   "examples/peak_breakdown.py", "examples/step_phases.py"):
         assert needle in proc.stdout
     assert list(tmp_path.iterdir()) == []  # a plan writes nothing
