@@ -19,8 +19,11 @@ forward from reading a stale parameter:
    parameter that shares memory with a tensor among the arguments (inside
    lists, tuples and dicts too): the parameter itself, or a view,
    ``.data`` or ``.detach()`` of it, even one made before ``step()``.
-3. After the whole model's forward, and before ``state_dict()`` of the model
-   (wrapped or not), everything left is finished.
+3. After the whole model's forward, and before ``state_dict()`` and
+   ``load_state_dict()`` of the model (wrapped or not), everything left is
+   finished: a load must not be overwritten by messages still landing (on
+   gloo they write into the parameters as they arrive, and in O1 and with
+   AMP off this rank's slice is sent from the parameters themselves).
 
 Which rounds are finished depends only on the calls made (which modules run,
 which torch functions get which parameters), never on timing, so ranks
@@ -87,6 +90,7 @@ class ForwardParamGather:
                 self.handles.append(sub.register_forward_hook(_PostHook(self), always_call=True))
             self.handles.append(self.module.register_forward_hook(_FinishAll(self)))
             self.handles.append(self.module.register_state_dict_pre_hook(_FinishAll(self)))
+            self.handles.append(self.module.register_load_state_dict_pre_hook(_FinishAll(self)))
 
     def remove(self) -> None:
         """Remove the hooks; the optimizers finish their gathers inside ``step()`` again."""
@@ -217,7 +221,8 @@ class _PostHook:
 
 
 class _FinishAll:
-    """After the model's forward and before its ``state_dict()``: finish every attached optimizer's gather."""
+    """After the model's forward and before its ``state_dict()`` or ``load_state_dict()``: finish every attached
+    optimizer's gather."""
 
     def __init__(self, owner: ForwardParamGather) -> None:
         self.owner = owner

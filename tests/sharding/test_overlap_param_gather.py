@@ -11,6 +11,8 @@ each in O2 BF16 AdamW with sharding stage 2, with and without
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,3 +118,66 @@ def test_models_that_read_parameters_outside_their_modules_train_bitwise_as_with
     equal = {name: [torch.equal(r[name][1], r[name][0]) for r in results] for name in _models()}
     assert equal == {name: [True, True] for name in _models()}
     assert all(torch.equal(results[1][name][0], results[0][name][0]) for name in _models())
+
+
+def _load_after_step(rank, world, stage, mode, overlap):
+    """Two steps, ``model.load_state_dict`` of the start values right after the second, two more steps."""
+    from distamp import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 4 * D), nn.Tanh(), nn.Linear(4 * D, D))
+    amp = {"O1": {"dtype": "bfloat16"}, "O2": {"use_pure_fp16": True, "dtype": "bfloat16"}}.get(mode)
+    strategy = _strategy(stage, amp=amp is not None, overlap=overlap, **(amp or {}))
+    strategy.fuse_grad_size_in_MB = 0.0002
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    gather, late = opt.master_weights.gather, []
+    if rank == 1:  # rank 1's messages leave after rank 0 has loaded: they land on top of the load unless finished
+        launch = gather.start
+        gather.start = lambda *a, **kw: (time.sleep(0.5 if late else 0), launch(*a, **kw))[1]
+    g = torch.Generator().manual_seed(1)
+    losses, running_after_load = [], None
+    for step in range(4):
+        x = torch.randn(PER_RANK * world, D, generator=g)[rank * PER_RANK:(rank + 1) * PER_RANK]
+        with fleet.auto_cast():
+            loss = wrapped(x).float().square().mean()
+        losses.append(loss.detach())
+        opt.zero_grad()
+        opt.backward(loss)
+        late[:] = [step == 1]
+        assert opt.step()
+        late.clear()
+        if step == 1:
+            model.load_state_dict(start)  # e.g. a rollback: the gather must not land on top of it
+            running_after_load = opt.master_weights.gather_running
+            opt.finish_param_gather()
+            loaded = _flat(model)
+    opt.finish_param_gather()
+    return {"losses": torch.stack(losses), "params": _flat(model), "loaded": loaded,
+            "start": torch.cat([v.float().reshape(-1) for v in start.values()]), "running": running_after_load}
+
+
+def _loads(rank, world):
+    return {(stage, mode, overlap): _load_after_step(rank, world, stage, mode, overlap)
+            for stage in (1, 2) for mode in ("off", "O1") for overlap in (False, True)}
+
+
+@pytest.mark.timeout(150)
+def test_the_models_load_state_dict_right_after_step_is_not_overwritten_by_the_gather():
+    """Was: the model's load_state_dict() right after step() left the gather running, and its messages (on gloo
+    written into the parameters as they land; in O1 and AMP off this rank's slice sent from the parameters) then
+    overwrote the loaded values wherever they landed after the load, so the next forward trained on the step's
+    values instead. Rank 1 here posts its messages late, so they land after rank 0's load."""
+    results = run_workers(_loads, 2, timeout=130)
+    for rank, out in enumerate(results):
+        for stage in (1, 2):
+            for mode in ("off", "O1"):
+                plain, overlapped = out[stage, mode, False], out[stage, mode, True]
+                assert overlapped["running"] is False, (rank, stage, mode)
+                assert torch.equal(overlapped["loaded"], overlapped["start"]), (rank, stage, mode)
+                assert torch.equal(plain["loaded"], plain["start"])
+                assert torch.equal(overlapped["losses"], plain["losses"]), (rank, stage, mode)
+                assert torch.equal(overlapped["params"], plain["params"]), (rank, stage, mode)
+                assert torch.equal(overlapped["params"], results[0][stage, mode, True]["params"])

@@ -53,12 +53,15 @@ def test_each_module_with_parameters_finishes_its_own_before_running_and_the_mod
     hooks.attach(opt)  # attaching twice changes nothing
     assert opt.precision.gather_hooked is True
     # Pre- and forward hooks on the five modules with parameters inside (not ReLU), the model's last forward hook
-    # and its state_dict pre-hook.
-    assert len(hooks.handles) == 12
+    # and its state_dict and load_state_dict pre-hooks.
+    assert len(hooks.handles) == 13
     model(torch.randn(2, 3))
     assert opt.calls == [["0.weight", "0.bias"], ["2.0.weight", "2.0.bias"], ["2.1.weight", "2.1.bias"], None]
     opt.calls.clear()
-    model.state_dict()
+    state = model.state_dict()
+    assert opt.calls == [None]
+    opt.calls.clear()
+    model.load_state_dict(state)
     assert opt.calls == [None]
     opt.calls.clear()
     hooks.remove()
@@ -66,7 +69,7 @@ def test_each_module_with_parameters_finishes_its_own_before_running_and_the_mod
     assert opt.calls == [None]  # removal finishes what is running
     opt.calls.clear()
     model(torch.randn(2, 3))
-    model.state_dict()
+    model.load_state_dict(model.state_dict())
     assert opt.calls == []
 
 
