@@ -30,7 +30,9 @@ which torch functions get which parameters), never on timing, so ranks
 running the same forward issue the same collectives in the same order.
 
 Not covered, so stale there: code outside a forward of the model or of one
-of its modules (call ``optimizer.finish_param_gather()`` first); native code
+of its modules (call ``optimizer.finish_param_gather()`` first), a copy of
+the model included (``copy.deepcopy`` or pickling copies the parameters as
+they are, and gives the copy inert hooks); native code
 or a NumPy array that reads a parameter's memory without torch's function
 dispatch. Under
 ``torch.compile`` every hook finishes the whole gather (compiled code is not
@@ -196,7 +198,28 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-class _PreHook:
+class _Hook:
+    """A hook of :class:`ForwardParamGather`: a copy of the model (``copy.deepcopy``, pickling) gets a
+    :class:`_CopiedHook` instead, as a model trained without ``overlap_param_gather`` has no hook to copy."""
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return _CopiedHook, ()
+
+
+class _CopiedHook:
+    """What each hook becomes in a copy of the model (an EMA, a best-model snapshot): nothing.
+
+    The copy has no optimizer whose gather its forward could finish, and
+    copying the hook must not copy the original's optimizers (which refuse
+    to be copied); the copy holds the parameters as they were when it was
+    made (after ``step()``, stale until the gather is finished).
+    """
+
+    def __call__(self, *_: Any) -> None:
+        return None
+
+
+class _PreHook(_Hook):
     """Before a module with parameters runs: :meth:`ForwardParamGather.enter`; compiled, finish everything."""
 
     def __init__(self, owner: ForwardParamGather, own: list[nn.Parameter]) -> None:
@@ -209,7 +232,7 @@ class _PreHook:
             self.owner.enter(self.own)
 
 
-class _PostHook:
+class _PostHook(_Hook):
     """After a module with parameters has returned or raised: :meth:`ForwardParamGather.leave`."""
 
     def __init__(self, owner: ForwardParamGather) -> None:
@@ -220,7 +243,7 @@ class _PostHook:
             self.owner.leave()
 
 
-class _FinishAll:
+class _FinishAll(_Hook):
     """After the model's forward and before its ``state_dict()`` or ``load_state_dict()``: finish every attached
     optimizer's gather."""
 

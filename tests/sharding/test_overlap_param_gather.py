@@ -181,3 +181,63 @@ def test_the_models_load_state_dict_right_after_step_is_not_overwritten_by_the_g
                 assert torch.equal(overlapped["losses"], plain["losses"]), (rank, stage, mode)
                 assert torch.equal(overlapped["params"], plain["params"]), (rank, stage, mode)
                 assert torch.equal(overlapped["params"], results[0][stage, mode, True]["params"])
+
+
+def _copies(rank, world):
+    """Per stage and overlap: a deepcopy and a pickled copy of the model after a step, and the training around."""
+    import copy
+    import io
+
+    from distamp import fleet
+
+    out = {}
+    for stage in (1, 2):
+        for overlap in (False, True):
+            fleet.init()
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(D, 4 * D), nn.Tanh(), nn.Linear(4 * D, D))
+            strategy = _strategy(stage, use_pure_fp16=True, dtype="bfloat16", overlap=overlap)
+            strategy.fuse_grad_size_in_MB = 0.0002
+            opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), strategy)
+            wrapped = fleet.distributed_model(model, strategy)
+            g = torch.Generator().manual_seed(1)
+            copies, running = [], []
+            for step in range(3):
+                x = torch.randn(PER_RANK * world, D, generator=g)[rank * PER_RANK:(rank + 1) * PER_RANK]
+                with fleet.auto_cast():
+                    loss = wrapped(x).float().square().mean()
+                opt.zero_grad()
+                opt.backward(loss)
+                assert opt.step()
+                if step == 1:
+                    opt.finish_param_gather()  # the copies read the parameters outside a forward
+                    ema = copy.deepcopy(model)
+                    buffer = io.BytesIO()
+                    torch.save(model, buffer)
+                    buffer.seek(0)
+                    pickled = torch.load(buffer, weights_only=False)
+                    copies = [_flat(ema), _flat(pickled)]
+            # The copies' forwards run hooks that finish nothing: the original's gather is still running.
+            with torch.no_grad():
+                outputs = [ema(x.bfloat16()).float(), pickled(x.bfloat16()).float()]
+            running.append(opt.master_weights.gather_running)
+            opt.finish_param_gather()
+            out[stage, overlap] = {"params": _flat(model), "copies": copies, "outputs": outputs, "running": running}
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_a_copy_of_the_model_is_made_as_without_overlap_and_its_forward_finishes_nothing():
+    """Was: copy.deepcopy(model) (an EMA, a best-model snapshot) and torch.save(model) failed with overlap_param_gather
+    on ('AmpOptimizer is not picklable; save optimizer.state_dict() instead': the forward hooks held the
+    optimizer), while they work without it."""
+    results = run_workers(_copies, 2, timeout=130)
+    for out in results:
+        for stage in (1, 2):
+            plain, overlapped = out[stage, False], out[stage, True]
+            assert torch.equal(overlapped["params"], plain["params"]), stage
+            for ours, theirs in zip(overlapped["copies"] + overlapped["outputs"], plain["copies"] + plain["outputs"],
+                                    strict=True):
+                assert torch.equal(ours, theirs), stage
+            assert overlapped["running"] == [True]
+            assert plain["running"] == [False]
