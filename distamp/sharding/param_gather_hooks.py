@@ -27,7 +27,11 @@ forward from reading a stale parameter:
 
 Which rounds are finished depends only on the calls made (which modules run,
 which torch functions get which parameters), never on timing, so ranks
-running the same forward issue the same collectives in the same order.
+running the same forward issue the same collectives in the same order. The
+``state_dict()`` pre-hook is collective too: on the collective rounds (NCCL)
+a ``state_dict()`` on one rank alone launches the remaining rounds there
+only, and the next other collective hangs; before a one-rank save every
+rank calls ``optimizer.finish_param_gather()``.
 
 Not covered, so stale there: code outside a forward of the model or of one
 of its modules (call ``optimizer.finish_param_gather()`` first), a copy of
