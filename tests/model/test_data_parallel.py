@@ -50,12 +50,12 @@ def make_strategy(amp=True, **configs):
     return strategy
 
 
-def build(strategy, inner="sgd", seed=0, model_first=False, **model_kwargs):
-    """fleet.distributed_optimizer + fleet.distributed_model, in either order."""
+def build(strategy, inner="sgd", seed=0, model_first=False, model=None, **model_kwargs):
+    """fleet.distributed_optimizer + fleet.distributed_model, in either order (on ``tiny_mlp(seed)`` by default)."""
     from distamp import fleet
 
     fleet.init()
-    model = tiny_mlp(seed)
+    model = tiny_mlp(seed) if model is None else model
     make_inner = {
         "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
         "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
@@ -161,18 +161,23 @@ STEPS = 4
 
 
 def _train_distributed(rank, world_size, pure, dtype, inner, model_first):
-    from distamp import fleet
-
     strategy = make_strategy(use_pure_fp16=pure, dtype=dtype)
     _, wrapped, opt = build(strategy, inner=inner, seed=rank, model_first=model_first)  # seeds differ: broadcast fixes
-    for batch in global_batches(STEPS, world_size):
+    _train(wrapped, opt, STEPS, rank, world_size)
+    return flat_params(wrapped.module), flat_params_masters(opt)
+
+
+def _train(wrapped, opt, steps, rank, world_size):
+    """``steps`` applied steps of MSE on this rank's shard of the global batches."""
+    from distamp import fleet
+
+    for batch in global_batches(steps, world_size):
         x, y = shard(batch, rank, world_size)
         with fleet.auto_cast():
             loss = F.mse_loss(wrapped(x), y)
         opt.zero_grad()
         opt.backward(loss)
         assert opt.step()
-    return flat_params(wrapped.module), flat_params_masters(opt)
 
 
 def _single_process_reference(pure, dtype, inner, world_size):
@@ -707,25 +712,11 @@ def test_static_graph_with_gradient_merge_on_ddp_is_refused_before_anything_runs
 
 
 def _model_first_without_a_strategy(rank, world_size, model_first, custom_black):
-    from distamp import fleet
-
-    fleet.init()
-    model = WithHead()
     strategy = make_strategy(use_pure_fp16=True, dtype="bfloat16",
                              custom_black_varnames=["head"] if custom_black else [])
-    if model_first:  # no strategy given to init or distributed_model: the optimizer's comes later
-        wrapped = fleet.distributed_model(model)
-        opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
-    else:
-        opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
-        wrapped = fleet.distributed_model(model)
-    for batch in global_batches(3, world_size):
-        x, y = shard(batch, rank, world_size)
-        with fleet.auto_cast():
-            loss = F.mse_loss(wrapped(x), y)
-        opt.zero_grad()
-        opt.backward(loss)
-        assert opt.step()
+    # model_first: no strategy given to init or distributed_model, the optimizer's comes later
+    model, wrapped, opt = build(strategy, model_first=model_first, model=WithHead())
+    _train(wrapped, opt, 3, rank, world_size)
     return flat_params(model), model.head.weight.dtype, wrapped.comm_stats.bytes
 
 
