@@ -58,8 +58,7 @@ class _Clock:
         return 1e3 * (end - start)  # type: ignore[operator]
 
     def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
+        benchmark._sync(self.device)
 
 
 def time_phases(step_parts: tuple[Callable, Callable, Callable], x: torch.Tensor, y: torch.Tensor,

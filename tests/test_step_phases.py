@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
@@ -35,7 +36,8 @@ def test_a_run_times_every_phase_of_each_mode_and_the_phases_add_up_to_the_step(
 def test_the_phases_of_one_step_are_the_gaps_between_its_marks():
     class Clock(step_phases._Clock):
         def __init__(self) -> None:
-            self.cuda, self.now = False, 0.0
+            super().__init__(torch.device("cpu"))
+            self.now = 0.0
 
         def mark(self) -> float:
             return self.now
