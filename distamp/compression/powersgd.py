@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 
 from distamp.compression import low_rank_kernels
+from distamp.compression.grad_layout import memory_order, relayout
 from distamp.compression.low_rank import (
     effective_rank,
     fixed_order_product,
@@ -230,6 +231,10 @@ class PowerSGD:
         self.applied_steps = 0
         self.error: dict[str, torch.Tensor] = {}
         self.q: dict[str, torch.Tensor] = {}
+        # Per name, the memory order of the parameter whose hook matrix the error and Q were computed on
+        # (grad_layout); a loaded state's is compared with the parameter's at its first hook call here.
+        self.layouts: dict[str, tuple[int, ...]] = {}
+        self._layout_checked: set[str] = set()
         self._tentative: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         # What this step's earlier communications missed (M - P Q^T, FP32, unscaled), per gradient: a later
         # backward pass before the step re-sends the gradient they wrote, so it adds this, not the error.
@@ -318,6 +323,11 @@ class PowerSGD:
         """This rank's committed state: applied steps, and per parameter name the error feedback and Q^T (FP32).
 
         ``q`` holds Q transposed (``rank x n``), the layout the hook computes it in.
+        Both are matrices of the hook's view of the gradient, whose entries
+        follow the parameter's memory format (:mod:`distamp.compression.grad_layout`);
+        ``layouts`` records that format per name (dims outermost first), so
+        that a run resumed with another memory format puts each entry back on
+        its element.
         """
         return {
             "format": STATE_FORMAT,
@@ -326,6 +336,8 @@ class PowerSGD:
             "applied_steps": self.applied_steps,
             "error": {name: t.detach().cpu().clone() for name, t in self.error.items()},
             "q": {name: t.detach().cpu().clone() for name, t in self.q.items()},
+            "layouts": {name: list(order) for name, order in self.layouts.items()
+                        if name in self.error or name in self.q},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -345,6 +357,8 @@ class PowerSGD:
         self.applied_steps = int(state["applied_steps"])
         self.q = {name: t.to(device, torch.float32) for name, t in state["q"].items()}
         self.error = {name: t.to(device, torch.float32).clone() for name, t in state["error"].items()}
+        self.layouts = {name: tuple(int(d) for d in order) for name, order in state.get("layouts", {}).items()}
+        self._layout_checked = set()
         self._tentative, self._spare, self._residual = {}, {}, {}
 
     # -- the hook's work -------------------------------------------------------------
@@ -355,10 +369,33 @@ class PowerSGD:
         for grad, param in zip(grads, params, strict=True):
             shape = matrix_shape(grad.shape)
             if self.compressing and shape is not None and self.config.compresses(*shape):
-                compressed.append((self.names[id(param)], grad, *shape))
+                name = self.names[id(param)]
+                if name not in self._layout_checked:
+                    self._match_layout(name, param)
+                compressed.append((name, grad, *shape))
             else:
                 dense.append(grad)
         return compressed, dense
+
+    def _match_layout(self, name: str, param: torch.Tensor) -> None:
+        """Move ``name``'s error and Q to ``param``'s memory order if they were computed under another."""
+        self._layout_checked.add(name)
+        current = memory_order(param)
+        saved = self.layouts.get(name, current)
+        self.layouts[name] = current
+        if saved == current:
+            return
+        error = self.error.get(name)
+        if error is not None and error.numel() == param.numel():
+            self.error[name] = relayout(error.reshape(-1), param.shape, saved, current).view(error.shape)
+        qt = self.q.get(name)
+        if qt is not None:
+            if saved[0] == 0 and current[0] == 0 and qt.shape[-1] * param.shape[0] == param.numel():
+                # Rows stay the first dim: Q's columns are the rest of the parameter, permuted.
+                self.q[name] = relayout(qt, param.shape[1:], [d - 1 for d in saved[1:]],
+                                        [d - 1 for d in current[1:]])
+            else:
+                del self.q[name]  # the hook's rows are other elements now: no Q of them to start from
 
     def count(self, nbytes: int, dense_equivalent: int) -> None:
         """Record ``nbytes`` sent (for the payload of ``dense_equivalent`` bytes in the wire dtype)."""

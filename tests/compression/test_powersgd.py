@@ -11,6 +11,7 @@ the same scenario keeps skipping.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distamp.compression.grad_layout import memory_order, relayout
 from distamp.compression.low_rank import effective_rank, fixed_order_product, matrix_shape, orthogonalize_, start_q
 from distamp.compression.low_rank_kernels import KERNELS_ENV
 from tests.compression.test_low_rank_kernels import (
@@ -89,8 +91,7 @@ def _flat(model):
 
 
 def _snapshot(compressor):
-    return {k: {n: t.clone() for n, t in v.items()} if isinstance(v, dict) else v
-            for k, v in compressor.state_dict().items()}
+    return copy.deepcopy(compressor.state_dict())
 
 
 def _same_state(a, b) -> bool:
@@ -882,3 +883,101 @@ def test_kernels_built_to_other_bits_make_every_rank_use_torch_ops(tmp_path):
         assert f"rank 0: {out[0]['fingerprint']:015x}, rank 1: {out[1]['fingerprint']:015x}" in warned[0]
         assert "-ffp-contract=fast" in warned[0]
     assert torch.equal(out[0]["params"], out[1]["params"])
+
+
+# ----------------------------------------------------------------------------- memory formats
+
+
+def _conv_net(channels_last: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
+    return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+def _conv_batch(rank: int, step: int, channels_last: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(8, 4, 8, 8, generator=g)
+    y = torch.randint(0, 4, (8,), generator=g)
+    return x.contiguous(memory_format=torch.channels_last) if channels_last else x, y
+
+
+def _layout_worker(rank, world_size, resume_channels_last, saved=None):
+    """Three steps channels_last (saving the states after them) then three more, or the last three resumed
+    from ``saved`` with ``resume_channels_last``."""
+    strategy = _strategy(amp=False, rank=1, start_step=0, min_compression_rate=1.0)
+    channels_last = True if saved is None else resume_channels_last
+    model, wrapped, opt = _build(strategy, model=_conv_net(channels_last))
+    states = None
+    if saved is not None:
+        model.load_state_dict(saved[rank]["model"])
+        opt.load_state_dict(saved[rank]["optimizer"])
+    for step in range(1 if saved is None else 4, 7):
+        assert _train_step(wrapped, opt, *_conv_batch(rank, step, channels_last))
+        if step == 3:
+            states = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    compressor = opt.policy.compressor
+    return {"params": _flat(model), "states": states, "layouts": dict(compressor.layouts),
+            "error": compressor.error["0.weight"].clone()}
+
+
+@pytest.mark.parametrize("resume_channels_last", [False, True])
+def test_error_feedback_saved_channels_last_resumes_on_its_elements_in_either_memory_format(resume_channels_last):
+    """DDP's hook sees a channels_last gradient in (O, H, W, C) order: the state follows the element, not the index."""
+    clean = run_workers(_layout_worker, 2, True, timeout=100)
+    saved = [out["states"] for out in clean]
+    assert saved[0]["optimizer"]["powersgd"]["layouts"] == {"0.weight": [0, 2, 3, 1], "3.weight": [0, 1]}
+    resumed = run_workers(_layout_worker, 2, resume_channels_last, saved, timeout=100)
+    for a, b in zip(clean, resumed, strict=True):
+        if resume_channels_last:  # the same layout: nothing moves, the same bits
+            assert torch.equal(a["params"], b["params"])
+            assert torch.equal(a["error"], b["error"])
+            continue
+        # Summed in another order: the same to rounding (the error on the wrong elements: 98% of them off, by 0.04).
+        torch.testing.assert_close(b["params"], a["params"], rtol=1e-4, atol=1e-6)
+        assert b["layouts"]["0.weight"] == (0, 1, 2, 3)
+        by_element = a["error"].view(8, 3, 3, 4).permute(0, 3, 1, 2).reshape(8, 36)
+        torch.testing.assert_close(b["error"], by_element, rtol=1e-3, atol=1e-6)
+    assert not torch.equal(clean[0]["error"], clean[1]["error"])
+
+
+def test_relayout_moves_each_entry_to_its_element_and_back():
+    grad = torch.randn(8, 4, 3, 3)
+    cl = (0, 2, 3, 1)
+    hook_cl = grad.permute(cl).reshape(-1)  # a channels_last gradient's memory, in order
+    hook = grad.reshape(-1)
+    assert memory_order(grad.contiguous(memory_format=torch.channels_last)) == cl
+    assert memory_order(grad) == (0, 1, 2, 3)
+    assert memory_order(grad.transpose(0, 1)) == (1, 0, 2, 3)
+    assert memory_order(grad[:, ::2]) == (0, 1, 2, 3)  # not dense: the reducer gives it a contiguous gradient
+    assert torch.equal(relayout(hook_cl, grad.shape, cl, (0, 1, 2, 3)), hook)
+    assert torch.equal(relayout(hook, grad.shape, (0, 1, 2, 3), cl), hook_cl)
+    # Q^T's columns are the parameter's dims after the first: (rank, C*H*W) <-> (rank, H*W*C).
+    qt = torch.randn(2, 4, 3, 3)
+    qt_cl = qt.permute(0, 2, 3, 1).reshape(2, 36)
+    assert torch.equal(relayout(qt_cl, (4, 3, 3), (1, 2, 0), (0, 1, 2)), qt.reshape(2, 36))
+    with pytest.raises(ValueError, match=r"memory orders \(0, 1\) and \(0, 1, 2, 3\) must each be a permutation"):
+        relayout(hook, grad.shape, (0, 1), (0, 1, 2, 3))
+
+
+def _hook_view_worker(rank, world_size):
+    model = nn.Conv2d(4, 8, 3).to(memory_format=torch.channels_last)
+    ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+    seen = {}
+
+    def hook(state, bucket):  # unannotated: DDP refuses the string annotations of this module
+        for grad, param in zip(bucket.gradients(), bucket.parameters(), strict=True):
+            seen[param.dim()] = grad.clone()
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    ddp.register_comm_hook(None, hook)
+    ddp(torch.randn(2, 4, 8, 8).contiguous(memory_format=torch.channels_last)).sum().backward()
+    order = memory_order(model.weight)
+    return torch.equal(seen[4].reshape(-1), model.weight.grad.permute(order).reshape(-1)), order
+
+
+def test_ddps_hook_sees_the_gradient_in_the_parameters_memory_order():
+    """What the state's layouts rest on, checked on each torch of the range."""
+    (out,) = run_workers(_hook_view_worker, 1, timeout=60)
+    assert out == (True, (0, 2, 3, 1))
