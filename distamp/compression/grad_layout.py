@@ -1,18 +1,17 @@
-"""Which element of a parameter each entry of the matrix a DDP comm hook compresses is.
+"""A DDP comm hook's gradient indexed as its parameter, whatever the parameter's memory format.
 
 DDP's comm hook sees each gradient as ``bucket[offset : offset + n].view(shape)``,
 a contiguous view of the bucket's memory, while the reducer writes the
 gradient into that memory with the parameter's own strides (so that
 ``gradient_as_bucket_view`` gives ``.grad`` the parameter's layout). For a
-``channels_last`` weight of shape ``(O, C, H, W)`` the hook's matrix row
-``o`` then holds ``grad[o]`` in ``(H, W, C)`` order, not ``(C, H, W)``.
-
-Compression works on any fixed reshaping, and within a run the hook writes
-back through the same view, so training is unaffected. State kept per
-matrix across runs (PowerSGD's error feedback and warm-start Q) is not: a
-run resumed with another memory format must move each entry to where the
-new layout puts its element. :func:`memory_order` names a layout,
-:func:`relayout` moves a tensor between two.
+``channels_last`` weight of shape ``(O, C, H, W)`` the hook's view at
+``[o, c, h, w]`` then holds the gradient of another element; read as a
+matrix its rows are ``grad[o]`` in ``(H, W, C)`` order, and for a
+transposed weight not even rows of the parameter.
+:func:`as_indexed` gives the view that indexes the gradient as the
+parameter, so the compressed matrix is "first dim x the rest" in any
+format. :func:`memory_order` and :func:`relayout` move state that was kept
+in memory order (PowerSGD's error feedback and Q before that) to it.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["memory_order", "relayout"]
+__all__ = ["as_indexed", "memory_order", "relayout"]
 
 
 def memory_order(param: torch.Tensor) -> tuple[int, ...]:
@@ -33,6 +32,13 @@ def memory_order(param: torch.Tensor) -> tuple[int, ...]:
     """
     order = tuple(int(d) for d in param.dim_order())
     return order if param.permute(order).is_contiguous() else tuple(range(param.dim()))
+
+
+def as_indexed(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The comm hook's ``grad`` of ``param`` as a view indexed like ``param`` (``grad`` itself when contiguous)."""
+    if param.is_contiguous() or memory_order(param) == tuple(range(param.dim())):
+        return grad
+    return grad.as_strided(param.shape, param.stride(), grad.storage_offset())
 
 
 def relayout(x: torch.Tensor, sizes: Sequence[int], saved: Sequence[int], current: Sequence[int]) -> torch.Tensor:

@@ -68,14 +68,14 @@ CPUs without ``avx512_bf16``).
 # No ``from __future__ import annotations``: DDP reads the hook's annotations
 # at registration and refuses a string where it expects dist.GradBucket.
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from distamp.compression import low_rank_kernels
-from distamp.compression.grad_layout import memory_order, relayout
+from distamp.compression.grad_layout import as_indexed, memory_order, relayout
 from distamp.compression.low_rank import (
     effective_rank,
     fixed_order_product,
@@ -94,7 +94,9 @@ __all__ = ["GradCompressor", "PowerSGD", "fit_state_to_world", "powersgd_hook", 
 
 logger = logging.getLogger("distamp")
 
-STATE_FORMAT = "distamp.PowerSGD/1"
+STATE_FORMAT = "distamp.PowerSGD/2"
+# Before /2 the matrices followed each parameter's memory format (grad_layout): loaded as the code then read them.
+_MEMORY_ORDER_FORMAT = "distamp.PowerSGD/1"
 # FP32 elements of one row block of the torch-op write-back (128 KiB): its four tiles stay in a core's L2.
 _CACHE_BLOCK_ELEMENTS = 32 * 1024
 # What the fallback costs, as measured (examples/README.md, "PowerSGD's CPU kernels").
@@ -119,9 +121,10 @@ def fit_state_to_world(state: dict, world_size: int, rank: int) -> dict:
     Raises:
         ValueError: not a PowerSGD state.
     """
-    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in (STATE_FORMAT, _MEMORY_ORDER_FORMAT):
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise ValueError(f"not a distamp PowerSGD state (found {found!r}); expected format {STATE_FORMAT!r}")
+        raise ValueError(f"not a distamp PowerSGD state (found {found!r}); expected format {STATE_FORMAT!r} "
+                         f"(or {_MEMORY_ORDER_FORMAT!r})")
     saved_world, saved_rank = int(state["world_size"]), int(state["rank"])
     if saved_world == world_size and saved_rank == rank:
         return state
@@ -164,7 +167,7 @@ class _Matrix:
     """One compressed gradient of a bucket while the hook works on it."""
 
     name: str
-    grad: torch.Tensor  # the view into the bucket
+    grad: torch.Tensor  # the gradient in the bucket, indexed as the parameter (strided where the parameter is)
     m: torch.Tensor  # FP32, unscaled, error added; becomes the new error
     p: torch.Tensor  # rows x rank
     qt: torch.Tensor  # Q transposed: rank x cols
@@ -185,7 +188,7 @@ class PowerSGD:
 
     Args:
         config: the PowerSGD settings.
-        names: qualified parameter name by ``id(param)`` (the keys of the saved state).
+        params: the model's parameters by qualified name (the keys of the saved state).
         wire_dtype: dtype of the uncompressed gradients on the wire.
         predivide_factor: as in :class:`~distamp.distributed.comm_hooks.LowPrecisionAllReduce`.
         process_group: the data-parallel group; ``None`` is the world.
@@ -204,7 +207,7 @@ class PowerSGD:
     def __init__(
         self,
         config: PowerSGDConfig,
-        names: dict[int, str],
+        params: Mapping[str, torch.Tensor],
         wire_dtype: torch.dtype,
         predivide_factor: float | None = None,
         process_group: dist.ProcessGroup | None = None,
@@ -215,7 +218,8 @@ class PowerSGD:
             raise TypeError(f"wire_dtype={wire_dtype!r} is not supported; use torch.float16, torch.bfloat16 "
                             "or torch.float32")
         self.config = config
-        self.names = names
+        self.params = dict(params)
+        self.names = {id(p): name for name, p in self.params.items()}
         self.wire_dtype = wire_dtype
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -231,10 +235,6 @@ class PowerSGD:
         self.applied_steps = 0
         self.error: dict[str, torch.Tensor] = {}
         self.q: dict[str, torch.Tensor] = {}
-        # Per name, the memory order of the parameter whose hook matrix the error and Q were computed on
-        # (grad_layout); a loaded state's is compared with the parameter's at its first hook call here.
-        self.layouts: dict[str, tuple[int, ...]] = {}
-        self._layout_checked: set[str] = set()
         self._tentative: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         # What this step's earlier communications missed (M - P Q^T, FP32, unscaled), per gradient: a later
         # backward pass before the step re-sends the gradient they wrote, so it adds this, not the error.
@@ -323,11 +323,8 @@ class PowerSGD:
         """This rank's committed state: applied steps, and per parameter name the error feedback and Q^T (FP32).
 
         ``q`` holds Q transposed (``rank x n``), the layout the hook computes it in.
-        Both are matrices of the hook's view of the gradient, whose entries
-        follow the parameter's memory format (:mod:`distamp.compression.grad_layout`);
-        ``layouts`` records that format per name (dims outermost first), so
-        that a run resumed with another memory format puts each entry back on
-        its element.
+        Both index the parameter as "first dim x the rest" whatever its
+        memory format, so a run may resume under another one.
         """
         return {
             "format": STATE_FORMAT,
@@ -336,8 +333,6 @@ class PowerSGD:
             "applied_steps": self.applied_steps,
             "error": {name: t.detach().cpu().clone() for name, t in self.error.items()},
             "q": {name: t.detach().cpu().clone() for name, t in self.q.items()},
-            "layouts": {name: list(order) for name, order in self.layouts.items()
-                        if name in self.error or name in self.q},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -347,7 +342,11 @@ class PowerSGD:
         ranks: it has no counterpart once the ranks change, so it restarts
         from zero (rank 0 warns once), as it does on a rank that loads
         another rank's state (that rank warns). The warm-start Q and the
-        step count are the same on every rank and are kept.
+        step count are the same on every rank and are kept. A state of the
+        format before (``distamp.PowerSGD/1``, whose matrices followed each
+        parameter's memory format) is taken to be in the current format, as
+        that code took it, and moved to "first dim x the rest" (a Q whose
+        rows were not the first dim restarts).
 
         Raises:
             ValueError: not a PowerSGD state.
@@ -357,9 +356,26 @@ class PowerSGD:
         self.applied_steps = int(state["applied_steps"])
         self.q = {name: t.to(device, torch.float32) for name, t in state["q"].items()}
         self.error = {name: t.to(device, torch.float32).clone() for name, t in state["error"].items()}
-        self.layouts = {name: tuple(int(d) for d in order) for name, order in state.get("layouts", {}).items()}
-        self._layout_checked = set()
+        if state["format"] == _MEMORY_ORDER_FORMAT:
+            for name, param in self.params.items():
+                self._out_of_memory_order(name, param)
         self._tentative, self._spare, self._residual = {}, {}, {}
+
+    def _out_of_memory_order(self, name: str, param: torch.Tensor) -> None:
+        """Move ``name``'s loaded error and Q from ``param``'s memory order to "first dim x the rest"."""
+        saved, logical = memory_order(param), tuple(range(param.dim()))
+        if saved == logical:
+            return
+        error = self.error.get(name)
+        if error is not None and error.numel() == param.numel():
+            self.error[name] = relayout(error.reshape(-1), param.shape, saved, logical).view(error.shape)
+        qt = self.q.get(name)
+        if qt is not None:
+            if saved[0] == 0 and qt.shape[-1] * param.shape[0] == param.numel():
+                # Rows were the first dim (channels_last): Q's columns are the rest of the parameter, permuted.
+                self.q[name] = relayout(qt, param.shape[1:], [d - 1 for d in saved[1:]], logical[:-1])
+            else:
+                del self.q[name]  # the rows were other elements: no Q of these to start from
 
     # -- the hook's work -------------------------------------------------------------
 
@@ -369,33 +385,10 @@ class PowerSGD:
         for grad, param in zip(grads, params, strict=True):
             shape = matrix_shape(grad.shape)
             if self.compressing and shape is not None and self.config.compresses(*shape):
-                name = self.names[id(param)]
-                if name not in self._layout_checked:
-                    self._match_layout(name, param)
-                compressed.append((name, grad, *shape))
+                compressed.append((self.names[id(param)], as_indexed(grad, param), *shape))
             else:
                 dense.append(grad)
         return compressed, dense
-
-    def _match_layout(self, name: str, param: torch.Tensor) -> None:
-        """Move ``name``'s error and Q to ``param``'s memory order if they were computed under another."""
-        self._layout_checked.add(name)
-        current = memory_order(param)
-        saved = self.layouts.get(name, current)
-        self.layouts[name] = current
-        if saved == current:
-            return
-        error = self.error.get(name)
-        if error is not None and error.numel() == param.numel():
-            self.error[name] = relayout(error.reshape(-1), param.shape, saved, current).view(error.shape)
-        qt = self.q.get(name)
-        if qt is not None:
-            if saved[0] == 0 and current[0] == 0 and qt.shape[-1] * param.shape[0] == param.numel():
-                # Rows stay the first dim: Q's columns are the rest of the parameter, permuted.
-                self.q[name] = relayout(qt, param.shape[1:], [d - 1 for d in saved[1:]],
-                                        [d - 1 for d in current[1:]])
-            else:
-                del self.q[name]  # the hook's rows are other elements now: no Q of them to start from
 
     def count(self, nbytes: int, dense_equivalent: int) -> None:
         """Record ``nbytes`` sent (for the payload of ``dense_equivalent`` bytes in the wire dtype)."""
@@ -453,13 +446,14 @@ class PowerSGD:
         qt_old = self._start_qt(name, rows, cols, grad.device)
         if self.kernels is not None:
             p = torch.empty(rows, qt_old.shape[0], dtype=torch.float32, device=grad.device)
-            matrix = grad.view(rows, cols)
-            if matrix.dtype == torch.float16:
-                matrix = m.copy_(matrix)
+            if grad.dtype == torch.float16 or not grad.is_contiguous():
+                matrix = m.view(grad.shape).copy_(grad).view(rows, cols)
+            else:
+                matrix = grad.view(rows, cols)
             self.kernels.start(matrix, error, m, qt_old, p, scale)
             return _Matrix(name, grad, m, p, qt_old)
         # The widening copy and an FP32 add are faster on CPU than one add of mixed dtypes.
-        m.copy_(grad.view(rows, cols))
+        m.view(grad.shape).copy_(grad)
         if error is not None and is_power_of_two(scale):
             # Multiplying by 1/scale is exact for a power of two: the same bits as m / scale + error.
             torch.add(error, m, alpha=1.0 / scale, out=m)
@@ -487,12 +481,12 @@ class PowerSGD:
         return orthogonalize_(qt.t().clone(memory_format=torch.contiguous_format)).t().contiguous()
 
     def _write_fused(self, kernels: LowRankKernels, x: _Matrix, scale: float) -> torch.Tensor:
-        """:meth:`_write_exact` in one pass with the CPU kernels (FP16 gradients through an FP32 buffer)."""
+        """:meth:`_write_exact` in one pass with the CPU kernels (FP16 and strided gradients through an FP32 buffer)."""
         rows, cols = x.m.shape
-        if x.grad.dtype == torch.float16:
+        if x.grad.dtype == torch.float16 or not x.grad.is_contiguous():
             approx = self._buffer(self._scratch, x.name, rows, cols, x.m.device)
             kernels.finish(approx, x.m, x.p, x.qt, scale)
-            x.grad.copy_(approx.view_as(x.grad))
+            x.grad.copy_(approx.view(x.grad.shape))
         else:
             kernels.finish(x.grad.view(rows, cols), x.m, x.p, x.qt, scale)
         return x.m
@@ -506,7 +500,7 @@ class PowerSGD:
         """
         rows, cols = x.m.shape
         approx = self._buffer(self._scratch, x.name, rows, cols, x.m.device)
-        grad = x.grad.view(rows, cols)
+        grad = x.grad.view(rows, cols) if x.grad.is_contiguous() else x.grad  # strided: indexed as the parameter
         # Row blocks small enough to stay in cache while the 2 rank - 1 passes of the product, the error
         # update, the scaling and the write-back run over them: each element gets the same operations in
         # the same order as over the whole matrix (the same bits), for about one pass of memory traffic.
@@ -525,7 +519,7 @@ class PowerSGD:
             x.m[start:stop].sub_(tile)
             if scale != 1.0:
                 tile.mul_(scale)
-            grad[start:stop].copy_(tile)
+            grad[start:stop].copy_(tile.view((stop - start, *grad.shape[1:])))
         return x.m
 
     @staticmethod

@@ -160,10 +160,9 @@ class DDPPreparation:
             # The optimizer binds itself (DataParallel.bind_compressor): it reports each step's verdict.
             wire = cfg.comm_torch_dtype if self.strategy.amp else torch.float32
             predivide = cfg.gradient_predivide_factor if self.strategy.amp else None
-            names = {id(p): name for name, p in self.module.named_parameters()}
             device = self._training_device()
-            return PowerSGD(self.strategy.powersgd_config, names, wire, predivide, self.process_group, pending,
-                            device)
+            return PowerSGD(self.strategy.powersgd_config, dict(self.module.named_parameters()), wire, predivide,
+                            self.process_group, pending, device)
         if self.strategy.amp:
             return LowPrecisionAllReduce(
                 cfg.comm_torch_dtype, cfg.gradient_predivide_factor, self.process_group, pending

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distamp.compression.grad_layout import memory_order, relayout
+from distamp.compression.grad_layout import as_indexed, memory_order, relayout
 from distamp.compression.low_rank import effective_rank, fixed_order_product, matrix_shape, orthogonalize_, start_q
 from distamp.compression.low_rank_kernels import KERNELS_ENV
 from tests.compression.test_low_rank_kernels import (
@@ -223,17 +223,22 @@ def test_the_start_q_is_the_seeded_draw_orthonormalised():
 # ----------------------------------------------------------------------------- the math against a reference
 
 
-def _math_worker(rank, world_size, low_rank, kernels, batch=8):
+def _math_worker(rank, world_size, low_rank, kernels, batch=8, transposed=False):
     """FP32 (amp off): one Linear, compressed from step 1; compare with PowerSGD done by hand on gathered grads.
 
     ``kernels``: "auto" (the compiled CPU passes, compared with their stated
     order of operations) or "torch" (torch ops, compared with torch's products).
+    ``transposed``: the weight is stored column-major (strides ``(1, 16)``),
+    so DDP's bucket holds its gradient transposed; the matrix is still the
+    weight's rows by its columns.
     """
     os.environ[KERNELS_ENV] = kernels
     torch.manual_seed(0)
     model = nn.Linear(16, 12)
     reference = nn.Linear(16, 12)
     reference.load_state_dict(model.state_dict())
+    if transposed:
+        model.weight = nn.Parameter(model.weight.detach().t().contiguous().t())
     strategy = _strategy(amp=False, rank=low_rank, start_step=0, min_compression_rate=1.0)
     model, wrapped, opt = _build(strategy, model, lr=0.0)
     x = torch.randn(batch, 16, generator=torch.Generator().manual_seed(rank))
@@ -274,9 +279,10 @@ def _math_worker(rank, world_size, low_rank, kernels, batch=8):
     return result
 
 
+@pytest.mark.parametrize("transposed", [False, True])
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
-def test_compressed_gradient_is_powersgd_of_the_rank_gradients(kernels):
-    out = run_workers(_math_worker, 2, 2, kernels, timeout=100)
+def test_compressed_gradient_is_powersgd_of_the_rank_gradients(kernels, transposed):
+    out = run_workers(_math_worker, 2, 2, kernels, 8, transposed, timeout=100)
     for result in out:
         assert result["kernels"] == (kernels == "auto" and compiler_present())
         assert result["weight_exact"]
@@ -901,43 +907,103 @@ def _conv_batch(rank: int, step: int, channels_last: bool) -> tuple[torch.Tensor
     return x.contiguous(memory_format=torch.channels_last) if channels_last else x, y
 
 
-def _layout_worker(rank, world_size, resume_channels_last, saved=None):
-    """Three steps channels_last (saving the states after them) then three more, or the last three resumed
-    from ``saved`` with ``resume_channels_last``."""
+def _format_worker(rank, world_size, channels_last, saved=None, in_memory_order=False):
+    """Six steps (saving the states after the third), or the last three resumed from ``saved``.
+
+    ``in_memory_order``: ``saved``'s PowerSGD state is rewritten as the
+    format before held it (the conv weight's matrices in channels_last
+    memory order, labelled ``distamp.PowerSGD/1``).
+    """
     strategy = _strategy(amp=False, rank=1, start_step=0, min_compression_rate=1.0)
-    channels_last = True if saved is None else resume_channels_last
     model, wrapped, opt = _build(strategy, model=_conv_net(channels_last))
     states = None
     if saved is not None:
         model.load_state_dict(saved[rank]["model"])
-        opt.load_state_dict(saved[rank]["optimizer"])
+        optimizer_state = copy.deepcopy(saved[rank]["optimizer"])
+        if in_memory_order:
+            psgd = optimizer_state["powersgd"]
+            psgd["format"] = "distamp.PowerSGD/1"
+            psgd["error"]["0.weight"] = psgd["error"]["0.weight"].view(8, 4, 3, 3).permute(0, 2, 3, 1).reshape(8, 36)
+            psgd["q"]["0.weight"] = psgd["q"]["0.weight"].view(1, 4, 3, 3).permute(0, 2, 3, 1).reshape(1, 36)
+        opt.load_state_dict(optimizer_state)
     for step in range(1 if saved is None else 4, 7):
         assert _train_step(wrapped, opt, *_conv_batch(rank, step, channels_last))
         if step == 3:
             states = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
     compressor = opt.policy.compressor
-    return {"params": _flat(model), "states": states, "layouts": dict(compressor.layouts),
-            "error": compressor.error["0.weight"].clone()}
+    return {"params": _flat(model), "states": states, "error": compressor.error["0.weight"].clone(),
+            "q": compressor.q["0.weight"].clone()}
+
+
+def test_a_channels_last_model_compresses_what_a_contiguous_one_does():
+    """DDP's hook sees a channels_last gradient in (O, H, W, C) order; the matrix is still (O, C*H*W)."""
+    contiguous = run_workers(_format_worker, 2, False, timeout=100)
+    channels_last = run_workers(_format_worker, 2, True, timeout=100)
+    for a, b in zip(contiguous, channels_last, strict=True):
+        # The convolutions round differently in the two formats; the rest is the same computation.
+        torch.testing.assert_close(b["params"], a["params"], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(b["error"], a["error"], rtol=1e-3, atol=1e-6)
+        torch.testing.assert_close(b["q"], a["q"], rtol=1e-3, atol=1e-6)
 
 
 @pytest.mark.parametrize("resume_channels_last", [False, True])
-def test_error_feedback_saved_channels_last_resumes_on_its_elements_in_either_memory_format(resume_channels_last):
-    """DDP's hook sees a channels_last gradient in (O, H, W, C) order: the state follows the element, not the index."""
-    clean = run_workers(_layout_worker, 2, True, timeout=100)
+def test_a_state_saved_channels_last_resumes_in_either_memory_format(resume_channels_last):
+    clean = run_workers(_format_worker, 2, True, timeout=100)
     saved = [out["states"] for out in clean]
-    assert saved[0]["optimizer"]["powersgd"]["layouts"] == {"0.weight": [0, 2, 3, 1], "3.weight": [0, 1]}
-    resumed = run_workers(_layout_worker, 2, resume_channels_last, saved, timeout=100)
+    assert saved[0]["optimizer"]["powersgd"]["format"] == "distamp.PowerSGD/2"
+    resumed = run_workers(_format_worker, 2, resume_channels_last, saved, timeout=100)
     for a, b in zip(clean, resumed, strict=True):
-        if resume_channels_last:  # the same layout: nothing moves, the same bits
+        if resume_channels_last:
             assert torch.equal(a["params"], b["params"])
             assert torch.equal(a["error"], b["error"])
-            continue
-        # Summed in another order: the same to rounding (the error on the wrong elements: 98% of them off, by 0.04).
-        torch.testing.assert_close(b["params"], a["params"], rtol=1e-4, atol=1e-6)
-        assert b["layouts"]["0.weight"] == (0, 1, 2, 3)
-        by_element = a["error"].view(8, 3, 3, 4).permute(0, 3, 1, 2).reshape(8, 36)
-        torch.testing.assert_close(b["error"], by_element, rtol=1e-3, atol=1e-6)
+        else:  # the convolutions round differently in the two formats
+            torch.testing.assert_close(b["params"], a["params"], rtol=1e-4, atol=1e-6)
     assert not torch.equal(clean[0]["error"], clean[1]["error"])
+
+
+def test_a_state_of_the_format_before_is_moved_out_of_memory_order_at_the_first_backward():
+    """distamp.PowerSGD/1 held a channels_last weight's error and Q in memory order: resumed bitwise."""
+    clean = run_workers(_format_worker, 2, True, timeout=100)
+    resumed = run_workers(_format_worker, 2, True, [out["states"] for out in clean], True, timeout=100)
+    for a, b in zip(clean, resumed, strict=True):
+        assert torch.equal(a["params"], b["params"])
+        assert torch.equal(a["error"], b["error"])
+        assert torch.equal(a["q"], b["q"])
+
+
+def _strided_worker(rank, world_size, kernels, dtype):
+    """Three hook calls on one gradient given contiguous and channels_last: the gradients written and the
+    error feedback, per format."""
+    import distamp.compression.powersgd as powersgd
+    from distamp.strategy import PowerSGDConfig
+
+    os.environ[KERNELS_ENV] = kernels
+    g = torch.Generator().manual_seed(5)
+    logical = [(torch.randn(8, 4, 3, 3, generator=g) * 1e-3).to(dtype) * 1024 for _ in range(3)]
+    out = {}
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        param = torch.empty(8, 4, 3, 3).contiguous(memory_format=memory_format)
+        compressor = powersgd.PowerSGD(PowerSGDConfig(rank=2, start_step=0), {"w": param}, dtype)
+        written = []
+        for grad in logical:
+            grad = grad.clone(memory_format=memory_format)
+            hook_view = grad.permute(memory_order(param)).reshape(8, 4, 3, 3)  # as DDP's hook sees it
+            compressed, _ = compressor.split([hook_view], [param])
+            compressor.compress(compressed, 1024.0)
+            compressor.resolve(True)
+            written.append(hook_view.as_strided(grad.shape, grad.stride()).clone())
+        out[str(memory_format)] = (written, compressor.state_dict()["error"]["w"])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_a_strided_gradient_is_compressed_to_the_bits_of_the_contiguous_one(kernels, dtype):
+    (out,) = run_workers(_strided_worker, 1, kernels, dtype, timeout=100)
+    (contiguous, error), (channels_last, cl_error) = out.values()
+    assert all(torch.equal(a, b) for a, b in zip(contiguous, channels_last, strict=True))
+    assert torch.equal(error, cl_error)
+    assert not torch.equal(contiguous[0], contiguous[1])
 
 
 def test_relayout_moves_each_entry_to_its_element_and_back():
@@ -960,24 +1026,32 @@ def test_relayout_moves_each_entry_to_its_element_and_back():
 
 
 def _hook_view_worker(rank, world_size):
-    model = nn.Conv2d(4, 8, 3).to(memory_format=torch.channels_last)
+    conv = nn.Conv2d(4, 8, 3).to(memory_format=torch.channels_last)
+    linear = nn.Linear(8 * 6 * 6, 5)
+    linear.weight = nn.Parameter(linear.weight.detach().t().contiguous().t())  # column-major
+    model = nn.Sequential(conv, nn.Flatten(), linear)
     ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
     seen = {}
 
     def hook(state, bucket):  # unannotated: DDP refuses the string annotations of this module
         for grad, param in zip(bucket.gradients(), bucket.parameters(), strict=True):
-            seen[param.dim()] = grad.clone()
+            seen[id(param)] = (grad.clone(), as_indexed(grad, param).clone())
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
 
     ddp.register_comm_hook(None, hook)
     ddp(torch.randn(2, 4, 8, 8).contiguous(memory_format=torch.channels_last)).sum().backward()
-    order = memory_order(model.weight)
-    return torch.equal(seen[4].reshape(-1), model.weight.grad.permute(order).reshape(-1)), order
+    out = {}
+    for name, param in model.named_parameters():
+        hook_view, indexed = seen[id(param)]
+        in_memory = torch.equal(hook_view.reshape(-1), param.grad.permute(memory_order(param)).reshape(-1))
+        out[name] = (memory_order(param), in_memory, torch.equal(indexed, param.grad))
+    return out
 
 
-def test_ddps_hook_sees_the_gradient_in_the_parameters_memory_order():
-    """What the state's layouts rest on, checked on each torch of the range."""
+def test_ddps_hook_sees_the_gradient_in_memory_order_and_as_indexed_as_the_parameter():
+    """What the hook's matrices rest on, checked on each torch of the range."""
     (out,) = run_workers(_hook_view_worker, 1, timeout=60)
-    assert out == (True, (0, 2, 3, 1))
+    assert out == {"0.weight": ((0, 2, 3, 1), True, True), "0.bias": ((0,), True, True),
+                   "2.weight": ((1, 0), True, True), "2.bias": ((0,), True, True)}
