@@ -26,6 +26,7 @@ from .state import (
     check_extra,
     check_objects,
     check_plain,
+    model_state,
     unwrap,
 )
 
@@ -47,7 +48,9 @@ def save_checkpoint(
 ) -> str:
     """Save checkpoint ``step`` atomically and keep only the newest ``keep``.
 
-    Collective: call it on every rank (it gathers each rank's RNG states).
+    Collective: call it on every rank (it gathers each rank's RNG states;
+    with ``overlap_param_gather`` it finishes, on every rank, the parameter
+    gather of every optimizer attached to the model, not only ``optimizer``'s).
     Rank 0 writes the payload under a new name, then commits it by renaming
     the manifest ``step-<step>.json`` into place (temporary file, fsync,
     rename, directory fsync), then deletes older checkpoints beyond
@@ -124,12 +127,13 @@ def save_checkpoint(
     scheduler_state = scheduler.state_dict() if scheduler is not None else None
     # Stage 3: the DTensors go to DCP, each rank writing its own shards; the rest to the common part.
     fully_sharded = dcp_tensors.split(unwrap(model), optimizer) if isinstance(optimizer, AmpOptimizer) else None
-    model_state: dict | None = None
     tensors: dict = {}
     if fully_sharded is not None:
-        model_state, optimizer_state, tensors = fully_sharded
+        model_entries, optimizer_state, tensors = fully_sharded
         shard = None
     else:
+        # On every rank, before rank 0 builds the payload alone: it finishes every attached optimizer's gather.
+        model_entries = model_state(model)
         local = optimizer.local_state_dict() if isinstance(optimizer, AmpOptimizer) else optimizer.state_dict()
         optimizer_state, shard = flat_state.split(local)
     check_plain(optimizer_state, "optimizer.state_dict()")
@@ -153,7 +157,7 @@ def save_checkpoint(
             parts = _part_files(gathered)
             payload = build_payload(step, coordinator.world_size, model, type(optimizer).__name__,
                                     optimizer_state, scheduler_state, [g[0] for g in gathered], extra,
-                                    model_state_dict=model_state, dcp_directory=dcp_directory,
+                                    model_state_dict=model_entries, dcp_directory=dcp_directory,
                                     scheduler_type=type(scheduler).__name__ if scheduler is not None else None)
             outcome = ("saved", _write(path, step, payload, keep, parts))
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below

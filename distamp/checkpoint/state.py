@@ -35,6 +35,7 @@ __all__ = [
     "check_payload",
     "check_plain",
     "check_shard_payload",
+    "model_state",
     "prepare_restore",
     "restore",
     "restore_from_dcp",
@@ -54,6 +55,19 @@ def unwrap(model: nn.Module) -> nn.Module:
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
     return model
+
+
+def model_state(model: nn.Module) -> dict[str, Any]:
+    """``state_dict()`` of the module inside ``model``'s wrappers (references, nothing copied). Collective.
+
+    With ``overlap_param_gather`` the model's state-dict pre-hook finishes
+    the parameter all-gather of every optimizer ``fleet.distributed_model``
+    attached to it, not only of the optimizer being saved or loaded. Where
+    that gather goes in collective rounds (NCCL) no rank may finish it
+    alone: the others would never join its rounds. So a checkpoint takes it
+    on every rank before any rank works on the model by itself.
+    """
+    return unwrap(model).state_dict()
 
 
 def check_plain(value: Any, where: str) -> None:

@@ -31,7 +31,8 @@ running the same forward issue the same collectives in the same order. The
 ``state_dict()`` pre-hook is collective too: on the collective rounds (NCCL)
 a ``state_dict()`` on one rank alone launches the remaining rounds there
 only, and the next other collective hangs; before a one-rank save every
-rank calls ``optimizer.finish_param_gather()``.
+rank calls ``optimizer.finish_param_gather()`` (``save_checkpoint`` takes
+the model's ``state_dict()`` on every rank itself).
 
 Not covered, so stale there: code outside a forward of the model or of one
 of its modules (call ``optimizer.finish_param_gather()`` first), a copy of
