@@ -525,8 +525,9 @@ def _two_optimizers_worker(rank, world_size, order):
     wrapped = fleet.distributed_model(model) if order == "after" else None
     for name in names:
         setattr(dist, name, counting(name))
+    second = None  # held: fleet keeps optimizers weakly, and one nobody holds may be collected at any moment
     try:
-        fleet.distributed_optimizer(torch.optim.SGD(model[2].parameters(), lr=0.1), strategy)
+        second = fleet.distributed_optimizer(torch.optim.SGD(model[2].parameters(), lr=0.1), strategy)
         if order == "before":
             fleet.distributed_model(model)
         message = ""
@@ -535,7 +536,7 @@ def _two_optimizers_worker(rank, world_size, order):
     finally:
         for name in names:
             setattr(dist, name, originals[name])
-    result = {"message": message, "collectives": collectives}
+    result = {"message": message, "collectives": collectives, "second_built": second is not None}
     if wrapped is not None:
         result["applied"] = [_train_step(wrapped, first, *_batch(rank, step)) for step in range(1, 4)]
         result["params"] = _flat(model)
@@ -547,6 +548,7 @@ def test_a_second_optimizer_is_refused_before_any_collective(order):
     out = run_workers(_two_optimizers_worker, 2, order, timeout=100)
     for result in out:
         assert "exactly one fleet.distributed_optimizer per model" in result["message"]
+        assert result["second_built"] == (order == "before")
         assert result["collectives"] == []
     if order == "after":
         # The refused optimizer was never attached: the first one trains on, compressed from step 2.
