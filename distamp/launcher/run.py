@@ -148,26 +148,48 @@ _PEER_FAILURE_SIGNS = (
 )
 
 
-def _first_failure(plan: LaunchPlan, error: ChildFailedError) -> tuple[int, ProcessFailure]:
+def _first_failure(
+    plan: LaunchPlan, error: ChildFailedError, exits: Mapping[int, float]
+) -> tuple[int, ProcessFailure]:
     """The root-cause failure among the workers the agent saw fail.
 
-    The agent polls every 0.1 s and stamps failures to the second, so a
-    worker that crashed and a peer that failed because of it often look
-    simultaneous. Ties go to the worker that was not stopped by the agent
-    (SIGTERM) and whose log does not report a lost peer, then to the order
-    in which the agent recorded them.
+    What a failure shows about itself decides first, when it happened second
+    (see :func:`_evidence`): a worker that failed on its own comes before one
+    the agent stopped (SIGTERM), which comes before one whose log reports a
+    lost peer. A worker whose failure starts with closing its connections
+    (``destroy_process_group()`` in a ``finally``) and that is slow to exit
+    makes its peer fail and exit first; the agent then stops it, so neither
+    the exit order nor the agent's stamps point at it.
+
+    Within a class the earliest exit wins: the guardian's stamp in ``exits``,
+    else the agent's, which is truncated to the second; then the order in
+    which the agent recorded them.
     """
+    peer_is_local = plan.nnodes == 1 and not exits.keys() - error.failures.keys()
     items = list(error.failures.items())
 
-    def key(indexed: tuple[int, tuple[int, ProcessFailure]]) -> tuple[int, bool, int]:
+    def key(indexed: tuple[int, tuple[int, ProcessFailure]]) -> tuple[int, float, int]:
         index, (rank, failure) = indexed
-        tail = "\n".join(tail_lines(log_path(plan.log_dir, rank), TAIL_LINES))
-        consequence = failure.exitcode == -int(signal.SIGTERM) or any(
-            sign in tail for sign in _PEER_FAILURE_SIGNS
-        )
-        return (failure.timestamp, consequence, index)
+        evidence = _evidence(plan, rank, failure, peer_is_local)
+        return (evidence, exits.get(rank, float(failure.timestamp)), index)
 
     return min(enumerate(items), key=key)[1]
+
+
+def _evidence(plan: LaunchPlan, rank: int, failure: ProcessFailure, peer_is_local: bool) -> int:
+    """How likely ``rank``'s failure is a consequence of another's: 0 (its own) to 2.
+
+    2 when its log tail reports a lost peer; 1 when the agent stopped it
+    (SIGTERM), a bystander or a worker still exiting from its own failure.
+    A lost peer outranks a stop only when the peer must be a failed worker
+    here (``peer_is_local``: one node, and no worker here exited 0); a peer
+    on another node, or one that left early, makes the stopped workers
+    bystanders, and then the two tie.
+    """
+    tail = "\n".join(tail_lines(log_path(plan.log_dir, rank), TAIL_LINES))
+    if any(sign in tail for sign in _PEER_FAILURE_SIGNS):
+        return 2 if peer_is_local else 1
+    return 1 if failure.exitcode == -int(signal.SIGTERM) else 0
 
 
 def _how(failure: ProcessFailure) -> str:
@@ -225,10 +247,10 @@ def describe_failure(
             (from the bootstrap's guardians), when known.
         started_at: ``time.time()`` when the workers were started.
     """
-    rank, failure = _first_failure(plan, error)
+    exits = exits or {}
+    rank, failure = _first_failure(plan, error, exits)
     path = log_path(plan.log_dir, rank)
     code = exit_code_of(failure)
-    exits = exits or {}
     early = _early_exit(error, exits, rank, failure)
     others = [
         f"rank {r} {_how(f)}"

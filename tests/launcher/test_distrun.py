@@ -65,6 +65,21 @@ RANK1_EXITS_EARLY = """
     dist.all_reduce(t)
 """
 
+# Rank 1 fails, and its clean-up closes the group before a slow rest (as a
+# data loader's shutdown would be): rank 0 loses its peer and exits first,
+# and distrun stops rank 1.
+RANK1_CLOSES_THE_GROUP_THEN_LINGERS = """
+    import time, torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if dist.get_rank() == 1:
+        print("rank 1 is failing", flush=True)
+        dist.destroy_process_group()
+        time.sleep(120)
+    dist.all_reduce(t)
+"""
+
 # Each worker starts a child (as a data loader would), writes both pids to a
 # file and waits; the test then signals distrun.
 WAITS_WITH_CHILD = """
@@ -215,6 +230,17 @@ def test_worker_killed_by_signal_is_reported_by_name(tmp_path):
     assert "exiting with code 137" in last
     assert "about to die" in proc.stderr  # the log tail
     assert proc.stdout == ""  # --tee none
+
+
+@pytest.mark.timeout(90)
+def test_the_rank_that_failed_first_is_named_even_when_its_peer_exits_first(tmp_path):
+    script = write(tmp_path, "job.py", RANK1_CLOSES_THE_GROUP_THEN_LINGERS)
+    proc = distrun(tmp_path, "--nproc_per_node", "2", *grace_period_args(5), script)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    err = proc.stderr.rstrip().splitlines()
+    assert err[-2] == "distrun: also failed: rank 0 exited with code 1.", err[-2]
+    assert err[-1].startswith("distrun: rank 1 (local rank 1, pid "), err[-1]
+    assert "rank 1 is failing" in proc.stderr  # rank 1's log tail
 
 
 def start_two_nodes(tmp_path, script, *flags, node_flags=lambda rank: ()):
