@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from distamp.distributed.process_group import validate_timeout
+from distamp.model_views import unwrap_model
 from distamp.optim.optimizer import AmpOptimizer
 from distamp.optim.state import check_optimizer_state
 from distamp.user_warning import warn_user
@@ -29,7 +30,6 @@ from .state import (
     check_shard_payload,
     prepare_restore,
     restore_from_dcp,
-    unwrap,
 )
 
 __all__ = ["CheckpointInfo", "load_latest_checkpoint"]
@@ -211,10 +211,10 @@ def _restore_dcp(coordinator: Coordinator, directory: str, payload: dict, model:
 
     def prepare() -> None:
         check_fits(payload, optimizer, scheduler)
-        check_model_fits(payload["model"], unwrap(model))
+        check_model_fits(payload["model"], unwrap_model(model))
         if isinstance(optimizer, AmpOptimizer):
             check_optimizer_state(optimizer, payload["optimizer"])
-        tensors.update(dcp_tensors.targets(payload["model"], payload["optimizer"], unwrap(model), optimizer))
+        tensors.update(dcp_tensors.targets(payload["model"], payload["optimizer"], unwrap_model(model), optimizer))
 
     errors = _collectively(coordinator, prepare)
     if errors:
@@ -336,7 +336,7 @@ def _read(
         return manifest, payload, {}
     # ValueError when it does not fit the optimizer: raised on every rank, never skipped.
     needed = sorted({*flat_state.parts_needed(payload["optimizer"], target, int(payload["world_size"])),
-                     *model_shards.parts_needed(payload.get("model_shards"), unwrap(model))})
+                     *model_shards.parts_needed(payload.get("model_shards"), unwrap_model(model))})
     _check_listed(path, manifest, needed)
     _verify(path, manifest, [rank_part(r) for r in needed], intact)
     parts = {r: _load(path, manifest, rank_part(r), lambda p, r=r: check_shard_payload(p, step, r)) for r in needed}

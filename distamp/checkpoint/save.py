@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from distamp.distributed.process_group import validate_timeout
+from distamp.model_views import unwrap_model
 from distamp.optim.optimizer import AmpOptimizer
 
 from . import dcp_tensors, flat_state, rng, storage
@@ -27,7 +28,6 @@ from .state import (
     check_objects,
     check_plain,
     model_state,
-    unwrap,
 )
 
 __all__ = ["save_checkpoint"]
@@ -64,8 +64,11 @@ def save_checkpoint(
     collective, so a slow write does not run into the process group's
     timeout (NCCL's default is 10 minutes); ``timeout`` bounds that wait.
 
-    What is saved: ``model.state_dict()`` (of the module inside a
-    DataParallel/DDP wrapper), ``optimizer.state_dict()`` (for distamp's
+    What is saved: ``model.state_dict()`` (of the module inside
+    ``fleet.distributed_model``, DDP and ``torch.compile`` wrappers: a
+    module whose one child is ``.module`` or ``._orig_mod`` and which has no
+    parameters of its own; a model's own child called ``module`` is saved
+    as part of it), ``optimizer.state_dict()`` (for distamp's
     AmpOptimizer: inner state, FP32 masters, loss scaler and counters),
     ``scheduler.state_dict()``, the RNG states of every rank (Python
     ``random``, NumPy, torch CPU and the rank's current CUDA device) and
@@ -126,7 +129,7 @@ def save_checkpoint(
     # Checked on every rank (the states are replicated), so all raise alike.
     scheduler_state = scheduler.state_dict() if scheduler is not None else None
     # Stage 3: the DTensors go to DCP, each rank writing its own shards; the rest to the common part.
-    fully_sharded = dcp_tensors.split(unwrap(model), optimizer) if isinstance(optimizer, AmpOptimizer) else None
+    fully_sharded = dcp_tensors.split(unwrap_model(model), optimizer) if isinstance(optimizer, AmpOptimizer) else None
     tensors: dict = {}
     if fully_sharded is not None:
         model_entries, optimizer_state, tensors = fully_sharded

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from distamp.model_views import unwrap_model
 from distamp.optim.optimizer import AmpOptimizer
 from distamp.optim.state import check_optimizer_state
 
@@ -39,7 +40,6 @@ __all__ = [
     "prepare_restore",
     "restore",
     "restore_from_dcp",
-    "unwrap",
 ]
 
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
@@ -48,13 +48,6 @@ _KEYS = ("format", "step", "world_size", "model", "optimizer_type", "optimizer",
 
 class UnusablePayload(Exception):
     """A payload that loaded but is not a distamp checkpoint payload of the expected step."""
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside DataParallel / DistributedDataParallel wrappers."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
 
 
 def model_state(model: nn.Module) -> dict[str, Any]:
@@ -67,7 +60,7 @@ def model_state(model: nn.Module) -> dict[str, Any]:
     alone: the others would never join its rounds. So a checkpoint takes it
     on every rank before any rank works on the model by itself.
     """
-    return unwrap(model).state_dict()
+    return unwrap_model(model).state_dict()
 
 
 def check_plain(value: Any, where: str) -> None:
@@ -166,7 +159,7 @@ def build_payload(
         "format": FORMAT,
         "step": step,
         "world_size": world_size,
-        "model": unwrap(model).state_dict() if model_state_dict is None else model_state_dict,
+        "model": unwrap_model(model).state_dict() if model_state_dict is None else model_state_dict,
         **index,
         "optimizer_type": optimizer_type,
         "optimizer": optimizer_state,
@@ -238,7 +231,7 @@ def prepare_restore(
     """
     check_fits(payload, optimizer, scheduler)
     parts = dict(parts or {})
-    module = unwrap(model)
+    module = unwrap_model(model)
     model_state = dict(payload["model"])
     if payload.get("model_shards"):
         rows = {r: p["model_shard"] for r, p in parts.items() if p.get("model_shard") is not None}
@@ -258,7 +251,7 @@ def apply_restore(
     """Load :func:`prepare_restore`'s states into ``model`` and ``optimizer``, and the scheduler's."""
     model_state, optimizer_state = prepared
     # Model first: in O2 the optimizer then overwrites the 16-bit weights from its exact masters.
-    unwrap(model).load_state_dict(model_state)
+    unwrap_model(model).load_state_dict(model_state)
     optimizer.load_state_dict(optimizer_state)
     if scheduler is not None:
         scheduler.load_state_dict(payload["scheduler"])
@@ -317,7 +310,7 @@ def restore_from_dcp(
         return
     check_fits(payload, optimizer, scheduler)
     local = dcp_tensors.fill(payload["optimizer"], tensors, lambda t: t.to_local() if isinstance(t, DTensor) else t)
-    unwrap(model).load_state_dict(model_state)
+    unwrap_model(model).load_state_dict(model_state)
     optimizer.load_state_dict({**local, "sharding": target.sharding})
     if scheduler is not None:
         scheduler.load_state_dict(payload["scheduler"])

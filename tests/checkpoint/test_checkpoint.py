@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import os
+import pathlib
 import random
 import re
 import shutil
@@ -362,6 +363,52 @@ def test_a_plain_torch_optimizer_and_no_scheduler_work(tmp_path):
     assert torch.equal(
         opt.state_dict()["state"][0]["momentum_buffer"], opt2.state_dict()["state"][0]["momentum_buffer"]
     )
+
+
+class _WithChildCalledModule(nn.Module):
+    """A user's model whose first layer is an attribute called ``module``, as a wrapper's inner model is."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.module = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.module(x)))
+
+
+def _child_called_module_worker(rank, world_size, directory, compiled):
+    from distamp import fleet
+
+    fleet.init()
+    out = {}
+    for seed in (0, 1):
+        model = _WithChildCalledModule(seed)
+        opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        wrapped = fleet.distributed_model(model)
+        if compiled:
+            wrapped = torch.compile(wrapped)
+        if seed == 0:
+            wrapped(torch.randn(2, 6)).sum().backward()
+            opt.step()
+            save_checkpoint(directory, 1, model=wrapped, optimizer=opt)
+            saved = torch.load(payload(pathlib.Path(directory), 1), weights_only=True)
+            out["saved_keys"] = sorted(saved["model"])
+        else:
+            load_latest_checkpoint(directory, model=wrapped, optimizer=opt)
+        out[seed] = {k: v.clone() for k, v in model.state_dict().items()}
+    return out
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_model_with_a_child_called_module_is_saved_and_restored_whole(tmp_path, compiled):
+    """Was: the checkpoint took any ``.module`` for a wrapper's and saved the child alone; the load restored it
+    alone, silently."""
+    (out,) = run_workers(_child_called_module_worker, 1, str(tmp_path), compiled, timeout=100)
+    assert out["saved_keys"] == ["head.bias", "head.weight", "module.bias", "module.weight"]
+    assert out[1].keys() == out[0].keys()
+    assert all(torch.equal(out[1][k], out[0][k]) for k in out[0])
 
 
 # --------------------------------------------------------------------------- bad input

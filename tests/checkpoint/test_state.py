@@ -18,8 +18,8 @@ from distamp.checkpoint.state import (
     check_payload,
     check_plain,
     restore,
-    unwrap,
 )
+from distamp.model_views import unwrap_model
 
 
 def test_plain_values_pass_and_the_first_foreign_one_is_named():
@@ -71,7 +71,7 @@ def test_build_payload_saves_the_unwrapped_model():
     assert payload["format"] == FORMAT
     assert payload["step"] == 4
     assert set(payload["model"]) == {"weight", "bias"}
-    assert unwrap(_Wrapper(model)) is model
+    assert unwrap_model(_Wrapper(model)) is model
     check_payload(payload, 4)
 
 
