@@ -112,6 +112,8 @@ class _Runtime:
         self.param_gather = ForwardParamGather(module)  # overlap_param_gather: finished in forward
         # Parameters frozen when DDP (or stage 2's reducer) was built, which therefore never reduces them.
         self.frozen_at_build: dict[str, nn.Parameter] = {}
+        # Each parameter's dtype and device when the reducer was built (see _refuse_converted).
+        self.layout_at_build: list[tuple[str, nn.Parameter, torch.dtype, torch.device]] = []
 
 
 class DataParallel(nn.Module):
@@ -373,6 +375,7 @@ class DataParallel(nn.Module):
         ignored = ddp_ignored_names(self.module)
         runtime.frozen_at_build = {name: p for name, p in self.module.named_parameters()
                                    if not p.requires_grad and name not in ignored}
+        runtime.layout_at_build = [(name, p, p.dtype, p.device) for name, p in self.module.named_parameters()]
         runtime.ddp, runtime.comm_hook, runtime.reduce_scatter, runtime.reducer = (
             prepared.ddp, prepared.comm_hook, prepared.reduce_scatter, prepared.reducer
         )
@@ -392,6 +395,8 @@ class DataParallel(nn.Module):
             self.prepare()
         if any(p.requires_grad for p in runtime.frozen_at_build.values()):
             self._refuse_unfrozen()
+        if any(p.dtype != dtype or p.device != device for _, p, dtype, device in runtime.layout_at_build):
+            self._refuse_converted()
         ddp = runtime.ddp
         try:
             if runtime.reducer is not None:
@@ -429,6 +434,27 @@ class DataParallel(nn.Module):
             "To unfreeze parameters during training, make them trainable before that, set "
             "strategy.find_unused_parameters = True and freeze them after fleet.distributed_model until their "
             "time."
+        )
+
+    def _refuse_converted(self) -> None:
+        """Raise: a parameter changed dtype or device since the reducer was built, which no longer sees its gradient.
+
+        Assigning data of another dtype or device to a parameter (what
+        ``model.half()``, ``model.to(dtype)`` or ``model.to(device)`` do)
+        gives it a new gradient accumulator, so DDP's hooks (and stage 2's)
+        never fire for it: each rank would apply its own gradient.
+        """
+        changed = [f"{name} ({dtype} on {device} -> {p.dtype} on {p.device})"
+                   for name, p, dtype, device in self._runtime.layout_at_build
+                   if p.dtype != dtype or p.device != device]
+        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        raise RuntimeError(
+            f"parameters {shown} changed dtype or device after fleet.distributed_model built its gradient "
+            "reducer (when the first optimizer was attached, or at the first forward), so their gradients would "
+            "no longer be averaged over the ranks: each rank would apply its own. Move and convert the model "
+            "before fleet.distributed_model and fleet.distributed_optimizer (model.to(fleet.device())), and for "
+            "16-bit weights set amp_configs['use_pure_fp16'] = True instead of calling model.half() or "
+            "model.to(dtype)"
         )
 
     def fp32_state_dict(self) -> dict[str, Any]:

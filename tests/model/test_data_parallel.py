@@ -731,3 +731,47 @@ def test_a_model_wrapped_before_any_strategy_takes_its_optimizers(custom_black):
         assert torch.equal(params, ref_params)
         assert head_dtype == ref_head_dtype == (torch.float32 if custom_black else torch.bfloat16)
         assert sent == ref_sent  # the 16-bit wire of the optimizer's strategy
+
+
+def _converted_after_the_wrapper(rank, world_size, stage, o2, convert_wrapper):
+    """Train 3 steps; after the first, convert the model to FP16 (the wrapper's or the inner model's ``half()``)."""
+    from distamp import fleet
+
+    fleet.init()
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 3))
+    strategy = make_strategy(dtype="float16", use_pure_fp16=o2)
+    if stage:
+        strategy.sharding = True
+        strategy.sharding_configs = {"stage": stage}
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.05), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    for step, batch in enumerate(global_batches(3, world_size)):
+        if step == 1:
+            (wrapped if convert_wrapper else model).half()
+        x, y = shard(batch, rank, world_size)
+        try:
+            with fleet.auto_cast():
+                loss = F.mse_loss(wrapped(x).float(), y)
+        except RuntimeError as error:
+            return step, str(error)
+        opt.zero_grad()
+        opt.backward(loss)
+        opt.step()
+    return None, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("stage", "o2", "convert_wrapper"),
+                         [(0, False, True), (0, False, False), (0, True, True), (2, False, True)])
+def test_a_model_converted_to_another_dtype_after_the_wrapper_was_built_is_refused(stage, o2, convert_wrapper):
+    # model.half() gives each parameter a new gradient accumulator, which DDP's hooks are not on: in O1 the
+    # ranks applied their own gradients and drifted apart silently (the second step's FP16 gradients differed
+    # on the two ranks); in O2 only the FP32 LayerNorm changed and DDP failed with "Expected to have finished
+    # reduction in the prior iteration", which names neither the cause nor the fix.
+    for step, message in run_workers(_converted_after_the_wrapper, 2, stage, o2, convert_wrapper, timeout=100):
+        assert step == 1, message
+        first = "1" if o2 else "0"  # O2 keeps only the LayerNorm in FP32
+        converted = "(torch.float32 on cpu -> torch.float16 on cpu)"
+        assert message.startswith(f"parameters {first}.weight {converted}, {first}.bias {converted}")
+        assert "changed dtype or device after fleet.distributed_model built its gradient reducer" in message
+        assert "use_pure_fp16" in message
