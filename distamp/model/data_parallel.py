@@ -395,8 +395,9 @@ class DataParallel(nn.Module):
             self.prepare()
         if any(p.requires_grad for p in runtime.frozen_at_build.values()):
             self._refuse_unfrozen()
-        if any(p.dtype != dtype or p.device != device for _, p, dtype, device in runtime.layout_at_build):
-            self._refuse_converted()
+        if torch.is_grad_enabled() and any(p.dtype != dtype or p.device != device
+                                           for _, p, dtype, device in runtime.layout_at_build):
+            self._refuse_converted()  # a forward without gradients reduces nothing: converting for evaluation is fine
         ddp = runtime.ddp
         try:
             if runtime.reducer is not None:

@@ -746,9 +746,11 @@ def _converted_after_the_wrapper(rank, world_size, stage, o2, convert_wrapper):
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.05), strategy)
     wrapped = fleet.distributed_model(model, strategy)
     for step, batch in enumerate(global_batches(3, world_size)):
+        x, y = shard(batch, rank, world_size)
         if step == 1:
             (wrapped if convert_wrapper else model).half()
-        x, y = shard(batch, rank, world_size)
+            with torch.no_grad():  # evaluating the converted model reduces nothing: allowed
+                wrapped(x.half())
         try:
             with fleet.auto_cast():
                 loss = F.mse_loss(wrapped(x).float(), y)
