@@ -312,7 +312,15 @@ class MixedPrecision(FullPrecision):
         flags = torch.zeros(2, dtype=torch.float32, device=device)
         # Like GradScaler: the reciprocal in double, rounded once to float32.
         inv_scale = 1.0 / self._amp_scaler.scale
-        for (dev, _), group_grads in _by_device_and_dtype(grads).items():
+        by_dtype = _by_device_and_dtype(grads)
+        if any(dtype == torch.float16 for _, dtype in by_dtype):
+            raise ValueError(
+                "O1 got FP16 gradients: the model was converted to FP16 (model.half(), model.to(torch.float16)) "
+                "after the optimizer was built, and O1 would update those weights in FP16 with no FP32 master "
+                "(torch's GradScaler refuses FP16 gradients too). Keep the model in FP32 for O1, or build the "
+                "optimizer with amp_configs['use_pure_fp16'] = True for FP16 weights with FP32 masters"
+            )
+        for (dev, _), group_grads in by_dtype.items():
             found = torch.zeros(1, dtype=torch.float32, device=dev)
             factor = torch.full((1,), inv_scale, dtype=torch.float32, device=dev)
             amp_foreach_non_finite_check_and_unscale_(group_grads, found, factor)

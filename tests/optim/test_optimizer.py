@@ -645,6 +645,36 @@ def test_complex_parameters_are_refused_under_amp_or_sharding_and_train_without(
     assert torch.equal(cplx.detach(), torch.full((2, 2), 0.8, dtype=torch.complex64))
 
 
+@pytest.mark.parametrize("sharding", [False, True])
+def test_o1_refuses_fp16_weights_as_gradscaler_does_and_o2_and_bf16_take_them(sharding):
+    """Was: O1 trained an FP16 model in FP16 with no FP32 masters, silently; torch's GradScaler refuses."""
+    model = tiny_mlp().half()
+    model[2].bias.requires_grad_(False)
+    strategy = make_strategy(dtype="float16")
+    strategy.sharding = sharding
+    with pytest.raises(ValueError, match=r"parameter\(s\) 0 \(shape \(8, 6\)\), 1 \(shape \(8,\)\), 2 \(shape "
+                                         r"\(3, 8\)\) are torch\.float16, and O1 .*\['use_pure_fp16'\] = True"):
+        AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(2, 6, dtype=torch.float16)).sum()).backward()
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):  # what torch says
+        scaler.unscale_(torch.optim.SGD(model.parameters(), lr=0.1))
+    AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy(dtype="float16", use_pure_fp16=True))
+    AmpOptimizer(torch.optim.SGD(tiny_mlp().bfloat16().parameters(), lr=0.1), make_strategy(dtype="bfloat16"))
+    AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy(amp=False))
+
+
+def test_o1_refuses_fp16_gradients_of_a_model_converted_after_the_optimizer_was_built():
+    model = tiny_mlp()
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_strategy(dtype="float16"))
+    model.half()
+    opt.backward(model(torch.randn(2, 6, dtype=torch.float16)).float().sum())
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"O1 got FP16 gradients: the model was converted to FP16 .*use_pure_fp16"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))  # nothing applied
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_stage_3_o2_refuses_parameters_that_are_not_fp32(dtype):
     strategy = make_strategy(use_pure_fp16=True, dtype="bfloat16")
