@@ -544,6 +544,32 @@ def test_a_static_fp16_scale_with_overflow_retries_warns_that_they_never_happen(
     with pytest.warns(UserWarning, match=r"overflow_retries=2 has no effect with use_dynamic_loss_scaling=False"):
         s.amp_configs = {"use_dynamic_loss_scaling": False, "init_loss_scaling": 8.0, "overflow_retries": 2}
 
+def test_lognormal_with_backoff_settings_warns_that_they_have_no_effect():
+    # Was: silent; the log-normal scaler reads neither the backoff counters nor the ratios, so a
+    # decr_every_n_nan_or_inf or decr_ratio set with it changed nothing without a word.
+    s = DistributedStrategy()
+    with pytest.warns(UserWarning, match=r"lognormal") as record:
+        s.amp_configs = {"loss_scaling_algorithm": "lognormal", "decr_every_n_nan_or_inf": 1, "decr_ratio": 0.25,
+                         "init_loss_scaling": 1024.0, "min_loss_scaling": 2.0}
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "no effect: decr_every_n_nan_or_inf=1, decr_ratio=0.25." in message
+    assert "init_loss_scaling" not in message
+    assert "min_loss_scaling" not in message
+    assert record[0].filename == __file__
+
+
+def test_lognormal_alone_and_backoff_settings_with_a_static_or_bf16_scale_do_not_warn_of_lognormal():
+    s = DistributedStrategy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s.amp_configs = {"loss_scaling_algorithm": "lognormal", "init_loss_scaling": 1024.0, "overflow_retries": 2}
+        s.amp_configs = {"loss_scaling_algorithm": "backoff", "incr_ratio": 4.0}
+    with pytest.warns(UserWarning, match=r"fixed at 1\.0") as record:  # BF16 names every key it ignores, once
+        s.amp_configs = {"dtype": "bfloat16", "loss_scaling_algorithm": "lognormal", "incr_ratio": 4.0}
+    assert len(record) == 1
+
+
 def test_bf16_without_scaling_keys_and_fp16_do_not_warn():
     s = DistributedStrategy()
     with warnings.catch_warnings():

@@ -564,8 +564,12 @@ def _stuck_message(config: AmpConfig, scale: float, count: int) -> str:
     else:
         hint = ("Use strategy.amp_configs = {..., 'dtype': 'bfloat16'} (BF16 has FP32's range), or a lower "
                 "init_loss_scaling, or use_dynamic_loss_scaling=True")
-    why = (f"the scale could not go lower (min_loss_scaling={config.min_loss_scaling:g})"
-           if config.use_dynamic_loss_scaling else "the scale is static (use_dynamic_loss_scaling=False)")
+    if config.dtype != "float16":
+        why = "the scale is fixed at 1.0 in BF16"
+    elif config.use_dynamic_loss_scaling:
+        why = f"the scale could not go lower (min_loss_scaling={config.min_loss_scaling:g})"
+    else:
+        why = "the scale is static (use_dynamic_loss_scaling=False)"
     return (
         f"the loss scale is stuck at {scale:g}: {count} consecutive steps overflowed while {why}, so training is "
         f"not making progress. {hint}"

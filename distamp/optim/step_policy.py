@@ -72,8 +72,12 @@ class StepPolicy:
             self.found_inf, self.grad_max = self.precision.unscale_and_check(self._group())
         self.unscaled = True
 
-    def attribute_overflow(self, retrying: bool) -> None:
-        """Name the parameters whose reduced gradient is non-finite (skipped or retried steps only)."""
+    def attribute_overflow(self, retrying: bool, ran_at: float | None = None) -> None:
+        """Name the parameters whose reduced gradient is non-finite (skipped or retried steps only).
+
+        ``ran_at`` is the loss scale the overflowing attempt ran at, when the
+        scale was lowered since (a retry); ``None``: the current scale.
+        """
         params = self.binding_params()
         names = [self.binding.name_of(p, i) for i, p in enumerate(params)]
         # Under sharding the reduced gradients live in each rank's FP32 slice, not in .grad; in O2 a merge
@@ -88,8 +92,8 @@ class StepPolicy:
         # Read before the scale update: whether this overflow can still lower the scale (as the stuck-scale check).
         scaler = self.precision.scaler
         scale_falls = scaler is not None and scaler.can_decrease
-        self.overflow.record(self.step_number + 1, bad, self.precision.loss_scale, retrying=retrying,
-                             scale_falls=scale_falls)
+        loss_scale = self.precision.loss_scale if ran_at is None else ran_at
+        self.overflow.record(self.step_number + 1, bad, loss_scale, retrying=retrying, scale_falls=scale_falls)
 
     def binding_params(self) -> list[torch.nn.Parameter]:
         """The model parameters, in the masters' order."""
@@ -133,11 +137,12 @@ class StepPolicy:
                     self.last_step_skipped = True
                     return loss
                 self.unscale_and_check()
+            ran_at = self.precision.loss_scale
             if not self.found_inf or retries == 0 or not self.precision.lower_scale_now():
                 break
             retries -= 1
             self.retries += 1
-            self.attribute_overflow(retrying=True)
+            self.attribute_overflow(retrying=True, ran_at=ran_at)
             if self.compressor is not None:  # the closure's next backward starts from the kept state
                 self.compressor.discard_attempt()
             self.unscaled = False

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
@@ -27,6 +27,8 @@ _LOSS_SCALING_KEYS = (
     "incr_ratio", "decr_ratio", "loss_scaling_algorithm", "min_loss_scaling", "max_loss_scaling",
     "overflow_retries",  # a retry lowers the scale first, and a fixed one cannot fall
 )
+_BACKOFF_KEYS = ("incr_every_n_steps", "decr_every_n_nan_or_inf", "incr_ratio", "decr_ratio")
+"""The settings of Paddle's backoff counters, which the log-normal scaler does not read."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,11 @@ class AmpConfig(Config):
                 f"scaling the scale must start inside its bounds. Change init_loss_scaling or the bounds."
             )
 
+    def _changed(self, keys: tuple[str, ...]) -> list[str]:
+        """``key=value`` for each of ``keys`` (scalar fields) set to something other than its default."""
+        default = {f.name: f.default for f in fields(self)}
+        return [f"{k}={getattr(self, k)!r}" for k in keys if getattr(self, k) != default[k]]
+
     def _warn_unused_scaling_keys(self) -> None:
         if self.dtype != "bfloat16":
             if not self.use_dynamic_loss_scaling and self.overflow_retries:
@@ -165,9 +172,15 @@ class AmpConfig(Config):
                     "cannot fall, so an overflowing step(closure) is skipped. Use dynamic loss scaling, or "
                     "remove overflow_retries."
                 )
+            backoff_only = self._changed(_BACKOFF_KEYS)
+            if self.use_dynamic_loss_scaling and self.loss_scaling_algorithm == "lognormal" and backoff_only:
+                warn_user(
+                    "amp_configs: loss_scaling_algorithm='lognormal' sets each scale from the statistics of the "
+                    "gradients' maximum (an overflow halves it), so these settings of the backoff algorithm have "
+                    f"no effect: {', '.join(backoff_only)}. Remove them, or use loss_scaling_algorithm='backoff'."
+                )
             return
-        default = AmpConfig()
-        ignored = [f"{k}={getattr(self, k)!r}" for k in _LOSS_SCALING_KEYS if getattr(self, k) != getattr(default, k)]
+        ignored = self._changed(_LOSS_SCALING_KEYS)
         if ignored:
             warn_user(
                 f"amp_configs: with dtype='bfloat16' the loss scale is fixed at 1.0 (BF16 has FP32's "

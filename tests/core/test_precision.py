@@ -112,13 +112,14 @@ def test_max_abs_across_dtypes():
 
 
 @pytest.mark.parametrize(
-    ("dtype", "hint"),
+    ("dtype", "why", "hint"),
     [
-        ("float16", "Use strategy.amp_configs = {..., 'dtype': 'bfloat16'}"),
-        ("bfloat16", "The model produces inf/NaN even in BF16"),
+        ("float16", "the scale could not go lower (min_loss_scaling=1)",
+         "Use strategy.amp_configs = {..., 'dtype': 'bfloat16'}"),
+        ("bfloat16", "the scale is fixed at 1.0 in BF16", "The model produces inf/NaN even in BF16"),
     ],
 )
-def test_stuck_scale_raises_after_patience(dtype, hint):
+def test_stuck_scale_raises_after_patience(dtype, why, hint):
     scaling = {"init_loss_scaling": 1.0, "min_loss_scaling": 1.0} if dtype == "float16" else {}  # BF16: fixed at 1
     config = AmpConfig.from_dict({"dtype": dtype, "stuck_scale_patience": 2, **scaling})
     plugin = MixedPrecision(_params(), config)
@@ -128,8 +129,8 @@ def test_stuck_scale_raises_after_patience(dtype, hint):
     assert plugin.consecutive_stuck == 0
     plugin.update(True, None)
     with pytest.raises(RuntimeError, match=re.escape(
-        "the loss scale is stuck at 1: 2 consecutive steps overflowed while the scale could not go lower "
-        f"(min_loss_scaling=1), so training is not making progress. {hint}"
+        f"the loss scale is stuck at 1: 2 consecutive steps overflowed while {why}, so training is not making "
+        f"progress. {hint}"
     )):
         plugin.update(True, None)
 

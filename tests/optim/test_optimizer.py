@@ -316,6 +316,27 @@ def test_scale_stuck_at_minimum_raises_and_suggests_bfloat16():
     assert opt.steps_skipped == 2 + 3
 
 
+@pytest.mark.filterwarnings("ignore:.*bfloat16")
+@pytest.mark.parametrize("scaling", [{}, {"min_loss_scaling": 0.25}, {"use_dynamic_loss_scaling": False}])
+def test_a_stuck_bfloat16_scale_is_named_as_bf16s_fixed_scale_not_a_scaling_setting(scaling):
+    # Was: "... while the scale could not go lower (min_loss_scaling=0.25)" (or "the scale is static"), though
+    # BF16's scale is 1.0 whatever the scaling keys say (they only warn).
+    param = nn.Parameter(torch.ones(2))
+    opt = AmpOptimizer(torch.optim.SGD([param], lr=0.1), make_strategy(dtype="bfloat16", stuck_scale_patience=2,
+                                                                       **scaling))
+    opt.backward((param * float("inf")).sum())
+    assert opt.step() is False  # the first of stuck_scale_patience=2 overflows at the fixed scale
+    opt.zero_grad()
+    opt.backward((param * float("inf")).sum())
+    with pytest.raises(RuntimeError) as raised:
+        opt.step()
+    message = str(raised.value)
+    assert message.startswith("the loss scale is stuck at 1: 2 consecutive steps overflowed while the scale is fixed "
+                              "at 1.0 in BF16"), message
+    assert "min_loss_scaling" not in message
+    assert "use_dynamic_loss_scaling" not in message
+
+
 def _overflow(opt, model, times, dtype="float16"):
     for _ in range(times):
         with auto_cast(dtype=dtype):

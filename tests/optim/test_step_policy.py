@@ -92,6 +92,25 @@ def test_closure_retries_at_a_lower_scale():
     assert policy.overflow.overflows == 1
 
 
+def test_a_retried_attempt_is_logged_with_the_scale_it_ran_at(caplog):
+    # Was: the retry's line showed the scale already lowered for the next attempt (4, 2 for attempts at 8, 4),
+    # while a skipped step's line shows the scale it ran at.
+    policy, model = _policy(scale=8.0)
+
+    def closure():
+        model.weight.grad = torch.tensor([[float("inf"), 0.0]]) * policy.precision.loss_scale
+        policy.watch.after_backward(policy.precision.loss_scale)
+        return torch.tensor(0.0)
+
+    with caplog.at_level("WARNING", logger="distamp"):
+        policy.step_with_closure(closure, retries=2)
+    assert [r.getMessage() for r in caplog.records if r.name == "distamp"] == [
+        "step 1 retried at a lower loss scale: non-finite gradients in weight (loss scale 8)",
+        "step 1 retried at a lower loss scale: non-finite gradients in weight (loss scale 4)",
+        "step 1 skipped: non-finite gradients in weight (loss scale 2)",
+    ]
+
+
 def test_closure_refused_with_gradient_merge():
     policy, _ = _policy(k_steps=3)
     with pytest.raises(RuntimeError, match=re.escape(
