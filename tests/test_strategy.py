@@ -544,6 +544,23 @@ def test_a_static_fp16_scale_with_overflow_retries_warns_that_they_never_happen(
     with pytest.warns(UserWarning, match=r"overflow_retries=2 has no effect with use_dynamic_loss_scaling=False"):
         s.amp_configs = {"use_dynamic_loss_scaling": False, "init_loss_scaling": 8.0, "overflow_retries": 2}
 
+def test_a_static_fp16_scale_with_dynamic_settings_warns_that_they_have_no_effect():
+    # Was: silent; a static scale reads none of the dynamic algorithm's settings.
+    s = DistributedStrategy()
+    with pytest.warns(UserWarning, match=r"use_dynamic_loss_scaling=False keeps") as record:
+        s.amp_configs = {"use_dynamic_loss_scaling": False, "init_loss_scaling": 8.0, "incr_ratio": 4.0,
+                         "min_loss_scaling": 2.0, "loss_scaling_algorithm": "lognormal"}
+    assert len(record) == 1
+    assert str(record[0].message) == (
+        "amp_configs: use_dynamic_loss_scaling=False keeps the loss scale at init_loss_scaling=8, so these "
+        "settings of dynamic scaling have no effect: incr_ratio=4.0, loss_scaling_algorithm='lognormal', "
+        "min_loss_scaling=2.0. Remove them, or set use_dynamic_loss_scaling=True."
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s.amp_configs = {"use_dynamic_loss_scaling": False, "init_loss_scaling": 8.0}
+
+
 def test_lognormal_with_backoff_settings_warns_that_they_have_no_effect():
     # Was: silent; the log-normal scaler reads neither the backoff counters nor the ratios, so a
     # decr_every_n_nan_or_inf or decr_ratio set with it changed nothing without a word.

@@ -29,6 +29,8 @@ _LOSS_SCALING_KEYS = (
 )
 _BACKOFF_KEYS = ("incr_every_n_steps", "decr_every_n_nan_or_inf", "incr_ratio", "decr_ratio")
 """The settings of Paddle's backoff counters, which the log-normal scaler does not read."""
+_DYNAMIC_ONLY_KEYS = ("loss_scaling_algorithm", "min_loss_scaling", "max_loss_scaling")
+"""With the backoff keys, what a static loss scale does not read."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,13 @@ class AmpConfig(Config):
                     "use_dynamic_loss_scaling=False: a retry lowers the loss scale first, and a static one "
                     "cannot fall, so an overflowing step(closure) is skipped. Use dynamic loss scaling, or "
                     "remove overflow_retries."
+                )
+            static_ignored = self._changed(_BACKOFF_KEYS + _DYNAMIC_ONLY_KEYS)
+            if not self.use_dynamic_loss_scaling and static_ignored:
+                warn_user(
+                    f"amp_configs: use_dynamic_loss_scaling=False keeps the loss scale at init_loss_scaling="
+                    f"{self.init_loss_scaling:g}, so these settings of dynamic scaling have no effect: "
+                    f"{', '.join(static_ignored)}. Remove them, or set use_dynamic_loss_scaling=True."
                 )
             backoff_only = self._changed(_BACKOFF_KEYS)
             if self.use_dynamic_loss_scaling and self.loss_scaling_algorithm == "lognormal" and backoff_only:
