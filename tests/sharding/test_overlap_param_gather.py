@@ -120,6 +120,18 @@ def test_models_that_read_parameters_outside_their_modules_train_bitwise_as_with
     assert all(torch.equal(results[1][name][0], results[0][name][0]) for name in _models())
 
 
+def _forward_backward(rank, world, wrapped, opt, g) -> torch.Tensor:
+    """This rank's part of the next global batch of ``D`` features through ``wrapped``; returns the loss."""
+    from distamp import fleet
+
+    x = torch.randn(PER_RANK * world, D, generator=g)[rank * PER_RANK:(rank + 1) * PER_RANK]
+    with fleet.auto_cast():
+        loss = wrapped(x).float().square().mean()
+    opt.zero_grad()
+    opt.backward(loss)
+    return loss.detach()
+
+
 def _load_after_step(rank, world, stage, mode, overlap):
     """Two steps, ``model.load_state_dict`` of the start values right after the second, two more steps."""
     from distamp import fleet
@@ -140,12 +152,7 @@ def _load_after_step(rank, world, stage, mode, overlap):
     g = torch.Generator().manual_seed(1)
     losses, running_after_load = [], None
     for step in range(4):
-        x = torch.randn(PER_RANK * world, D, generator=g)[rank * PER_RANK:(rank + 1) * PER_RANK]
-        with fleet.auto_cast():
-            loss = wrapped(x).float().square().mean()
-        losses.append(loss.detach())
-        opt.zero_grad()
-        opt.backward(loss)
+        losses.append(_forward_backward(rank, world, wrapped, opt, g))
         late[:] = [step == 1]
         assert opt.step()
         late.clear()
@@ -257,12 +264,7 @@ def _compiled(rank, world, overlap):
     g = torch.Generator().manual_seed(1)
     losses, running = [], []
     for _ in range(STEPS):
-        x = torch.randn(PER_RANK * world, D, generator=g)[rank * PER_RANK:(rank + 1) * PER_RANK]
-        with fleet.auto_cast():
-            loss = wrapped(x).float().square().mean()
-        losses.append(loss.detach())
-        opt.zero_grad()
-        opt.backward(loss)
+        losses.append(_forward_backward(rank, world, wrapped, opt, g))
         assert opt.step()
         running.append(opt.master_weights.gather_running)
     opt.finish_param_gather()
