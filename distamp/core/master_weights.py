@@ -8,6 +8,14 @@ original FP32 values, stores the model parameters in the low dtype
 same, so modules, hooks and DDP still see them), moves gradients to the
 masters and copies updated masters back.
 
+What the user writes into the model's parameters between steps (loading
+weights with ``model.load_state_dict``, an in-place edit under
+``torch.no_grad()``) is taken into the masters before they are next read
+(:meth:`MasterWeights.adopt_model_writes`), so the model trains from what it
+holds, as it would without masters. A parameter's version counter says it
+was written; the values decide (a write of the value it already held changes
+nothing). Writes through ``.data`` bypass the counter and are not seen.
+
 Masters live in one flat FP32 buffer per device, so broadcasting,
 checkpointing and copying are a few large operations instead of one per
 parameter. Their FP32 gradients are not kept: the step builds them chunk by
@@ -26,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distamp.torch_compat import foreach_add_, foreach_copy_, foreach_zero_
+from distamp.torch_compat import foreach_add_, foreach_copy_, foreach_zero_, tensor_version
 
 __all__ = ["MasterWeights", "MasterWeightsSurface", "check_saved_masters", "clear_grads"]
 
@@ -105,6 +113,8 @@ class MasterWeights:
         self._grad_buffers: list[torch.Tensor] = []  # whole FP32 master gradients, only between a request and zero
         self._master_of: dict[int, nn.Parameter] = {}
         self._keep_fp32: set[int] = set()
+        # Each separate master's model parameter's version counter when the two last agreed (adopt_model_writes).
+        self._versions: dict[int, int] = {}
         if low_dtype is None:
             for p in self.model_params:
                 self._master_of[id(p)] = p
@@ -131,6 +141,7 @@ class MasterWeights:
                 master = nn.Parameter(view, requires_grad=p.requires_grad)
                 self._pairs.append((p, master))
                 self._master_of[id(p)] = master
+                self._versions[id(p)] = tensor_version(p)
                 offset += n
 
     @property
@@ -189,6 +200,7 @@ class MasterWeights:
             self._flat.extend(extra._flat)
             self._pairs.extend(extra._pairs)
             self._master_of.update(extra._master_of)
+            self._versions.update(extra._versions)
         return [self._master_of[id(p)] for p in new]
 
     def keeps_fp32(self, param: torch.Tensor) -> bool:
@@ -214,8 +226,28 @@ class MasterWeights:
                 if model_p.dtype != dtype:
                     # The master is a contiguous view of the flat buffer; the parameter keeps its own strides.
                     model_p.data = torch.empty_like(model_p, dtype=dtype).copy_(master.detach())
+                    self._versions[id(model_p)] = tensor_version(model_p)
                     changed += 1
         return changed
+
+    def adopt_model_writes(self) -> int:
+        """Copy into the masters the model parameters written since they last held their masters' values.
+
+        Called before the masters are read (the step's check, ``state_dict``,
+        ``exact_fp32``). A parameter whose version counter moved is compared
+        with its master rounded to its dtype; where they differ, the master
+        becomes the parameter's value (exactly: widening to FP32 is exact).
+        Returns how many masters changed.
+        """
+        written = [(p, m) for p, m in self._pairs if tensor_version(p) != self._versions.get(id(p))]
+        adopted = 0
+        with torch.no_grad():
+            for model_p, master in written:
+                if not torch.equal(model_p, master.to(model_p.dtype)):
+                    master.copy_(model_p)
+                    adopted += 1
+                self._versions[id(model_p)] = tensor_version(model_p)
+        return adopted
 
     def copy_grads_to_masters(self) -> None:
         """Give the masters whole FP32 gradients, filled from the model's (4 bytes per parameter until zeroed).
@@ -270,6 +302,7 @@ class MasterWeights:
 
     def exact_fp32(self) -> dict[int, torch.Tensor]:
         """``{id(param): its exact FP32 value}``: the master, or the parameter itself without one."""
+        self.adopt_model_writes()
         return {id(p): self.master_for(p).detach() for p in self.model_params}
 
     def grad_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -316,6 +349,7 @@ class MasterWeights:
 
     def state_dict(self) -> list[torch.Tensor]:
         """The FP32 masters, one tensor per managed parameter, in order."""
+        self.adopt_model_writes()
         return [self._master_of[id(p)].detach() for p in self.model_params]
 
     def load_state_dict(self, tensors: Sequence[torch.Tensor]) -> None:

@@ -430,6 +430,8 @@ class PureLowPrecision(MixedPrecision):
         Raises:
             TypeError: a gradient is sparse.
         """
+        if self.master_weights.adopt_model_writes():
+            logger.info("O2: took parameters written into the model since the last step into the FP32 masters")
         masters = self.master_weights
         masters.zero_master_grads()
         if any(p.grad is not None and p.grad.is_sparse for p in masters.model_params):

@@ -37,6 +37,7 @@ from distamp.core.master_weights import clear_grads
 from distamp.sharding.direct_gather import DirectGather
 from distamp.sharding.param_gather import GatherInFlight, SliceAllGather
 from distamp.sharding.slice_grads import SliceGrads
+from distamp.torch_compat import tensor_version
 
 __all__ = ["ShardedMasters"]
 
@@ -99,8 +100,11 @@ class ShardedMasters:
         self.grads = SliceGrads(self.model_params, self.pieces, self.masters, self.lo, self.hi, grad_dtype)
         self.gather = SliceAllGather(self.layout, rank, group, chunk_bytes)
         self._refreshing: GatherInFlight | DirectGather | None = None
+        # O2: each model parameter's version counter when it last held its masters' values (adopt_model_writes).
+        self._versions: dict[int, int] = {}
         if low_dtype is not None:
             self.convert_model()
+            self._versions = {i: tensor_version(p) for i, p in enumerate(self.model_params)}
 
     # ------------------------------------------------------------------ construction
     def _build_masters(self, world_size: int) -> None:
@@ -203,7 +207,34 @@ class ShardedMasters:
             for i in changing:
                 p = self.model_params[i]
                 p.data = exact[i].view_as(p).to(self._dtype_for(i), copy=True)
+                self._versions[i] = tensor_version(p)
         return len(changing)
+
+    def adopt_model_writes(self) -> int:
+        """O2: copy into this rank's masters the parts of model parameters written since they held their values.
+
+        As :meth:`distamp.core.master_weights.MasterWeights.adopt_model_writes`
+        for this rank's pieces: every rank holds the whole model and adopts
+        its own slice, so a write made alike on every rank (a
+        ``model.load_state_dict``) reaches every master. Not before the
+        start-up broadcast (``pending``), which sets every value. Returns how
+        many pieces changed.
+        """
+        if self.values is None or self.pending is not None:
+            return 0
+        self.finish_refresh()
+        written = {i for i, p in enumerate(self.model_params) if tensor_version(p) != self._versions.get(i)}
+        adopted = 0
+        with torch.no_grad():
+            for piece, master in zip(self.pieces, self.masters, strict=True):
+                if piece.param in written:
+                    part = self.model_params[piece.param].detach().view(-1)[piece.start : piece.stop]
+                    if not torch.equal(part, master.to(part.dtype)):
+                        master.copy_(part)
+                        adopted += 1
+        for i in written:
+            self._versions[i] = tensor_version(self.model_params[i])
+        return adopted
 
     def _dtype_for(self, index: int) -> torch.dtype:
         if id(self.model_params[index]) in self._keep_fp32 or self.low_dtype is None:
@@ -228,6 +259,7 @@ class ShardedMasters:
         self.finish_refresh()
         if self.low_dtype is None:
             return {id(p): p.detach() for p in self.model_params}
+        self.adopt_model_writes()
         exact = self._exact_values(range(len(self.model_params)))
         return {id(p): exact[i].view_as(p) for i, p in enumerate(self.model_params)}
 
@@ -297,6 +329,7 @@ class ShardedMasters:
 
     def state_dict(self) -> list[torch.Tensor]:
         """O2: ``[this rank's FP32 slice]``; O1 and AMP off: ``[]`` (the model holds the values)."""
+        self.adopt_model_writes()
         return [] if self.values is None else [self.values.detach()]
 
     def load_state_dict(self, tensors: Sequence[torch.Tensor]) -> None:

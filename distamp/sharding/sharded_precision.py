@@ -23,6 +23,7 @@ this rank owns (:class:`~distamp.sharding.sharded_masters.ShardedMasters`):
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -51,6 +52,8 @@ from distamp.strategy import DistributedStrategy
 from distamp.torch_compat import amp_foreach_non_finite_check_and_unscale_, tensor_version
 
 __all__ = ["ShardedPrecision"]
+
+logger = logging.getLogger("distamp")
 
 
 def _gather_bytes(params: Sequence[nn.Parameter], strategy: DistributedStrategy, itemsize: int) -> int:
@@ -135,6 +138,8 @@ class ShardedPrecision(MixedPrecision):
         if any(p.grad is not None and p.grad.is_sparse for p in masters.model_params):
             raise TypeError("sparse gradients are not supported by the AMP optimizer; use dense gradients")
         masters.pending = None  # no start-up broadcast happened (no data-parallel model): keep each rank's own
+        if masters.adopt_model_writes():
+            logger.info("O2: took parameters written into the model since the last step into this rank's FP32 masters")
         extra = None
         if self.grad_accumulator is not None:
             extra = self.grad_accumulator.take()
