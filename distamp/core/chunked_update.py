@@ -85,9 +85,9 @@ from distamp.torch_compat import (
 )
 
 __all__ = ["SLICEABLE_OPTIMIZERS", "SLICE_ALIGN", "CheckedGrads", "GradSource", "Pair", "Piece", "Verdict",
-           "as_one_step", "check_in_chunks", "chunk_limit", "chunk_numel", "copy_and_unscale_", "plan_chunks",
-           "room_below_peak", "step_and_free_in_chunks", "step_in_chunks", "step_makes_temporaries", "step_only",
-           "steps_in_chunks"]
+           "as_one_step", "check_in_chunks", "chunk_limit", "chunk_numel", "copy_and_unscale_", "holds_rounding_of",
+           "plan_chunks", "room_below_peak", "step_and_free_in_chunks", "step_in_chunks", "step_makes_temporaries",
+           "step_only", "steps_in_chunks"]
 
 SLICEABLE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 """Optimizers whose update of an element depends on that element's gradient and state only."""
@@ -515,3 +515,14 @@ def _round_into_model(pairs: Sequence[Pair], pieces: list[Piece]) -> None:
             src.append(master.detach().view(-1)[piece.lo : piece.hi])
     with torch.no_grad():
         foreach_copy_(dst, src)
+
+
+def holds_rounding_of(grad: torch.Tensor, fp32_grad: torch.Tensor) -> bool:
+    """Whether the 16-bit ``grad`` still holds exactly the rounding of ``fp32_grad`` it was exposed as.
+
+    torch's ``clip_grad_norm_`` multiplies every gradient in place, by 1.0
+    when the norm is below the limit: the version counter moves, the values
+    do not, and taking the 16-bit values back would flush the unscaled
+    gradients below FP16's range (which loss scaling exists to keep) to zero.
+    """
+    return torch.equal(grad, fp32_grad.to(grad.dtype).view_as(grad))

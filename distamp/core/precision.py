@@ -33,6 +33,7 @@ from distamp.core.chunked_update import (
     as_one_step,
     check_in_chunks,
     chunk_limit,
+    holds_rounding_of,
     step_in_chunks,
     step_only,
     steps_in_chunks,
@@ -505,8 +506,10 @@ class PureLowPrecision(MixedPrecision):
         changed = {id(g) for g, version in self._exposed_versions if tensor_version(g) != version}
         self._exposed_versions = None
         if changed:
-            pairs = [(g, m) for g, m in self.master_weights.grad_pairs() if id(g) in changed]
-            foreach_copy_([m for _, m in pairs], [g for g, _ in pairs])
+            pairs = [(g, m) for g, m in self.master_weights.grad_pairs()
+                     if id(g) in changed and not holds_rounding_of(g, m)]
+            if pairs:
+                foreach_copy_([m for _, m in pairs], [g for g, _ in pairs])
 
     def after_applied_step(self) -> None:
         """Round the updated masters into the model."""

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from distamp.core.chunked_update import copy_and_unscale_
+from distamp.core.chunked_update import copy_and_unscale_, holds_rounding_of
 from distamp.core.flat_layout import Piece
 from distamp.torch_compat import foreach_copy_, foreach_zero_, tensor_version
 
@@ -230,8 +230,11 @@ class SliceGrads:
         """Copy back this slice of each model ``.grad`` whose ``id`` is in ``changed``."""
         for piece, master in zip(self.pieces, self.masters, strict=True):
             model_grad = self.model_params[piece.param].grad
-            if model_grad is not None and master.grad is not None and id(model_grad) in changed:
-                master.grad.copy_(model_grad.view(-1)[piece.start : piece.stop])
+            if model_grad is None or master.grad is None or id(model_grad) not in changed:
+                continue
+            piece_grad = model_grad.view(-1)[piece.start : piece.stop]
+            if not holds_rounding_of(piece_grad, master.grad):
+                master.grad.copy_(piece_grad)
 
     def zero(self) -> None:
         """Clear the buffer (what the next backward sums into) and the pieces' ``.grad``."""

@@ -75,6 +75,33 @@ def test_torch_clip_after_unscale_clips_the_applied_update(mode):
         torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance * 1e-2)
 
 
+@pytest.mark.parametrize("sharding", [False, True], ids=["unsharded", "sharded"])
+def test_torch_clip_below_the_limit_leaves_o2_fp16_unscaled_gradients_exact(sharding):
+    """torch's clip multiplies by 1.0 below the limit: the FP32 gradients below FP16's range must survive it.
+
+    Was: the moved version counter made the step take the 16-bit ``.grad`` back, flushing
+    gradients that loss scaling had kept (an update 10% off, some elements lost).
+    """
+
+    def update(clip_with_torch: bool) -> list[torch.Tensor]:
+        model = _model()
+        strategy = DistributedStrategy(amp=True, sharding=sharding)
+        strategy.amp_configs = {"dtype": "float16", "use_pure_fp16": True, "init_loss_scaling": 2.0**20}
+        opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), strategy)
+        opt.backward(_forward_loss(model, opt, scale=1e-7))
+        if clip_with_torch:
+            opt.unscale_()
+            exposed = [m.grad.clone() for m in opt.master_weights.masters if m.grad is not None]
+            assert any(not torch.equal(g, g.half().float()) for g in exposed)  # FP16 cannot hold them
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e6)
+        before = [m.detach().clone() for m in opt.master_weights.masters]
+        assert opt.step()
+        return [m.detach() - b for m, b in zip(opt.master_weights.masters, before, strict=True)]
+
+    for clipped, plain in zip(update(clip_with_torch=True), update(clip_with_torch=False), strict=True):
+        assert torch.equal(clipped, plain)
+
+
 def test_clipping_scaled_gradients_before_unscale_is_reported(caplog):
     model = _model()
     opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), _strategy("o1_fp16"))
