@@ -37,6 +37,7 @@ parameter's ``step`` and state keys).
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +48,7 @@ import torch.distributed as dist
 from distamp.core.flat_layout import FlatLayout, Piece
 from distamp.core.shard_rows import row_numel, rows_of
 
-__all__ = ["Target", "describe", "join", "parts_needed", "saved_ranges", "split"]
+__all__ = ["Target", "check_fits", "describe", "join", "parts_needed", "saved_ranges", "split"]
 
 
 @dataclass(frozen=True)
@@ -295,23 +296,11 @@ def join(common: dict, parts: dict[int, dict], target: Target | None, saved_worl
             # mismatch makes the compressor drop it.
             compressor = {**compressor, "world_size": saved_world_size}
         common = {**common, "powersgd": compressor}
+    check_fits(common, target)
     if target is None or (saved_layout is None and target.sharding is None):
         return common
-    if saved_layout is None:  # the model's shapes were checked when its state_dict was loaded
-        saved_groups = [list(g["params"]) for g in common["inner"]["param_groups"]]
-        saved_pure = bool(common["master_weights"])
+    if saved_layout is None:
         parts = {0: _part_from_unsharded(common, FlatLayout(target.numels, 1), target.shapes)}
-    else:
-        _check_same_parameters(saved_layout["numels"], saved_layout["shapes"], target)
-        saved_groups = saved_layout["groups"]
-        saved_pure = saved_layout["mode"] == "O2"
-    _check_groups(saved_groups, target)
-    if saved_pure != target.pure:
-        raise ValueError(
-            "checkpoint and optimizer disagree on use_pure_fp16 (O2 master weights "
-            f"{'present' if saved_pure else 'absent'} in the checkpoint); build the optimizer "
-            "with the strategy the checkpoint was saved with"
-        )
     source = _Source(FlatLayout(target.numels, 1), parts)
     options = [{k: v for k, v in g.items() if k != "params"} for g in common["inner"]["param_groups"]]
     builder = _unsharded if target.sharding is None else _fully_sharded if target.fully_sharded else _sharded
@@ -320,6 +309,58 @@ def join(common: dict, parts: dict[int, dict], target: Target | None, saved_worl
     if target.sharding is not None:
         state["sharding"] = target.sharding
     return {**state, "inner": inner, "master_weights": masters}
+
+
+def check_fits(common: dict, target: Target | None) -> None:
+    """``ValueError`` unless the optimizer state a checkpoint saved (its common part) fits ``target``.
+
+    Checked before anything is loaded: the param groups (how many
+    parameters each holds), O1 vs O2, and the parameters' shapes where the
+    checkpoint records them (a sharded layout, or O2's masters). Without
+    this an unsharded checkpoint reached torch's ``load_state_dict``, which
+    refuses other group sizes only after the model (and the loss scaler)
+    had been loaded. Nothing to check for a non-distamp optimizer (None).
+    """
+    if target is None:
+        return
+    layout = common.get("sharding")
+    if layout is None:
+        saved_groups = [list(g["params"]) for g in common["inner"]["param_groups"]]
+        masters = common["master_weights"]
+        saved_pure = bool(masters)
+        if saved_pure:
+            shapes = [_saved_shape(m) for m in masters]
+            _check_same_parameters([math.prod(shape) for shape in shapes], shapes, target)
+    else:
+        _check_same_parameters(layout["numels"], layout["shapes"], target)
+        saved_groups, saved_pure = layout["groups"], layout["mode"] == "O2"
+    _check_groups(saved_groups, target)
+    _check_state_slots(common["inner"]["state"], target)
+    if saved_pure != target.pure:
+        raise ValueError(
+            "checkpoint and optimizer disagree on use_pure_fp16 (O2 master weights "
+            f"{'present' if saved_pure else 'absent'} in the checkpoint); build the optimizer "
+            "with the strategy the checkpoint was saved with"
+        )
+
+
+def _check_state_slots(state: dict, target: Target) -> None:
+    """``ValueError`` when a stage-3 checkpoint's per-parameter state (a slot for a tensor in its DCP files, with
+    the saved shape) does not have the shape of the parameter that would take it."""
+    order = [i for group in target.groups for i in group]  # torch numbers the state in param-group order
+    for index, entry in state.items():
+        shape = list(target.shapes[order[int(index)]])
+        for name, value in entry.items():
+            if isinstance(value, dict) and "dcp" in value and list(value["shape"]) != shape:
+                raise ValueError(
+                    f"the checkpoint's optimizer state {name!r} of parameter {index} has shape "
+                    f"{list(value['shape'])}, this one {shape}; build the model and optimizer as the saving run did"
+                )
+
+
+def _saved_shape(master: Any) -> tuple[int, ...]:
+    """The shape of a saved O2 master: a tensor, or a stage-3 checkpoint's slot for one in its DCP files."""
+    return tuple(master.shape) if torch.is_tensor(master) else tuple(master["shape"])
 
 
 def _compressor_part(common: Any, target: Target | None, saved_world_size: int | None = None) -> int | None:

@@ -212,6 +212,7 @@ def _restore_dcp(coordinator: Coordinator, directory: str, payload: dict, model:
     def prepare() -> None:
         check_fits(payload, optimizer, scheduler)
         check_model_fits(payload["model"], unwrap_model(model))
+        flat_state.check_fits(payload["optimizer"], flat_state.describe(optimizer))
         if isinstance(optimizer, AmpOptimizer):
             check_optimizer_state(optimizer, payload["optimizer"])
         tensors.update(dcp_tensors.targets(payload["model"], payload["optimizer"], unwrap_model(model), optimizer))

@@ -233,6 +233,59 @@ def test_a_refused_checkpoint_leaves_the_model_and_optimizer_untouched(tmp_path,
     assert _same(before[1], optimizer.state_dict())
 
 
+def _amp(params, pure):
+    from distamp.optim.optimizer import AmpOptimizer
+    from tests.checkpoint.test_checkpoint import make_strategy
+
+    strategy = make_strategy()
+    strategy.amp_configs = {**strategy.amp_configs, "use_pure_fp16": pure}
+    return AmpOptimizer(torch.optim.AdamW(params, lr=1e-2), strategy)
+
+
+def _trained(pure):
+    model = _net()
+    optimizer = _amp(model.parameters(), pure)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(4, 6, dtype=model[0].weight.dtype)).float().square().mean()
+    optimizer.backward(loss)
+    optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("pure", [True, False], ids=["O2", "O1"])
+@pytest.mark.parametrize(("params", "match"), [
+    (lambda m: list(m.parameters())[1:], r"(manages 4 parameters .* this one 3|1 param groups of sizes \[4\], this one "
+                                         r"1 of sizes \[3\])"),
+    (lambda m: [{"params": list(m[0].parameters())}, {"params": list(m[2].parameters())}],
+     r"1 param groups of sizes \[4\], this one 2 of sizes \[2, 2\]"),
+], ids=["a-parameter-left-out", "other-param-groups"])
+def test_an_optimizer_of_other_parameters_is_refused_before_the_model_is_loaded(tmp_path, pure, params, match):
+    """An unsharded checkpoint went to torch's load_state_dict, which refuses other group sizes only after the
+    model (and the loss scaler) had been loaded from the checkpoint."""
+    model, optimizer = _trained(pure)
+    save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer)
+    torch.manual_seed(7)
+    model = _net()
+    optimizer = _amp(params(model), pure)
+    before = {k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict()
+    with pytest.raises(RuntimeError, match=match):
+        load_latest_checkpoint(tmp_path, model=model, optimizer=optimizer)
+    assert _same(before[0], model.state_dict())
+    assert _same(before[1], optimizer.state_dict())
+
+
+def test_an_o2_optimizer_of_reordered_parameters_is_refused_naming_the_shapes(tmp_path):
+    model, optimizer = _trained(pure=True)
+    save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer)
+    model = _net()
+    optimizer = _amp(list(model.parameters())[::-1], pure=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"manages 4 parameters of shapes \[\[8, 6\], \[8\], \[3, 8\], \[3\]\], "
+                       r"this one 4 of shapes \[\[3\], \[3, 8\], \[8\], \[8, 6\]\]"):
+        load_latest_checkpoint(tmp_path, model=model, optimizer=optimizer)
+    assert _same(before, model.state_dict())
+
+
 def _only_rank_1_misfits(rank, world_size, directory):
     from distamp import fleet
 

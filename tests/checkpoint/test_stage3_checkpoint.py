@@ -379,3 +379,58 @@ def test_an_unsharded_or_stage2_checkpoint_of_tied_weights_loads_at_stage_3(tmp_
         assert state.keys() == saved_state.keys()
         for name, value in state.items():
             assert torch.equal(value, saved_state[name]), name
+
+
+_OTHER_PARAMETERS = {
+    "groups": lambda m: [{"params": list(m[0].parameters())}, {"params": list(m[2].parameters())}],
+    "reversed": lambda m: list(m.parameters())[::-1],
+}
+
+
+def _misfit_after_stage3(rank, world, root, stage, pure, params):
+    """Save a stage-3 checkpoint of one SGD param group, resume it at ``stage`` with ``_OTHER_PARAMETERS[params]``;
+    what the refusal said and whether the model was left as it was."""
+    from torch import nn
+
+    from distamp import fleet
+    from distamp.checkpoint import load_latest_checkpoint, save_checkpoint
+    from tests.checkpoint.test_load import _same
+
+    def build(at, pick):
+        strategy = fleet.DistributedStrategy()
+        strategy.amp = True
+        strategy.amp_configs = {"dtype": "bfloat16", "use_pure_fp16": pure}
+        if at:
+            strategy.sharding = True
+            strategy.sharding_configs = {"stage": at}
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        opt = fleet.distributed_optimizer(torch.optim.SGD(pick(model), lr=0.1, momentum=0.9), strategy)
+        wrapped = fleet.distributed_model(model)
+        return model, wrapped, opt
+
+    fleet.init()
+    model, wrapped, opt = build(3, lambda m: m.parameters())
+    with fleet.auto_cast():
+        opt.backward(wrapped(torch.randn(4, 6)).float().square().mean())
+    opt.step()
+    save_checkpoint(root, 1, model=wrapped, optimizer=opt)
+    model, wrapped, opt = build(stage, _OTHER_PARAMETERS[params])
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError) as refused:
+        load_latest_checkpoint(root, model=wrapped, optimizer=opt)
+    return str(refused.value), _same(before, {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+@pytest.mark.parametrize(("stage", "pure", "params", "match"), [
+    (3, True, "groups", "1 param groups of sizes [4], this one 2 of sizes [2, 2]"),
+    (0, False, "reversed", "optimizer state 'momentum_buffer' of parameter 0 has shape [8, 6], this one [3]"),
+], ids=["other-param-groups-at-stage-3", "reordered-o1-at-stage-0"])
+def test_a_stage3_checkpoint_for_other_parameters_is_refused_before_anything_is_loaded(tmp_path, stage, pure, params,
+                                                                                     match):
+    """Stage 3 -> 3 with other param groups loaded the model, then torch refused the groups; stage 3 -> 0 in O1 with
+    the parameters reordered loaded momentum of the wrong shapes and failed at the first step."""
+    results = run_workers(_misfit_after_stage3, 2, str(tmp_path), stage, pure, params, timeout=150)
+    for error, untouched in results:
+        assert match in error
+        assert untouched
