@@ -1,4 +1,4 @@
-"""Typo suggestions for error messages.
+"""Error-message helpers: typo suggestions, and long lists cut short.
 
 Every "unknown key / op / attribute" error in distamp ends with the closest
 valid name, so ``init_loss_scale`` points the user at ``init_loss_scaling``::
@@ -12,9 +12,9 @@ valid name, so ``init_loss_scale`` points the user at ``init_loss_scaling``::
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-__all__ = ["did_you_mean"]
+__all__ = ["did_you_mean", "listed"]
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
@@ -38,3 +38,13 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
         lowered = difflib.get_close_matches(word.lower(), list(by_lower), n=1)
         match = [by_lower[m] for m in lowered]
     return f" Did you mean {match[0]!r}?" if match else ""
+
+
+def listed(items: Sequence[str], limit: int) -> str:
+    """``"a, b, c"``, or ``"a, b, c and 4 more"`` when ``items`` holds more than ``limit``.
+
+    >>> listed(["'a'", "'b'", "'c'"], 2)
+    "'a', 'b' and 1 more"
+    """
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more

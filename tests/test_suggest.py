@@ -1,10 +1,10 @@
-"""did_you_mean: the closest valid name, appended to an error sentence, or nothing."""
+"""did_you_mean: the closest valid name, appended to an error sentence, or nothing; listed: a list cut short."""
 
 from __future__ import annotations
 
 import pytest
 
-from distamp.suggest import did_you_mean
+from distamp.suggest import did_you_mean, listed
 
 
 def test_closest_name():
@@ -29,3 +29,9 @@ def test_non_string_words_get_no_suggestion(word):
 def test_non_string_choices_are_ignored_and_ties_are_deterministic():
     assert did_you_mean("ab", [None, 1, b"ab", "abc"]) == " Did you mean 'abc'?"
     assert did_you_mean("abc", iter(["abd", "abe"])) == did_you_mean("abc", ["abe", "abd"])
+
+
+def test_listed_cuts_a_long_list_short_and_counts_the_rest():
+    assert listed([], 3) == ""
+    assert listed(["a", "b", "c"], 3) == "a, b, c"
+    assert listed(["a", "b", "c", "d", "e"], 3) == "a, b, c and 2 more"

@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from distamp.amp.black_modules import find_black_modules
+from distamp.suggest import listed
 from distamp.torch_compat import NormBase
 
 __all__ = ["NORM_LAYER_TYPES", "fp32_modules", "fp32_parameters", "looks_like_norm", "unrecognised_norms",
@@ -107,13 +108,12 @@ def unrecognised_norms(model: nn.Module, black_patterns: Iterable[str] = ()) -> 
 
 def unrecognised_norms_message(found: list[tuple[str, str]], dtype: str) -> str:
     """The O2 warning for :func:`unrecognised_norms`' modules: what happens, and the patterns that fix it."""
-    shown = ", ".join(f"{name!r} ({cls})" for name, cls in found[:_SHOWN_MODULES])
-    more = f" and {len(found) - _SHOWN_MODULES} more" if len(found) > _SHOWN_MODULES else ""
+    shown = listed([f"{name!r} ({cls})" for name, cls in found], _SHOWN_MODULES)
     # One pattern per position in a repeated block: "transformer.h.*.ln_1" for every block's ln_1.
     patterns = list(dict.fromkeys(".".join("*" if part.isdigit() else part for part in name.split("."))
                                   for name, _ in found))
     return (
-        f"O2 (use_pure_fp16=True) stores the parameters of {shown}{more} in {dtype}: their classes are named like "
+        f"O2 (use_pure_fp16=True) stores the parameters of {shown} in {dtype}: their classes are named like "
         "normalization layers, but keep_norm_fp32 keeps only torch.nn's (BatchNorm, SyncBatchNorm, InstanceNorm, "
         "LayerNorm, GroupNorm, RMSNorm and their subclasses) in FP32. To keep them in FP32 (weights and compute), "
         f"list them in custom_black_varnames: strategy.amp_configs = {{..., 'custom_black_varnames': {patterns!r}}}. "

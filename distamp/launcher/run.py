@@ -35,6 +35,7 @@ from distamp.launcher.logs import LogDirInUseError, RankLogs, claim_log_dir, log
 from distamp.launcher.plan import LaunchPlan
 from distamp.launcher.reaper import Reaper
 from distamp.launcher.stop_signals import ignore_stop_signals, stop_signals_raise
+from distamp.suggest import listed
 from distamp.torch_compat import launch_config_shutdown_timeout
 
 __all__ = ["describe_failure", "exit_code_of", "launch", "launch_config"]
@@ -310,11 +311,9 @@ def _summary(plan: LaunchPlan) -> str:
 
 
 def _leftovers_note(killed: list[str]) -> str:
-    shown = ", ".join(killed[:_LEFTOVERS_SHOWN])
-    more = f" and {len(killed) - _LEFTOVERS_SHOWN} more" if len(killed) > _LEFTOVERS_SHOWN else ""
     return (
         f"distrun: killed {len(killed)} process(es) that the workers had started and left "
-        f"running: {shown}{more}."
+        f"running: {listed(killed, _LEFTOVERS_SHOWN)}."
     )
 
 

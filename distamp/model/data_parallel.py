@@ -52,6 +52,7 @@ from distamp.sharding.param_gather_hooks import ForwardParamGather
 from distamp.sharding.reduce_scatter import ShardedGradReduce
 from distamp.sharding.slice_reducer import SliceReducer
 from distamp.strategy import DistributedStrategy
+from distamp.suggest import listed
 from distamp.torch_compat import ddp_has_rebuilt_buckets, ddp_ignored_names
 
 __all__ = ["DataParallel", "strategy_fp32_parameters"]
@@ -448,7 +449,7 @@ class DataParallel(nn.Module):
         changed = [f"{name} ({dtype} on {device} -> {p.dtype} on {p.device})"
                    for name, p, dtype, device in self._runtime.layout_at_build
                    if p.dtype != dtype or p.device != device]
-        shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        shown = listed(changed, 3)
         raise RuntimeError(
             f"parameters {shown} changed dtype or device after fleet.distributed_model built its gradient "
             "reducer (when the first optimizer was attached, or at the first forward), so their gradients would "

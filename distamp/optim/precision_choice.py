@@ -16,6 +16,7 @@ from distamp.core.precision import FullPrecision, MixedPrecision, PureLowPrecisi
 from distamp.sharding.fully_sharded_precision import FullyShardedPrecision
 from distamp.sharding.sharded_precision import ShardedPrecision
 from distamp.strategy import DistributedStrategy
+from distamp.suggest import listed
 
 __all__ = ["precision_for"]
 
@@ -59,10 +60,9 @@ def _refuse_fp16_weights_in_o1(strategy: DistributedStrategy, params: Sequence[n
         return
     fp16 = [i for i, p in enumerate(params) if p.requires_grad and p.dtype == torch.float16]
     if fp16:
-        shown = ", ".join(f"{i} (shape {tuple(params[i].shape)})" for i in fp16[:3])
-        more = f" and {len(fp16) - 3} more" if len(fp16) > 3 else ""
+        shown = listed([f"{i} (shape {tuple(params[i].shape)})" for i in fp16], 3)
         raise ValueError(
-            f"parameter(s) {shown}{more} are torch.float16, and O1 (amp_configs['use_pure_fp16'] = False) updates "
+            f"parameter(s) {shown} are torch.float16, and O1 (amp_configs['use_pure_fp16'] = False) updates "
             "the parameters in their own dtype: they would be trained in FP16 with no FP32 master weights, and "
             "updates below FP16's resolution would be lost (torch's GradScaler refuses FP16 gradients for this "
             "reason). Keep the model in FP32 for O1 (autocast runs the ops in 16 bits), or set "

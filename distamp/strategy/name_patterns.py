@@ -7,7 +7,7 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
-from distamp.suggest import did_you_mean
+from distamp.suggest import did_you_mean, listed
 
 __all__ = ["check_patterns_match", "name_matches"]
 
@@ -31,10 +31,9 @@ def check_patterns_match(model: nn.Module, names: Sequence[str], patterns: Itera
     for pattern in patterns:
         if not any(name_matches(name, pattern) for name in names):
             shown_names = [name for name in names if name]
-            shown = ", ".join(repr(n) for n in shown_names[:_SHOWN_NAMES])
-            more = f" and {len(shown_names) - _SHOWN_NAMES} more" if len(shown_names) > _SHOWN_NAMES else ""
+            shown = listed([repr(n) for n in shown_names], _SHOWN_NAMES)
             raise ValueError(
                 f"{key} pattern {pattern!r} matches no submodule of "
                 f"{type(model).__name__}.{did_you_mean(pattern, shown_names)} Patterns are "
-                f"qualified names from model.named_modules() or fnmatch patterns; {listing}: {shown}{more}."
+                f"qualified names from model.named_modules() or fnmatch patterns; {listing}: {shown}."
             )
