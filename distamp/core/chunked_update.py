@@ -517,12 +517,14 @@ def _round_into_model(pairs: Sequence[Pair], pieces: list[Piece]) -> None:
         foreach_copy_(dst, src)
 
 
-def holds_rounding_of(grad: torch.Tensor, fp32_grad: torch.Tensor) -> bool:
-    """Whether the 16-bit ``grad`` still holds exactly the rounding of ``fp32_grad`` it was exposed as.
+def holds_rounding_of(low: torch.Tensor, fp32: torch.Tensor) -> bool:
+    """Whether ``low`` (16-bit, or FP32) holds exactly ``fp32`` rounded to its dtype.
 
-    torch's ``clip_grad_norm_`` multiplies every gradient in place, by 1.0
-    when the norm is below the limit: the version counter moves, the values
-    do not, and taking the 16-bit values back would flush the unscaled
-    gradients below FP16's range (which loss scaling exists to keep) to zero.
+    A version counter that moved says a tensor was written, not that its
+    values changed: torch's ``clip_grad_norm_`` multiplies every gradient in
+    place, by 1.0 when the norm is below the limit, and taking those 16-bit
+    values back would flush the unscaled gradients below FP16's range (which
+    loss scaling exists to keep) to zero; a model parameter written with the
+    value it held must leave its master's finer bits alone.
     """
-    return torch.equal(grad, fp32_grad.to(grad.dtype).view_as(grad))
+    return torch.equal(low, fp32.to(low.dtype).view_as(low))

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.core.chunked_update import holds_rounding_of
 from distamp.torch_compat import foreach_add_, foreach_copy_, foreach_zero_, tensor_version
 
 __all__ = ["MasterWeights", "MasterWeightsSurface", "check_saved_masters", "clear_grads"]
@@ -243,7 +244,7 @@ class MasterWeights:
         adopted = 0
         with torch.no_grad():
             for model_p, master in written:
-                if not torch.equal(model_p, master.to(model_p.dtype)):
+                if not holds_rounding_of(model_p, master):
                     master.copy_(model_p)
                     adopted += 1
                 self._versions[id(model_p)] = tensor_version(model_p)

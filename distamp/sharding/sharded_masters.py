@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from distamp.core.chunked_update import holds_rounding_of
 from distamp.core.flat_layout import FlatLayout, Piece
 from distamp.core.master_weights import clear_grads
 from distamp.sharding.direct_gather import DirectGather
@@ -229,7 +230,7 @@ class ShardedMasters:
             for piece, master in zip(self.pieces, self.masters, strict=True):
                 if piece.param in written:
                     part = self.model_params[piece.param].detach().view(-1)[piece.start : piece.stop]
-                    if not torch.equal(part, master.to(part.dtype)):
+                    if not holds_rounding_of(part, master):
                         master.copy_(part)
                         adopted += 1
         for i in written:
