@@ -159,7 +159,7 @@ def build_payload(
         "format": FORMAT,
         "step": step,
         "world_size": world_size,
-        "model": unwrap_model(model).state_dict() if model_state_dict is None else model_state_dict,
+        "model": model_state(model) if model_state_dict is None else model_state_dict,
         **index,
         "optimizer_type": optimizer_type,
         "optimizer": optimizer_state,
