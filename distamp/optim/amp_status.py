@@ -104,7 +104,7 @@ class AmpStatus:
             "loss_scale": self.get_loss_scaling(),
             "overflows": policy.overflow.overflows,
             "retries": policy.retries,
-            "last_overflow": policy.overflow.last_overflow,
+            "last_overflow": policy.overflow.copy_of_last(),
             "grad_norm": self.last_grad_norm,
             "bytes_sent": bytes_sent,
             "compression_rate": rate,

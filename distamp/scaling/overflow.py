@@ -143,6 +143,11 @@ class OverflowLog:
             ", ".join(repr(n) for n in params), seen,
         )
 
+    def copy_of_last(self) -> dict | None:
+        """A copy of ``last_overflow`` that the caller may change without changing this log's."""
+        last = self.last_overflow
+        return None if last is None else {"step": last["step"], "params": list(last["params"])}
+
     def state_dict(self) -> dict:
         """Counts as plain numbers (``last_overflow`` is diagnostic and not saved)."""
         return {"overflows": self.overflows}

@@ -58,6 +58,17 @@ def test_a_skipped_step_names_the_parameter_learnt_at_the_first_forward(caplog):
     assert "step 2 skipped: non-finite gradients in head.1.bias" in caplog.text
 
 
+def test_stats_last_overflow_is_a_copy_the_caller_may_change():
+    model = Net()
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), _strategy(dtype="bfloat16"))
+    x, y = torch.randn(3, 4), torch.randn(3, 2)
+    assert not _train_step(model, opt, x, y, poison=model.head[1].bias)
+    seen = opt.stats()["last_overflow"]
+    seen["params"].append("mine")
+    seen["step"] = 99
+    assert opt.stats()["last_overflow"] == {"step": 1, "params": ["head.1.bias"]}
+
+
 @pytest.mark.parametrize("pure", [False, True])
 def test_an_inf_from_an_earlier_micro_batch_of_a_merge_window_is_named(pure):
     # O2 moves a window's earlier micro-batches into an FP32 sum that .grad does not show: the skipped
