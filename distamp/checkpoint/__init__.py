@@ -63,6 +63,10 @@ any payload. A stage-3 checkpoint loads at any world size and stage,
 sharded or not: DCP reads into each rank's own shards at stage 3 (nothing
 whole is made), whole tensors otherwise; and any checkpoint loads at stage
 3.
+The common payload also records the qualified name, shape and param group
+of each parameter in the order the optimizer state numbers them
+(:mod:`~distamp.checkpoint.param_names`), so a model that defines its
+parameters in another order resumes with each one's own optimizer state.
 Manifests of format ``distamp.checkpoint/1`` (``step-<N>.pt`` payloads) are
 still read.
 

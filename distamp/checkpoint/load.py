@@ -17,7 +17,7 @@ from distamp.optim.optimizer import AmpOptimizer
 from distamp.optim.state import check_optimizer_state
 from distamp.user_warning import warn_user
 
-from . import dcp_tensors, flat_state, model_shards, rng, storage
+from . import dcp_tensors, flat_state, model_shards, param_names, rng, storage
 from .collective import Coordinator
 from .manifest import COMMON, CheckpointCorrupt, Manifest, manifest_name, rank_part
 from .state import (
@@ -85,8 +85,9 @@ def load_latest_checkpoint(
       else falls back (an intact manifest that lists no part its own common
       payload says was saved raises, as below);
     - one that reads but does not fit the model, optimizer or scheduler
-      (shapes, optimizer type, O1 vs O2) raises the same ``RuntimeError``
-      on every rank: falling back would silently train something else;
+      (shapes, parameter names, optimizer type, O1 vs O2) raises the same
+      ``RuntimeError`` on every rank: falling back would silently train
+      something else;
     - each rank verifies the files it reads (the manifest, the common
       payload, the shards overlapping its slice) and the verdicts are
       combined: a file found bad by one rank and read by no other (e.g. a
@@ -108,6 +109,14 @@ def load_latest_checkpoint(
     tensors with ``weights_only=True`` but unpickles its ``.metadata`` file
     (after distamp checked its SHA-256 against the manifest): load stage-3
     checkpoints only from directories you trust.
+
+    Parameter order: the model loads by name, and so does the optimizer
+    state, which torch numbers by position: a model that lists the same
+    parameters (names, shapes, param groups) in another order gets each
+    one's own state (moments, FP32 masters), at any stage and world size;
+    other names, shapes or group members raise, as above, naming the first
+    that differ. Checkpoints saved without names (before they were
+    recorded, or over tensors the model does not have) load by position.
 
     Different world size: model, optimizer, scheduler and ``extra`` are
     restored exactly (data parallelism keeps them identical on every rank),
@@ -142,12 +151,13 @@ def load_latest_checkpoint(
     path = storage.check_directory(directory)
     check_objects(model, optimizer, scheduler)
     target = flat_state.describe(optimizer)
+    names = param_names.record(model, optimizer)
     coordinator = Coordinator("load", validate_timeout(timeout))
     candidates, failure = coordinator.broadcast(_list(path) if coordinator.rank == 0 else None)
     if failure is not None:
         coordinator.finish()
         raise RuntimeError(f"rank 0 could not list checkpoints in {path!r}: {failure}")
-    manifest, payload, shards, skipped = _choose(coordinator, path, candidates, target, model)
+    manifest, payload, shards, skipped = _choose(coordinator, path, candidates, target, model, names)
     if manifest is None:
         coordinator.finish()
         if skipped:
@@ -242,9 +252,14 @@ verified intact)``."""
 
 
 def _choose(
-    coordinator: Coordinator, path: str, candidates: list[int], target: flat_state.Target | None, model: nn.Module
+    coordinator: Coordinator, path: str, candidates: list[int], target: flat_state.Target | None, model: nn.Module,
+    names: dict | None,
 ) -> tuple[Manifest | None, Any, dict[int, dict], list[str]]:
-    """The newest checkpoint every rank read intact: ``(manifest, payload, rank parts, skipped reasons)``."""
+    """The newest checkpoint every rank read intact: ``(manifest, payload, rank parts, skipped reasons)``.
+
+    ``names``: the loading optimizer's parameters (:func:`~distamp.checkpoint.param_names.record`'s), by which
+    the optimizer state is renumbered where the saving model listed them in another order.
+    """
     skipped: list[str] = []
     for step in candidates:
         manifest: Manifest | None = None
@@ -253,7 +268,7 @@ def _choose(
         intact: dict[str, str] = {}  # the files this rank verified: name in the directory -> SHA-256
         outcome: _Outcome = ("ok", None, None, intact)
         try:
-            manifest, payload, shards = _read(path, step, target, model, intact, coordinator)
+            manifest, payload, shards = _read(path, step, target, model, names, intact, coordinator)
         except CheckpointCorrupt as exc:
             outcome = ("bad", str(exc), os.path.basename(exc.path), intact)
         except Exception as exc:  # noqa: BLE001 - made collective below
@@ -315,10 +330,13 @@ def _verdict(outcomes: list[_Outcome]) -> tuple[str, str | None]:
 
 
 def _read(
-    path: str, step: int, target: flat_state.Target | None, model: nn.Module, intact: dict[str, str],
-    coordinator: Coordinator,
+    path: str, step: int, target: flat_state.Target | None, model: nn.Module, names: dict | None,
+    intact: dict[str, str], coordinator: Coordinator,
 ) -> tuple[Manifest, dict, dict[int, dict]]:
     """Manifest, common payload and the rank parts this rank needs; ``CheckpointCorrupt`` if unusable.
+
+    The optimizer state comes back numbered as the loading optimizer numbers its parameters
+    (:mod:`~distamp.checkpoint.param_names`); ``ValueError`` when the names do not match.
 
     Each file verified goes into ``intact`` (name and SHA-256) as soon as its checksum matched. The DCP files of
     a stage-3 checkpoint are verified by the ranks in turn (file ``i`` by rank ``i % world size``): ``dcp.load``
@@ -328,6 +346,11 @@ def _read(
     intact[manifest_name(step)] = hashlib.sha256(manifest.to_bytes()).hexdigest()  # of its content, canonical
     _verify(path, manifest, [COMMON], intact)
     payload = _load(path, manifest, COMMON, lambda p: check_payload(p, step))
+    # ValueError when the parameter names do not match: raised on every rank, never skipped.
+    renumber = param_names.order(payload.get(param_names.KEY), names)
+    saved_layout = payload["optimizer"].get("sharding") if isinstance(payload["optimizer"], dict) else None
+    if renumber is not None:
+        payload = {**payload, "optimizer": param_names.reorder_common(payload["optimizer"], renumber)}
     if payload.get("dcp"):
         files = [f.part for f in manifest.files if f.part.startswith("dcp-")]
         if not files:
@@ -341,7 +364,17 @@ def _read(
     _check_listed(path, manifest, needed)
     _verify(path, manifest, [rank_part(r) for r in needed], intact)
     parts = {r: _load(path, manifest, rank_part(r), lambda p, r=r: check_shard_payload(p, step, r)) for r in needed}
+    if renumber is not None and saved_layout is not None:
+        parts = {r: _renumbered(p, renumber, saved_layout["numels"]) for r, p in parts.items()}
     return manifest, payload, parts
+
+
+def _renumbered(part: dict, renumber: list[int], saved_numels: list[int]) -> dict:
+    """A rank part whose optimizer slice is renumbered (:func:`~distamp.checkpoint.param_names.reorder_part`)."""
+    shard = part.get("optimizer_shard")
+    if shard is None:
+        return part
+    return {**part, "optimizer_shard": param_names.reorder_part(shard, renumber, saved_numels)}
 
 
 def _check_listed(path: str, manifest: Manifest, ranks: list[int]) -> None:

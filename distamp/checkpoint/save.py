@@ -17,7 +17,7 @@ from distamp.distributed.process_group import validate_timeout
 from distamp.model_views import unwrap_model
 from distamp.optim.optimizer import AmpOptimizer
 
-from . import dcp_tensors, flat_state, rng, storage
+from . import dcp_tensors, flat_state, param_names, rng, storage
 from .atomic import sha256_of
 from .collective import Coordinator
 from .manifest import COMMON, Manifest, PayloadFile, dcp_directory_name, dcp_part, rank_part
@@ -72,7 +72,9 @@ def save_checkpoint(
     AmpOptimizer: inner state, FP32 masters, loss scaler and counters),
     ``scheduler.state_dict()``, the RNG states of every rank (Python
     ``random``, NumPy, torch CPU and the rank's current CUDA device) and
-    ``extra``.
+    ``extra``; and the name, shape and param group of each parameter the
+    optimizer state numbers, by which a load renumbers that state for a
+    model that lists its parameters in another order.
 
     With ``strategy.sharding`` each rank also writes its slice of the
     optimizer state (FP32 masters and per-element state of its range of the
@@ -139,6 +141,7 @@ def save_checkpoint(
         model_entries = model_state(model)
         local = optimizer.local_state_dict() if isinstance(optimizer, AmpOptimizer) else optimizer.state_dict()
         optimizer_state, shard = flat_state.split(local)
+    names = param_names.record(model, optimizer)
     check_plain(optimizer_state, "optimizer.state_dict()")
     check_plain(shard, "optimizer.state_dict()")
     check_plain(scheduler_state, "scheduler.state_dict()")
@@ -161,7 +164,8 @@ def save_checkpoint(
             payload = build_payload(step, coordinator.world_size, model, type(optimizer).__name__,
                                     optimizer_state, scheduler_state, [g[0] for g in gathered], extra,
                                     model_state_dict=model_entries, dcp_directory=dcp_directory,
-                                    scheduler_type=type(scheduler).__name__ if scheduler is not None else None)
+                                    scheduler_type=type(scheduler).__name__ if scheduler is not None else None,
+                                    parameter_names=names)
             outcome = ("saved", _write(path, step, payload, keep, parts))
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             outcome, failure = ("failed", f"{type(exc).__name__}: {exc}"), exc

@@ -21,7 +21,7 @@ from distamp.model_views import unwrap_model
 from distamp.optim.optimizer import AmpOptimizer
 from distamp.optim.state import check_optimizer_state
 
-from . import dcp_tensors, flat_state, model_shards
+from . import dcp_tensors, flat_state, model_shards, param_names
 from .manifest import FORMAT, LEGACY_FORMAT
 
 __all__ = [
@@ -144,6 +144,7 @@ def build_payload(
     model_state_dict: dict | None = None,
     dcp_directory: str | None = None,
     scheduler_type: str | None = None,
+    parameter_names: dict | None = None,
 ) -> dict[str, Any]:
     """The common payload: everything but per-rank shards, identical on every rank but the RNG.
 
@@ -152,8 +153,12 @@ def build_payload(
     None: ``model``'s own ``state_dict()``. ``dcp_directory``: the DCP
     directory holding those tensors, recorded as ``"dcp"``. ``scheduler_type``:
     the scheduler's class name, which :func:`check_fits` compares.
+    ``parameter_names``: the optimizer's parameters by name, in the order its
+    state numbers them (:func:`~distamp.checkpoint.param_names.record`'s),
+    by which a load renumbers that state; None records none.
     """
     index = {} if dcp_directory is None else {"dcp": dcp_directory}
+    names = {} if parameter_names is None else {param_names.KEY: parameter_names}
     scheduler_kind = {} if scheduler_type is None else {"scheduler_type": scheduler_type}
     return {
         "format": FORMAT,
@@ -165,6 +170,7 @@ def build_payload(
         "optimizer": optimizer_state,
         "scheduler": scheduler_state,
         **scheduler_kind,
+        **names,
         "rng": rng_states,
         "extra": extra,
     }
