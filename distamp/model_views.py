@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Protocol
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ExactFp32Source", "fp32_model_state_dict", "parameters_device", "unwrap_model"]
+__all__ = ["ExactFp32Source", "fp32_model_state_dict", "known_name", "parameters_device", "unwrap_model",
+           "user_name", "wrapper_prefix"]
 
 _WRAPPED_ATTRIBUTES = ("module", "_orig_mod")  # DataParallel/DDP, torch.compile's OptimizedModule
+
+
+def _peel(model: nn.Module) -> tuple[str, nn.Module]:
+    """``(prefix, user's module)``: the wrappers' qualified-name prefix (``"_orig_mod."``) and the module inside."""
+    prefix = ""
+    while next(model.parameters(recurse=False), None) is None:
+        children = list(model.named_children())
+        if len(children) != 1 or children[0][0] not in _WRAPPED_ATTRIBUTES:
+            break
+        name, model = children[0]
+        prefix += f"{name}."
+    return prefix, model
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -22,12 +35,46 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     of its own; a user model that merely has a submodule called ``module``
     is not unwrapped.
     """
-    while next(model.parameters(recurse=False), None) is None:
-        children = list(model.named_children())
-        if len(children) != 1 or children[0][0] not in _WRAPPED_ATTRIBUTES:
-            break
-        model = children[0][1]
-    return model
+    return _peel(model)[1]
+
+
+def wrapper_prefix(model: nn.Module) -> str:
+    """What the wrappers around :func:`unwrap_model`'s module put before its qualified names.
+
+    ``""`` for a bare model, ``"_orig_mod."`` for a compiled one,
+    ``"module._orig_mod."`` for a compiled model inside a DDP wrapper: a
+    name ``n`` of the user's module is ``wrapper_prefix(model) + n`` in
+    ``model.named_modules()`` (its root, ``""``, is the prefix without its
+    final dot).
+    """
+    return _peel(model)[0]
+
+
+def user_name(model: nn.Module, name: str) -> str:
+    """``name``, qualified in ``model`` (wrappers included), as qualified in :func:`unwrap_model`'s module.
+
+    A name outside the user's module (a wrapper's own) is returned unchanged.
+    """
+    prefix = wrapper_prefix(model)
+    if prefix and name == prefix[:-1]:
+        return ""
+    return name.removeprefix(prefix)
+
+
+def known_name(name: str, known: Container[str]) -> str:
+    """``name`` as one of ``known``: itself, or without the wrappers' components it starts with.
+
+    A name saved by a version of distamp that spelled parameters inside
+    ``torch.compile``'s wrapper (``"_orig_mod.head.weight"``) is known as
+    ``"head.weight"``; a name that is neither is returned unchanged.
+    """
+    found = name
+    while found not in known:
+        first, dot, rest = found.partition(".")
+        if not dot or first not in _WRAPPED_ATTRIBUTES:
+            return name
+        found = rest
+    return found
 
 
 class ExactFp32Source(Protocol):

@@ -459,6 +459,8 @@ def test_sparse_embeddings_are_refused_under_amp_or_sharding_and_train_without(c
     with pytest.raises(ValueError, match=rf"model\.1 is EmbeddingBag\(\.\.\., sparse=True\), whose sparse "
                                          rf"gradients {needs}.*build it with sparse=False"):
         fleet.distributed_model(model, fleet.DistributedStrategy(**configs))
+    with pytest.raises(ValueError, match=r"model\.1 is EmbeddingBag"):  # compiled first: the model's names
+        fleet.distributed_model(torch.compile(model, backend="eager"), fleet.DistributedStrategy(**configs))
     embedding = nn.Embedding(10, 4, sparse=True)
     wrapped = fleet.distributed_model(embedding, fleet.DistributedStrategy())
     opt = fleet.distributed_optimizer(torch.optim.SGD(embedding.parameters(), lr=0.1), fleet.DistributedStrategy())

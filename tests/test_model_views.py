@@ -1,11 +1,12 @@
-"""unwrap_model: looks through DataParallel/DDP-style ``.module`` and torch.compile's ``._orig_mod`` only."""
+"""unwrap_model: looks through DataParallel/DDP-style ``.module`` and torch.compile's ``._orig_mod`` only; the
+names of the model inside (wrapper_prefix, user_name, known_name)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from distamp.model_views import unwrap_model
+from distamp.model_views import known_name, unwrap_model, user_name, wrapper_prefix
 
 
 class Wrapper(nn.Module):
@@ -41,3 +42,23 @@ def test_other_single_children_and_several_children_stop_the_search():
     two = Wrapper(inner)
     two.other = nn.ReLU()
     assert unwrap_model(two) is two
+
+
+def test_the_wrappers_prefix_and_the_models_names_inside_them():
+    model = nn.Sequential(nn.Linear(2, 2))
+    assert wrapper_prefix(model) == ""
+    assert wrapper_prefix(torch.compile(model)) == "_orig_mod."
+    wrapped = Wrapper(torch.compile(model))
+    assert wrapper_prefix(wrapped) == "module._orig_mod."
+    assert [user_name(wrapped, name) for name, _ in wrapped.named_modules()] == ["", "module", "", "0"]
+    assert user_name(wrapped, "module._orig_mod.0.weight") == "0.weight"
+    assert user_name(model, "0.weight") == "0.weight"
+
+
+def test_a_name_spelled_inside_wrappers_is_known_by_the_models_name():
+    known = {"0.weight", "module.x"}
+    assert known_name("_orig_mod.0.weight", known) == "0.weight"
+    assert known_name("module._orig_mod.0.weight", known) == "0.weight"
+    assert known_name("module.x", known) == "module.x"  # a name the model has is kept
+    assert known_name("_orig_mod.1.weight", known) == "_orig_mod.1.weight"  # neither: unchanged
+    assert known_name("body.0.weight", known) == "body.0.weight"

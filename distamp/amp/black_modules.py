@@ -7,11 +7,13 @@ Example::
         out = model(x)      # "head" and the norms compute in FP32, outputs FP32
     handle.remove()         # back to plain auto_cast behaviour
 
-A pattern names a module by its qualified name (as in ``model.named_modules()``),
-either exactly or as an :mod:`fnmatch` pattern; a matched module's whole
-subtree is black: its floating-point inputs are cast to FP32 and autocast is
-switched off while it runs, so every op inside computes in FP32 and its
-outputs are FP32. O2 leaves these subtrees' parameters in FP32 (see
+A pattern names a module by its qualified name (as in ``model.named_modules()``;
+for a compiled model, of the model inside it: see
+:mod:`distamp.strategy.name_patterns`), either exactly or as an
+:mod:`fnmatch` pattern; a matched module's whole subtree is black: its
+floating-point inputs are cast to FP32 and autocast is switched off while
+it runs, so every op inside computes in FP32 and its outputs are FP32. O2
+leaves these subtrees' parameters in FP32 (see
 :func:`distamp.amp.fp32_parameters.fp32_parameters`).
 
 The module's ``forward`` is wrapped (an instance attribute, as
@@ -28,8 +30,9 @@ import torch
 from torch import nn
 
 from distamp.amp.fp32_requests import FP32_REQUESTS
+from distamp.model_views import unwrap_model
 from distamp.strategy.checks import is_name, show
-from distamp.strategy.name_patterns import check_patterns_match, name_matches
+from distamp.strategy.name_patterns import ModulePatterns
 from distamp.torch_compat import tree_map_only
 
 if TYPE_CHECKING:
@@ -61,13 +64,16 @@ def find_black_modules(model: nn.Module, patterns: Iterable[str]) -> list[tuple[
 
     Args:
         model: the model whose ``named_modules()`` names are matched (the
-            root's name is ``""``).
+            root's name is ``""``); inside ``torch.compile`` / data-parallel
+            wrappers, the names of the model inside them
+            (:func:`~distamp.model_views.unwrap_model`).
         patterns: qualified module names or fnmatch patterns, e.g.
             ``["head", "blocks.*.norm"]``.
 
     Returns:
-        ``(name, module)`` pairs in ``named_modules()`` order, one per module;
-        a match inside an already matched subtree is left out.
+        ``(name, module)`` pairs in ``named_modules()`` order, one per module,
+        named as in the model inside any wrappers; a match inside an already
+        matched subtree is left out.
 
     Raises:
         ValueError: a pattern matches no module; the message suggests the
@@ -76,15 +82,15 @@ def find_black_modules(model: nn.Module, patterns: Iterable[str]) -> list[tuple[
     patterns = _check_patterns(patterns)
     if not patterns:
         return []
-    named = list(model.named_modules(remove_duplicate=False))
-    check_patterns_match(model, [name for name, _ in named], patterns, "custom_black_varnames")
+    named = list(unwrap_model(model).named_modules(remove_duplicate=False))
+    matcher = ModulePatterns(model, [name for name, _ in named], patterns, "custom_black_varnames")
     chosen: list[tuple[str, nn.Module]] = []
     chosen_prefixes: list[str] = []
     seen: set[int] = set()
     for name, module in named:
         if any(name.startswith(prefix) for prefix in chosen_prefixes):
             continue
-        if any(name_matches(name, p) for p in patterns):
+        if matcher.matches(name):
             # The root's name is "": everything is then under it.
             chosen_prefixes.append(f"{name}." if name else "")
             if id(module) not in seen:

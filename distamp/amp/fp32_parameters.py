@@ -32,6 +32,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from distamp.amp.black_modules import find_black_modules
+from distamp.model_views import unwrap_model
 from distamp.suggest import listed
 from distamp.torch_compat import NormBase
 
@@ -91,6 +92,9 @@ def _class_name(module: nn.Module) -> str:
 def unrecognised_norms(model: nn.Module, black_patterns: Iterable[str] = ()) -> list[tuple[str, str]]:
     """``(qualified name, class name)`` of the modules O2 would store in 16 bits though they look like norms.
 
+    Names are those of the model inside ``torch.compile`` / data-parallel
+    wrappers (:func:`~distamp.model_views.unwrap_model`), as the patterns'.
+
     A module counts when its class is named like a normalization layer
     (:func:`looks_like_norm`), it is not one of :data:`NORM_LAYER_TYPES`, it
     holds floating-point parameters of its own, and no ``custom_black_varnames``
@@ -98,7 +102,7 @@ def unrecognised_norms(model: nn.Module, black_patterns: Iterable[str] = ()) -> 
     """
     inside_black = [f"{name}." if name else "" for name, _ in find_black_modules(model, list(black_patterns))]
     found = []
-    for name, module in model.named_modules():
+    for name, module in unwrap_model(model).named_modules():
         if (name and looks_like_norm(_class_name(module)) and not isinstance(module, NORM_LAYER_TYPES)
                 and any(p.is_floating_point() for p in module.parameters(recurse=False))
                 and not any(f"{name}.".startswith(prefix) for prefix in inside_black)):
@@ -126,13 +130,14 @@ def fp32_modules(model: nn.Module, black_patterns: Iterable[str], keep_norm_fp32
     """O2's FP32 modules that hold parameters: ``custom_black_varnames`` ones, and norms with ``keep_norm_fp32``.
 
     Stage 3 makes each one its own FSDP2 unit with an FP32 policy; the
-    modules are those whose parameters :func:`fp32_parameters` keeps.
+    modules are those whose parameters :func:`fp32_parameters` keeps. Names
+    are those of the model inside any wrappers, as :func:`find_black_modules`'.
     """
     black = find_black_modules(model, list(black_patterns))
     inside_black = [f"{name}." for name, _ in black]
     units = [(name, m) for name, m in black if name and any(True for _ in m.parameters())]
     if keep_norm_fp32:
-        for name, m in model.named_modules():
+        for name, m in unwrap_model(model).named_modules():
             if (name and isinstance(m, NORM_LAYER_TYPES) and any(True for _ in m.parameters(recurse=False))
                     and not any(name.startswith(prefix) for prefix in inside_black)):
                 units.append((name, m))

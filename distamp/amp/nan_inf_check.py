@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from distamp.model_views import unwrap_model
 from distamp.torch_compat import tree_leaves
 
 __all__ = ["NanInfChecker"]
@@ -46,7 +47,9 @@ class NanInfChecker:
     """Hooks that raise at the first non-finite forward output or gradient of ``model``.
 
     Args:
-        model: the model (root name shown as its class name).
+        model: the model (root name shown as its class name); inside
+            ``torch.compile`` / data-parallel wrappers, the model inside them
+            is hooked and named (:func:`~distamp.model_views.unwrap_model`).
         step: returns the number of the step in progress, for messages.
         rank: this process's data-parallel rank, for messages.
     """
@@ -57,6 +60,7 @@ class NanInfChecker:
         self._handles: list[Any] = []
         self._watched: set[int] = set()
         self._frozen: dict[int, tuple[str, torch.Tensor]] = {}  # given to watch_grads while requires_grad=False
+        model = unwrap_model(model)  # names and the root are the user's, inside torch.compile's wrapper
         root = _class_name(model)
         for name, module in model.named_modules():
             label = f"module {name!r} ({_class_name(module)})" if name else f"the model ({root})"

@@ -87,6 +87,7 @@ from distamp.compression.low_rank import (
 from distamp.compression.low_rank_kernels import LowRankKernels
 from distamp.core.attached import GradCompressor
 from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
+from distamp.model_views import known_name
 from distamp.strategy import PowerSGDConfig
 from distamp.user_warning import warn_user
 
@@ -354,8 +355,10 @@ class PowerSGD:
         state = fit_state_to_world(state, self.world_size, self.rank)
         device = self.device
         self.applied_steps = int(state["applied_steps"])
-        self.q = {name: t.to(device, torch.float32) for name, t in state["q"].items()}
-        self.error = {name: t.to(device, torch.float32).clone() for name, t in state["error"].items()}
+        # known_name: a state saved when a compiled model's names carried torch.compile's "_orig_mod." fits too.
+        self.q = {known_name(name, self.params): t.to(device, torch.float32) for name, t in state["q"].items()}
+        self.error = {known_name(name, self.params): t.to(device, torch.float32).clone()
+                      for name, t in state["error"].items()}
         if state["format"] == _MEMORY_ORDER_FORMAT:
             for name, param in self.params.items():
                 self._out_of_memory_order(name, param)

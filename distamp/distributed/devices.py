@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from distamp.model_views import unwrap_model
+
 __all__ = ["check_device"]
 
 
@@ -16,8 +18,9 @@ def check_device(module: nn.Module, device: torch.device) -> torch.device:
     """
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    tensors: list[tuple[str, str, torch.Tensor]] = [("parameter", n, t) for n, t in module.named_parameters()]
-    tensors += [("buffer", n, t) for n, t in module.named_buffers()]
+    user = unwrap_model(module)  # named as in the user's model, inside torch.compile's wrapper
+    tensors: list[tuple[str, str, torch.Tensor]] = [("parameter", n, t) for n, t in user.named_parameters()]
+    tensors += [("buffer", n, t) for n, t in user.named_buffers()]
     for kind, name, tensor in tensors:
         if tensor.device != device:
             raise ValueError(

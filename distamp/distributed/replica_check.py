@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor
 
 from distamp.distributed.groups import data_parallel_group, group_size
 from distamp.distributed.timeouts import named_collective
+from distamp.model_views import wrapper_prefix
 
 __all__ = ["GatheredParameterHashes", "ReplicaDivergenceError", "compare_replicas", "tensor_hash"]
 
@@ -199,7 +200,8 @@ class GatheredParameterHashes:
     breaks its graph there on check steps only).
 
     Args:
-        model: the sharded model (its qualified names are the ones reported).
+        model: the sharded model (its qualified names, inside any
+            ``torch.compile`` wrapper, are the ones reported).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -216,8 +218,10 @@ class GatheredParameterHashes:
         """Install the hooks (``on``) or remove them; a no-op when they already are as asked."""
         if on and not self._handles:
             # Registered after fully_shard's own pre-hook, so each runs once the unit's parameters are gathered.
+            # Named as in the model inside torch.compile's wrapper (the optimizer's names for the parameters).
+            wrappers = wrapper_prefix(self.model)
             self._handles = [
-                module.register_forward_pre_hook(self._recorder(f"{prefix}." if prefix else ""))
+                module.register_forward_pre_hook(self._recorder(f"{prefix}." if prefix else "", wrappers))
                 for prefix, module in self.model.named_modules()
                 if isinstance(module, nn.Module) and isinstance(module, FSDPModule)
             ]
@@ -226,13 +230,13 @@ class GatheredParameterHashes:
                 handle.remove()
             self._handles.clear()
 
-    def _recorder(self, prefix: str) -> Callable[[nn.Module, object], None]:
+    def _recorder(self, prefix: str, wrappers: str) -> Callable[[nn.Module, object], None]:
         # Eager even inside torch.compile: the hash reads raw bytes (views as other dtypes, storage offsets).
         @torch.compiler.disable
         def record(module: nn.Module, args: object) -> None:
             with torch.no_grad():
                 for name, param in module.named_parameters():
-                    qualified = prefix + name
+                    qualified = (prefix + name).removeprefix(wrappers)
                     if qualified not in self.hashes and not isinstance(param, DTensor):
                         self.hashes[qualified] = tensor_hash(param)
 

@@ -47,7 +47,7 @@ from distamp.distributed.comm_hooks import CommStats, LowPrecisionAllReduce
 from distamp.distributed.devices import check_device
 from distamp.distributed.groups import group_size
 from distamp.model.ddp_preparation import STAGE2_DDP_KWARGS, DDPPreparation
-from distamp.model_views import fp32_model_state_dict
+from distamp.model_views import fp32_model_state_dict, unwrap_model, user_name
 from distamp.sharding.param_gather_hooks import ForwardParamGather
 from distamp.sharding.reduce_scatter import ShardedGradReduce
 from distamp.sharding.slice_reducer import SliceReducer
@@ -373,10 +373,11 @@ class DataParallel(nn.Module):
         preparation = DDPPreparation(self.module, self.strategy, self._process_group, self._device,
                                      self.find_unused_parameters, self._ddp_kwargs)
         prepared = preparation.run(runtime.optimizers)
-        ignored = ddp_ignored_names(self.module)
-        runtime.frozen_at_build = {name: p for name, p in self.module.named_parameters()
+        ignored = ddp_ignored_names(self.module)  # DDP's names: those of self.module, wrappers included
+        runtime.frozen_at_build = {user_name(self.module, name): p for name, p in self.module.named_parameters()
                                    if not p.requires_grad and name not in ignored}
-        runtime.layout_at_build = [(name, p, p.dtype, p.device) for name, p in self.module.named_parameters()]
+        runtime.layout_at_build = [(name, p, p.dtype, p.device)
+                                   for name, p in unwrap_model(self.module).named_parameters()]
         runtime.ddp, runtime.comm_hook, runtime.reduce_scatter, runtime.reducer = (
             prepared.ddp, prepared.comm_hook, prepared.reduce_scatter, prepared.reducer
         )

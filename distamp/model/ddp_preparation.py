@@ -24,7 +24,7 @@ from distamp.distributed.comm_hooks import LowPrecisionAllReduce, PendingFp32Gra
 from distamp.distributed.comm_threads import check_gloo_workers_found, wait_for_comm_threads
 from distamp.distributed.fingerprint import check_ranks_agree
 from distamp.distributed.timeouts import named_collective
-from distamp.model_views import parameters_device
+from distamp.model_views import parameters_device, unwrap_model
 from distamp.sharding.reduce_scatter import ShardedGradReduce, reduce_bucket_bytes
 from distamp.sharding.slice_owner import SliceOwner
 from distamp.sharding.slice_reducer import SliceReducer
@@ -161,7 +161,9 @@ class DDPPreparation:
             wire = cfg.comm_torch_dtype if self.strategy.amp else torch.float32
             predivide = cfg.gradient_predivide_factor if self.strategy.amp else None
             device = self._training_device()
-            return PowerSGD(self.strategy.powersgd_config, dict(self.module.named_parameters()), wire, predivide,
+            # Keyed by the names of the model inside torch.compile's wrapper: its state fits the eager model too.
+            params = dict(unwrap_model(self.module).named_parameters())
+            return PowerSGD(self.strategy.powersgd_config, params, wire, predivide,
                             self.process_group, pending, device)
         if self.strategy.amp:
             return LowPrecisionAllReduce(
@@ -195,7 +197,8 @@ class DDPPreparation:
         if model_stage == 0:
             return 0
         owned = {id(p) for opt in optimizers for p in opt.master_weights.model_params}
-        missing = [name for name, p in self.module.named_parameters() if p.requires_grad and id(p) not in owned]
+        missing = [name for name, p in unwrap_model(self.module).named_parameters()
+                   if p.requires_grad and id(p) not in owned]
         if missing:
             raise RuntimeError(
                 f"sharding stage {model_stage} reduce-scatters each gradient to the optimizer slice that owns it, "

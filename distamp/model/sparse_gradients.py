@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from distamp.model_views import unwrap_model
 from distamp.strategy import DistributedStrategy
 
 __all__ = ["refuse_sparse_gradients"]
@@ -24,7 +25,7 @@ def refuse_sparse_gradients(model: nn.Module, strategy: DistributedStrategy) -> 
     """
     if not (strategy.amp or strategy.sharding):
         return
-    for name, module in model.named_modules():
+    for name, module in unwrap_model(model).named_modules():  # the user's names, inside torch.compile's wrapper
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
             needs = "strategy.amp (loss scaling and the inf/NaN check)" if strategy.amp else "strategy.sharding"
             raise ValueError(

@@ -12,7 +12,9 @@ calls) or, without it, at the model's first forward
   with ``keep_norm_fp32``, warns once about modules whose class is named like
   a norm but is not one of torch's (they are stored in 16 bits), naming the
   ``custom_black_varnames`` patterns that keep them in FP32;
-* learns the qualified parameter names that overflow attribution reports;
+* learns the qualified parameter names that overflow attribution reports
+  (those of the model inside ``torch.compile`` / data-parallel wrappers:
+  :func:`~distamp.model_views.unwrap_model`);
 * installs the ``check_nan_inf`` hooks;
 * keeps the ``custom_black_varnames`` modules a first-forward adoption
   switched to FP32 (``fleet.distributed_model`` keeps its own);
@@ -39,6 +41,7 @@ from distamp.amp.fp32_parameters import NORM_LAYER_TYPES, unrecognised_norms, un
 from distamp.amp.nan_inf_check import NanInfChecker
 from distamp.core.master_weights import MasterWeightsSurface
 from distamp.distributed.groups import group_rank, group_size
+from distamp.model_views import unwrap_model
 from distamp.strategy import AmpConfig
 from distamp.user_warning import warn_user
 
@@ -70,7 +73,7 @@ class ModelBinding:
         self._names: dict[int, str] = {}
 
     def name_of(self, param: torch.Tensor, index: int) -> str:
-        """The qualified name of ``param`` in the adopted model, else ``"params[index]"``."""
+        """The qualified name of ``param`` in the adopted model (inside any wrappers), else ``"params[index]"``."""
         return self._names.get(id(param), f"params[{index}]")
 
     def owns(self, param: torch.Tensor) -> bool:
@@ -94,7 +97,7 @@ class ModelBinding:
             return
         self.adopted = True
         self.black_modules = black_modules
-        for name, param in model.named_parameters(remove_duplicate=False):
+        for name, param in unwrap_model(model).named_parameters(remove_duplicate=False):
             self._names.setdefault(id(param), name)
         if self._master_weights.enabled:
             self._master_weights.convert_model(keep_fp32=keep_fp32)

@@ -47,7 +47,7 @@ from distamp.distributed.devices import check_device
 from distamp.distributed.fingerprint import check_ranks_agree
 from distamp.distributed.groups import group_size
 from distamp.distributed.timeouts import named_collective
-from distamp.model_views import fp32_model_state_dict, parameters_device
+from distamp.model_views import fp32_model_state_dict, parameters_device, unwrap_model
 from distamp.sharding.buffer_broadcast import BufferBroadcast
 from distamp.sharding.fsdp_comms import InPlaceAllGather, WireReduceScatter
 from distamp.sharding.fsdp_policy import unit_policies
@@ -125,8 +125,9 @@ class FullyShardedModel(nn.Module):
         _shard(module, units, fp32_units, strategy, DeviceMesh.from_group(group, device.type), self._reduce_scatter)
         after = dict(module.named_parameters())
         module.register_load_state_dict_pre_hook(_shard_whole_tensors)
-        sharded = {name for name, m in module.named_modules() if isinstance(m, FSDPModule)}
-        sharded_units = [(name, m) for name, m in module.named_modules() if m is not module and name in sharded]
+        sharded = {id(m) for m in module.modules() if isinstance(m, FSDPModule)}
+        sharded_units = [(name, m) for name, m in unwrap_model(module).named_modules()
+                         if m is not module and id(m) in sharded]
         self._unit_trace = UnitTrace(sharded_units)
         # Weak references: an id alone could be reused by a new tensor once the old parameter is freed.
         self._replaced = {id(old): (weakref.ref(old), after[name]) for name, old in before}
@@ -250,7 +251,7 @@ class FullyShardedModel(nn.Module):
 
     def _unsharded_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, unsharded parameter)`` of each parameter gathered so far: where autograd puts local gradients."""
-        names = {id(p): name for name, p in self.module.named_parameters()}
+        names = {id(p): name for name, p in unwrap_model(self.module).named_parameters()}
         return [(names[id(sharded)], unsharded) for sharded, unsharded in fsdp_unsharded_parameters(self.module)
                 if id(sharded) in names]
 

@@ -15,6 +15,11 @@ below it (``nn.MultiheadAttention`` reads ``out_proj.weight`` in its own
 forward, so splitting ``out_proj`` off would leave it sharded when read). The
 root is always sharded last and holds what no unit took.
 
+Names (the units', the patterns') are those of the model inside
+``torch.compile`` / data-parallel wrappers
+(:func:`~distamp.model_views.unwrap_model`): ``"blocks.0"`` for a model
+compiled before ``fleet.distributed_model`` too.
+
 Example::
 
     units = choose_units(model, patterns=())            # default
@@ -27,7 +32,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from distamp.strategy.name_patterns import check_patterns_match, name_matches
+from distamp.model_views import unwrap_model
+from distamp.strategy.name_patterns import ModulePatterns
 
 __all__ = ["choose_units", "shared_parameters"]
 
@@ -47,13 +53,13 @@ def choose_units(model: nn.Module, patterns: Sequence[str]) -> list[tuple[str, n
         ValueError: a pattern matches no submodule (the message lists the
             model's module names).
     """
-    named = [(name, module) for name, module in model.named_modules() if name]
+    user = unwrap_model(model)
+    named = [(name, module) for name, module in user.named_modules() if name]
     if patterns:
-        check_patterns_match(model, [name for name, _ in named], patterns, "sharding_configs['units']",
-                             "the model's modules")
-        return [(name, module) for name, module in named
-                if any(name_matches(name, p) for p in patterns) and _holds_parameters(module)]
-    units = _repeated_blocks(model) or _outermost_owners(named)
+        matcher = ModulePatterns(model, [name for name, _ in named], patterns, "sharding_configs['units']",
+                                 "the model's modules")
+        return [(name, module) for name, module in named if matcher.matches(name) and _holds_parameters(module)]
+    units = _repeated_blocks(user) or _outermost_owners(named)
     while shared := shared_parameters(model, units):
         dropped = {holder for _, holders in shared for holder in holders}
         units = [(name, module) for name, module in units if name not in dropped]
@@ -66,12 +72,13 @@ def shared_parameters(model: nn.Module, units: Sequence[tuple[str, nn.Module]]) 
     A parameter is held by the innermost unit above the module it is
     registered on, or by the root (``""``) when no unit is. Returns
     ``(qualified name, holders)`` per shared parameter, the name as
-    ``model.named_parameters()`` gives it.
+    ``named_parameters()`` of the model inside any wrappers gives it (the
+    units' names are those too, as :func:`choose_units` gives them).
     """
     unit_names = sorted({name for name, _ in units}, key=len, reverse=True)  # innermost first
     holders: dict[int, list[str]] = {}
     first_name: dict[int, str] = {}
-    for qualified, param in model.named_parameters(remove_duplicate=False):
+    for qualified, param in unwrap_model(model).named_parameters(remove_duplicate=False):
         path = qualified.rpartition(".")[0]
         holder = next((u for u in unit_names if path == u or path.startswith(f"{u}.")), "")
         first_name.setdefault(id(param), qualified)

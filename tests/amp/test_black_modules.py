@@ -205,3 +205,49 @@ def test_an_earlier_instance_forward_is_kept_and_restored():
     assert calls == [torch.float32]
     handle.remove()
     assert net.head.forward is traced
+
+
+def test_a_compiled_model_is_matched_by_the_names_of_the_model_inside():
+    """torch.compile's wrapper spells every name with "_orig_mod."; the patterns and results use the model's."""
+    net = _net()
+    compiled = torch.compile(net, backend="eager")  # nothing is compiled: only names are read
+    patterns = ["head.0", "blocks.*.norm", "head"]
+    eager = find_black_modules(net, patterns)
+    found = find_black_modules(compiled, patterns)
+    assert [(name, id(m)) for name, m in found] == [(name, id(m)) for name, m in eager]
+    assert [name for name, _ in found] == ["blocks.0.norm", "blocks.1.norm", "head"]
+    assert find_black_modules(compiled, ["*"]) == [("", net)]
+    with pytest.raises(ValueError, match=r"'hed' matches no submodule of Net\. Did you mean 'head'\?.* "
+                                         r"available: 'body', 'blocks', 'blocks\.0'"):
+        find_black_modules(compiled, ["hed"])
+
+
+def test_patterns_spelled_with_the_compile_wrapper_still_match_and_are_named_as_the_model_names_them():
+    net = _net()
+    compiled = torch.compile(net, backend="eager")
+    assert find_black_modules(compiled, ["_orig_mod.head"]) == [("head", net.head)]
+    assert find_black_modules(compiled, ["_orig_mod.blocks.*.norm", "body"]) == [
+        ("body", net.body), ("blocks.0.norm", net.blocks[0].norm), ("blocks.1.norm", net.blocks[1].norm)]
+    assert find_black_modules(compiled, ["_orig_mod"]) == [("", net)]
+
+
+def test_the_models_own_names_win_over_the_wrapper_spelling():
+    """A model whose own child is called _orig_mod: "_orig_mod.fc" is that child's fc, never the model's fc."""
+    inner = nn.Module()
+    inner.fc = nn.Linear(2, 2)
+    model = nn.Module()
+    model.fc = nn.Linear(2, 2)
+    model._orig_mod = inner
+    compiled = torch.compile(model, backend="eager")
+    assert find_black_modules(compiled, ["_orig_mod.fc"]) == [("_orig_mod.fc", inner.fc)]
+    assert find_black_modules(compiled, ["fc"]) == [("fc", model.fc)]
+
+
+def test_keep_in_fp32_of_a_compiled_model_runs_the_named_module_in_fp32():
+    net = _net()
+    compiled = torch.compile(net, backend="eager")
+    handle = keep_in_fp32(compiled, ["head"])
+    assert handle.names == ["head"]
+    with auto_cast(dtype="bfloat16"):
+        assert compiled(torch.randn(2, 3)).dtype == torch.float32
+    handle.remove()

@@ -187,3 +187,72 @@ def test_a_model_compiled_under_one_dtype_runs_in_the_next_dtype_too(tmp_path):
                               env=env, timeout=500, check=False)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.splitlines() == [f"{d} torch.{d}" for d in dtypes], proc.stdout
+
+
+def _o2_fp16_run(compile_first: bool) -> tuple[dict, list[float], dict, dict]:
+    """O2 FP16 with the head black-listed, three steps on a model compiled (or not) before fleet's calls;
+    the third step overflows. Returns the parameter dtypes by name, the losses, the FP32 model and the
+    optimizer's stats."""
+    from distamp import fleet
+
+    torch.manual_seed(0)
+    model = Net()
+    given = torch.compile(model, backend="eager") if compile_first else model
+    strategy = fleet.DistributedStrategy(amp=True)
+    strategy.amp_configs = {"use_pure_fp16": True, "dtype": "float16", "custom_black_varnames": ["head"],
+                            "init_loss_scaling": 128.0}
+    fleet.init(strategy=strategy)
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(given.parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(given)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for scale in (1.0, 1.0, 1e6):
+        with fleet.auto_cast():
+            out = wrapped(torch.randn(4, 8, generator=g))
+            loss = out["out"].float().sum() * scale
+        optimizer.zero_grad()
+        optimizer.backward(loss)
+        optimizer.step()
+        losses.append(loss.item())
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    return dtypes, losses, optimizer.fp32_state_dict(wrapped), optimizer.stats()
+
+
+def test_a_model_compiled_before_fleet_is_named_and_trains_bitwise_like_the_eager_model():
+    """custom_black_varnames and last_overflow use the model's names, not torch.compile's "_orig_mod." ones."""
+    eager = _o2_fp16_run(compile_first=False)
+    torch._dynamo.reset()
+    dtypes, losses, state, stats = _o2_fp16_run(compile_first=True)
+    assert dtypes == eager[0]
+    assert dtypes["head.weight"] == torch.float32
+    assert dtypes["fc1.weight"] == torch.float16
+    assert losses == eager[1]
+    assert state.keys() == eager[2].keys()
+    for name, value in eager[2].items():
+        assert torch.equal(state[name], value), name
+    assert stats["last_overflow"] == eager[3]["last_overflow"]
+    assert stats["last_overflow"]["step"] == 3
+    assert "fc1.weight" in stats["last_overflow"]["params"]
+    assert stats["steps_applied"] == eager[3]["steps_applied"] == 2
+
+
+def test_a_compiled_model_learnt_at_its_first_forward_is_named_like_the_eager_model():
+    """Without fleet.distributed_model the optimizer learns the model at its first forward: the compiled
+    wrapper's. custom_black_varnames and the parameter names are still the model's."""
+    from distamp import fleet
+
+    torch.manual_seed(0)
+    model = Net()
+    compiled = torch.compile(model, backend="eager")
+    strategy = fleet.DistributedStrategy(amp=True)
+    strategy.amp_configs = {"use_pure_fp16": True, "dtype": "bfloat16", "custom_black_varnames": ["head"]}
+    fleet.init(strategy=strategy)
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(compiled.parameters(), lr=0.1), strategy)
+    with fleet.auto_cast():
+        out = compiled(torch.randn(4, 8))
+    assert out["out"].dtype == torch.float32
+    assert out["hidden"].dtype == torch.bfloat16
+    assert model.head.weight.dtype == torch.float32
+    assert model.fc1.weight.dtype == torch.bfloat16
+    assert [optimizer.binding.name_of(p, i) for i, p in enumerate(model.parameters())] == [
+        name for name, _ in model.named_parameters()]

@@ -185,3 +185,19 @@ def test_the_message_names_the_modules_and_patterns_that_custom_black_varnames_a
     assert [name for name, _ in find_black_modules(model, patterns)] == [
         "h.0.ln_1", "h.0.ln_2", "h.1.ln_1", "h.1.ln_2", "h.2.ln_1", "h.2.ln_2", "ln_f"]
     assert unrecognised_norms(model, patterns) == []
+
+
+def test_a_compiled_model_reports_and_keeps_its_norms_by_the_names_of_the_model_inside():
+    """The O2 warning's modules and patterns, and stage 3's FP32 modules, are named as for the eager model."""
+    from distamp.amp.fp32_parameters import fp32_modules, unrecognised_norms, unrecognised_norms_message
+
+    model = Gpt()
+    compiled = torch.compile(model, backend="eager")  # nothing is compiled: only names are read
+    assert unrecognised_norms(compiled) == unrecognised_norms(model)
+    assert unrecognised_norms_message(unrecognised_norms(compiled), "bfloat16") == unrecognised_norms_message(
+        unrecognised_norms(model), "bfloat16")
+    assert unrecognised_norms(compiled, ["h.*.ln_1", "h.1", "ln_f"]) == [("h.0.ln_2", "LlamaRMSNorm"),
+                                                                         ("h.2.ln_2", "LlamaRMSNorm")]
+    assert [(name, id(m)) for name, m in fp32_modules(compiled, ["h.1"], keep_norm_fp32=True)] == [
+        (name, id(m)) for name, m in fp32_modules(model, ["h.1"], keep_norm_fp32=True)]
+    assert fp32_parameters(compiled, ["head"]) == fp32_parameters(model, ["head"])

@@ -166,3 +166,24 @@ def test_a_parameter_unfrozen_after_the_checker_was_built_is_checked_from_its_ne
         (out.sum() * torch.tensor(float("inf"))).backward()
     checker.remove()
     assert checker._frozen == {}
+
+
+def test_a_compiled_model_is_named_as_the_model_inside_it():
+    """Modules and parameters of torch.compile(model) are named as in model, its root by model's class."""
+    model = _model()
+    model[1].factor = float("inf")
+    compiled = torch.compile(model, backend="eager")
+    checker = NanInfChecker(compiled, step=lambda: 7)
+    with pytest.raises(FloatingPointError, match=r"inf in the forward output of module '1' \(Scale\) on rank 0"):
+        compiled(torch.ones(1, 3))
+    checker.remove()
+    model[1].factor = 1.0
+    checker = NanInfChecker(compiled, step=lambda: 2)
+    out = compiled(torch.ones(1, 3))
+    with pytest.raises(FloatingPointError, match=r"inf in the local gradient of parameter '0\.(weight|bias)' "):
+        (out.sum() * torch.tensor(float("inf"))).backward()
+    checker.remove()
+    compiled_root = torch.compile(Scale(float("nan")), backend="eager")
+    NanInfChecker(compiled_root, step=lambda: 3)
+    with pytest.raises(FloatingPointError, match=r"NaN in the forward output of the model \(Scale\) on rank 0"):
+        compiled_root(torch.ones(2))

@@ -722,6 +722,27 @@ def test_another_world_size_drops_the_error_feedback_with_one_warning():
     assert out[1][0] == []  # rank 0 warns, once
 
 
+def _compiled_names_state_worker(rank, world_size):
+    """A state saved when a compiled model's parameters were named "_orig_mod.<name>" loads under the names."""
+    strategy = _strategy(dtype="bfloat16", o2=True, start_step=0)
+    _, wrapped, opt = _build(strategy)
+    for step in range(1, 3):
+        _train_step(wrapped, opt, *_batch(rank, step))
+    compressor = opt.policy.compressor
+    own = {"q": dict(compressor.q), "error": dict(compressor.error)}
+    state = opt.state_dict()
+    for key in ("q", "error"):
+        state["powersgd"][key] = {f"_orig_mod.{name}": t for name, t in state["powersgd"][key].items()}
+    opt.load_state_dict(state)
+    return {key: sorted(own[key]) == sorted(getattr(compressor, key)) and all(
+        torch.equal(getattr(compressor, key)[name], t) for name, t in own[key].items()) for key in own}
+
+
+def test_a_state_named_inside_torch_compiles_wrapper_resumes_under_the_models_names():
+    for kept in run_workers(_compiled_names_state_worker, 2, timeout=100):
+        assert kept == {"q": True, "error": True}
+
+
 def _rank0_state_worker(rank, world_size):
     """torch's DDP idiom: rank 0's optimizer.state_dict() loaded on every rank."""
     import torch.distributed as dist

@@ -117,3 +117,57 @@ def test_buckets_smaller_than_torchs_first_bucket_compile():
         assert buckets > 1
         assert "First bucket should be smaller/equal to other buckets" in native_error
     assert torch.equal(out[0][2], out[1][2])
+
+
+def _trained_with_names(rank, compile_first):
+    """O2 FP16 with the last layer black-listed and PowerSGD, on a model compiled (or not) before fleet's
+    calls: three steps, the third overflowing. The names distamp gives, and the trained FP32 model."""
+    from distamp import fleet
+
+    strategy = fleet.DistributedStrategy(amp=True, powersgd=True)
+    strategy.amp_configs = {"dtype": "float16", "use_pure_fp16": True, "custom_black_varnames": ["3"],
+                            "init_loss_scaling": 128.0}
+    strategy.powersgd_configs = {"rank": 2, "start_step": 0, "min_compression_rate": 1.0}
+    fleet.init(strategy=strategy)
+    model = _model()
+    given = torch.compile(model, backend="eager") if compile_first else model
+    opt = fleet.distributed_optimizer(torch.optim.SGD(given.parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(given)
+    g = torch.Generator().manual_seed(rank)
+    for scale in (1.0, 1.0, 1e6):
+        with fleet.auto_cast():
+            loss = F.mse_loss(wrapped(torch.randn(4, 8, generator=g)).float(), torch.zeros(4, 4)) * scale
+        opt.zero_grad()
+        opt.backward(loss)
+        opt.step()
+    stats = opt.stats()
+    return {"dtypes": {name: p.dtype for name, p in model.named_parameters()},
+            "steps_applied": stats["steps_applied"], "last_overflow": stats["last_overflow"],
+            "powersgd": sorted(opt.state_dict()["powersgd"]["q"]), "model": opt.fp32_state_dict(wrapped)}
+
+
+def _eager_and_compiled_first(rank, world_size):
+    import torch._dynamo
+
+    eager = _trained_with_names(rank, compile_first=False)
+    torch._dynamo.reset()
+    return eager, _trained_with_names(rank, compile_first=True)
+
+
+@pytest.mark.timeout(240)
+def test_a_model_compiled_before_fleet_is_named_and_trains_bitwise_like_the_eager_model():
+    """custom_black_varnames, last_overflow and PowerSGD's state use the model's names on every rank, not
+    torch.compile's "_orig_mod." ones, and training is the eager model's, bit for bit."""
+    for eager, compiled in run_workers(_eager_and_compiled_first, 2, timeout=220):
+        assert compiled["dtypes"] == eager["dtypes"]
+        assert compiled["dtypes"]["3.weight"] == torch.float32
+        assert compiled["dtypes"]["0.weight"] == torch.float16
+        assert compiled["steps_applied"] == eager["steps_applied"] == 2
+        assert compiled["last_overflow"] == eager["last_overflow"]
+        assert compiled["last_overflow"]["step"] == 3
+        assert "0.weight" in compiled["last_overflow"]["params"]
+        assert compiled["powersgd"] == eager["powersgd"]
+        assert "0.weight" in compiled["powersgd"]
+        assert compiled["model"].keys() == eager["model"].keys()
+        for name, value in eager["model"].items():
+            assert torch.equal(compiled["model"][name], value), name

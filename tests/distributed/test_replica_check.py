@@ -147,14 +147,15 @@ def _perturb(tensor: torch.Tensor) -> None:
         assert not torch.equal(tensor[index], before)
 
 
-def _job(rank, world, stage, every, target, perturb_after, dtype="bfloat16", powersgd=False):
+def _job(rank, world, stage, every, target, perturb_after, dtype="bfloat16", powersgd=False, compiled=False):
     """Train STEPS steps; rank 1 perturbs ``target`` of ``2.weight`` after step ``perturb_after``.
 
     ``target``: ``"param"`` (the model's parameter, once), ``"param each step"``
     (the same after every step from then on: a rank that keeps computing with
     other values), ``"master"`` (its FP32 master, O2 unsharded),
     ``"gathered"`` (stage 3: rank 1's gathered copy, in each forward from
-    then on), ``"shard"`` (stage 3: rank 1's FP32 shard).
+    then on), ``"shard"`` (stage 3: rank 1's FP32 shard). ``compiled``: the model is compiled (the eager
+    backend) before fleet's calls.
     Returns the step that raised and the message, the checks run and the final parameters.
     """
     from distamp import fleet
@@ -167,9 +168,10 @@ def _job(rank, world, stage, every, target, perturb_after, dtype="bfloat16", pow
         # Before fully_shard, whose pre-hook goes first (prepend): this one runs on the gathered weight,
         # before the replica check's hook.
         model[2].register_forward_pre_hook(lambda module, args: _perturb(module.weight) if perturbing[0] else None)
-    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+    given = torch.compile(model, backend="eager") if compiled else model
+    opt = fleet.distributed_optimizer(torch.optim.SGD(given.parameters(), lr=0.05, momentum=0.9),
                                       _strategy(stage, every, dtype, powersgd))
-    wrapped = fleet.distributed_model(model)
+    wrapped = fleet.distributed_model(given)
     g = torch.Generator().manual_seed(1)
     raised = None
     for step in range(1, STEPS + 1):
@@ -242,6 +244,16 @@ def test_a_perturbed_element_on_one_rank_stops_every_rank_within_n_steps(stage, 
     results = run_workers(_job, 2, stage, every, target, perturb_after, dtype, timeout=180)
     _check_stopped(results, every, perturb_after, name)
     assert [r["checks"] for r in results] == [2, 2]  # steps 4 (passed) and 8 (raised)
+
+
+@pytest.mark.parametrize(("stage", "target", "name"), [(0, "param", "2.weight"),
+                                                      (3, "gathered", "2.weight (as gathered for the forward)")])
+def test_a_model_compiled_before_fleet_is_reported_by_the_names_of_the_model_inside(stage, target, name):
+    """torch.compile(model) first: the replica check names '2.weight', not '_orig_mod.2.weight'; at stage 3
+    the units pattern '2' names the model's module too."""
+    every = 4
+    results = run_workers(_job, 2, stage, every, target, 5, "bfloat16", False, True, timeout=180)
+    _check_stopped(results, every, 5, name)
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])

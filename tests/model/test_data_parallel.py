@@ -634,8 +634,9 @@ def test_add_param_group_after_the_wrapper_trains_or_refuses_o2_with_the_fix():
         assert out["dtypes"] == ["torch.bfloat16", "torch.bfloat16", "torch.float32", "torch.float32"]
 
 
-def _unfrozen_after_the_wrapper(rank, world_size, stage, late_freeze):
-    """Gradual unfreezing: the first layer trains from step 2 on; frozen before the wrapper, or after it."""
+def _unfrozen_after_the_wrapper(rank, world_size, stage, late_freeze, compiled=False):
+    """Gradual unfreezing: the first layer trains from step 2 on; frozen before the wrapper, or after it.
+    ``compiled``: the model is compiled (the eager backend) before fleet's calls."""
     from distamp import fleet
 
     fleet.init()
@@ -649,8 +650,9 @@ def _unfrozen_after_the_wrapper(rank, world_size, stage, late_freeze):
     if not late_freeze:
         for p in first:
             p.requires_grad_(False)
-    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.05), strategy)
-    wrapped = fleet.distributed_model(model, strategy)
+    given = torch.compile(model, backend="eager") if compiled else model
+    opt = fleet.distributed_optimizer(torch.optim.SGD(given.parameters(), lr=0.05), strategy)
+    wrapped = fleet.distributed_model(given, strategy)
     if late_freeze:
         for p in first:
             p.requires_grad_(False)
@@ -760,6 +762,12 @@ def _converted_after_the_wrapper(rank, world_size, stage, o2, convert_wrapper):
         opt.backward(loss)
         opt.step()
     return None, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(200)
+def test_a_compiled_models_unfrozen_parameters_are_named_as_in_the_model():
+    for message, _ in run_workers(_unfrozen_after_the_wrapper, 2, 0, False, True, timeout=100):
+        assert message.startswith("['0.weight', '0.bias'] had requires_grad=False when fleet.distributed_model ")
 
 
 @pytest.mark.timeout(300)

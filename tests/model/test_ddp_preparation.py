@@ -43,6 +43,12 @@ def test_check_device_names_a_buffer_elsewhere_and_the_fix():
     assert str(info.value).endswith("move the model there before wrapping it: model.to(fleet.device())")
 
 
+def test_check_device_names_a_compiled_models_tensors_as_the_model_does():
+    model = nn.Sequential(nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ValueError, match=r"^parameter '0.weight' is on meta"):
+        check_device(torch.compile(model, backend="eager"), torch.device("cpu"))
+
+
 class _Stage:
     """What check_sharding reads of an optimizer: its precision's stage and its masters' parameters."""
 

@@ -108,3 +108,24 @@ def test_a_pattern_matching_nothing_names_the_valid_modules():
             "sharding_configs['units'] pattern 'block.*' matches no submodule of _Gpt.")) as info:
         choose_units(_Gpt(), ["block.*"])
     assert "'embed', 'blocks', 'blocks.0'" in str(info.value)
+
+
+@pytest.mark.parametrize("patterns", [(), ("blocks.*.mlp", "head"), ("_orig_mod.blocks.*.mlp", "head")])
+def test_a_compiled_models_units_are_the_eager_models_by_the_same_names(patterns):
+    """torch.compile(model) before fleet.distributed_model: the units and their names are model's; a pattern
+    spelled with the compile wrapper's "_orig_mod." still names them."""
+    model = _Gpt()
+    compiled = torch.compile(model, backend="eager")  # nothing is compiled: only names are read
+    eager = choose_units(model, [p.removeprefix("_orig_mod.") for p in patterns])
+    units = choose_units(compiled, list(patterns))
+    assert [(name, id(m)) for name, m in units] == [(name, id(m)) for name, m in eager]
+    assert _names(units) == (["blocks.0.mlp", "blocks.1.mlp", "head"] if patterns else ["blocks.0", "blocks.1"])
+    with pytest.raises(ValueError, match=re.escape("pattern 'block.*' matches no submodule of _Gpt.")):
+        choose_units(compiled, ["block.*"])
+
+
+def test_a_compiled_models_shared_parameters_are_named_as_in_the_model():
+    model = _TiedFlat()
+    compiled = torch.compile(model, backend="eager")
+    assert shared_parameters(compiled, [("embed", model.embed), ("head", model.head)]) == [
+        ("embed.weight", ["embed", "head"])]
