@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distamp.model_views import unwrap_model
+from distamp.model_views import fp32_model_state_dict, unwrap_model
 
 
 class Wrapper(nn.Module):
@@ -41,3 +41,24 @@ def test_other_single_children_and_several_children_stop_the_search():
     two = Wrapper(inner)
     two.other = nn.ReLU()
     assert unwrap_model(two) is two
+
+
+class _NoMasters:
+    """Masters of nothing: every parameter is its own (O1, AMP off, float64 in O2)."""
+
+    def exact_fp32(self) -> dict[int, torch.Tensor]:
+        return {}
+
+
+def test_the_export_widens_16_bit_parameters_and_keeps_float64_ones_whole():
+    # Was: a float64 parameter was exported rounded to FP32 (all of them went through .float()).
+    model = nn.Sequential(nn.Linear(2, 3).double(), nn.Linear(3, 2).bfloat16(), nn.Embedding(4, 2))
+    with torch.no_grad():
+        model[0].weight[0, 0] = 1 + 2.0**-40  # not an FP32 number
+    exported = fp32_model_state_dict(model, [_NoMasters()])
+    assert exported["0.weight"].dtype == torch.float64
+    assert torch.equal(exported["0.weight"], model[0].weight)
+    assert exported["0.weight"].data_ptr() != model[0].weight.data_ptr()  # a copy
+    assert exported["1.weight"].dtype == torch.float32
+    assert torch.equal(exported["1.weight"], model[1].weight.float())
+    assert exported["2.weight"].dtype == torch.float32
