@@ -1006,10 +1006,12 @@ def _float64_worker(rank, world):
     opt.backward(F.mse_loss(wrapped(x), y.double()))
     assert opt.step()
     got = model.tail.weight.full_tensor()
-    return got.dtype, torch.equal(got, want)
+    exported = opt.fp32_state_dict(wrapped)["tail.weight"]
+    return got.dtype, torch.equal(got, want), exported.dtype, torch.equal(exported, want)
 
 
-def test_amp_off_reduces_a_float64_unit_in_float64():
+def test_amp_off_reduces_a_float64_unit_in_float64_and_exports_it_whole():
     # Was: the policy's reduce_dtype was FP32 with AMP off, so FSDP2 rounded the float64 gradients to FP32 for the
-    # reduce-scatter (the update was off by ~1e-7 where unsharded AMP-off training is exact).
-    assert run_workers(_float64_worker, 2, timeout=100) == [(torch.float64, True)] * 2
+    # reduce-scatter (the update was off by ~1e-7 where unsharded AMP-off training is exact), and fp32_state_dict
+    # rounded the float64 parameter to FP32.
+    assert run_workers(_float64_worker, 2, timeout=100) == [(torch.float64, True, torch.float64, True)] * 2
