@@ -94,7 +94,8 @@ def fp32_model_state_dict(module: nn.Module, master_weights: Sequence[ExactFp32S
     """``module.state_dict()`` with each parameter replaced by an FP32 copy of its master.
 
     Parameters without a master (O1, AMP off, other dtypes) are copied as
-    they are, in FP32 when floating point. Buffers are left unchanged.
+    they are, in FP32 when a narrower float; float64 ones stay float64 (FP32
+    would round them). Buffers are left unchanged.
     Sharded (DTensor) parameters are gathered whole: collective, every rank
     calls it.
     """
@@ -107,5 +108,6 @@ def fp32_model_state_dict(module: nn.Module, master_weights: Sequence[ExactFp32S
             source = masters.get(id(p), p).detach()
             if isinstance(source, DTensor):
                 source = source.full_tensor()
-            state[name] = source.float().clone() if source.is_floating_point() else source.clone()
+            narrower = source.is_floating_point() and source.element_size() < 4
+            state[name] = source.float() if narrower else source.clone()
     return state

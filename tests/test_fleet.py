@@ -450,8 +450,11 @@ def test_bad_models_and_optimizers_are_refused_with_the_fix():
     ({"amp": True}, r"strategy\.amp \(loss scaling"),
     ({"sharding": True, "sharding_configs": {"stage": 1}}, r"strategy\.sharding cannot"),
     ({"sharding": True, "sharding_configs": {"stage": 3}}, r"strategy\.sharding cannot"),
+    # Was: accepted, then PowerSGD's hook failed in the first backward with "zip() argument 2 is longer than
+    # argument 1" (the bucket held no dense gradient for the embedding).
+    ({"powersgd": True}, r"strategy\.powersgd \(low-rank compression of dense gradients\) cannot"),
 ])
-def test_sparse_embeddings_are_refused_under_amp_or_sharding_and_train_without(configs, needs):
+def test_sparse_embeddings_are_refused_under_amp_sharding_or_powersgd_and_train_without(configs, needs):
     from distamp import fleet
 
     fleet.init()

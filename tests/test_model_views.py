@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distamp.model_views import known_name, unwrap_model, user_name, wrapper_prefix
+from distamp.model_views import fp32_model_state_dict, known_name, unwrap_model, user_name, wrapper_prefix
 
 
 class Wrapper(nn.Module):
@@ -62,3 +62,24 @@ def test_a_name_spelled_inside_wrappers_is_known_by_the_models_name():
     assert known_name("module.x", known) == "module.x"  # a name the model has is kept
     assert known_name("_orig_mod.1.weight", known) == "_orig_mod.1.weight"  # neither: unchanged
     assert known_name("body.0.weight", known) == "body.0.weight"
+
+
+class _NoMasters:
+    """Masters of nothing: every parameter is its own (O1, AMP off, float64 in O2)."""
+
+    def exact_fp32(self) -> dict[int, torch.Tensor]:
+        return {}
+
+
+def test_the_export_widens_16_bit_parameters_and_keeps_float64_ones_whole():
+    # Was: a float64 parameter was exported rounded to FP32 (all of them went through .float()).
+    model = nn.Sequential(nn.Linear(2, 3).double(), nn.Linear(3, 2).bfloat16(), nn.Embedding(4, 2))
+    with torch.no_grad():
+        model[0].weight[0, 0] = 1 + 2.0**-40  # not an FP32 number
+    exported = fp32_model_state_dict(model, [_NoMasters()])
+    assert exported["0.weight"].dtype == torch.float64
+    assert torch.equal(exported["0.weight"], model[0].weight)
+    assert exported["0.weight"].data_ptr() != model[0].weight.data_ptr()  # a copy
+    assert exported["1.weight"].dtype == torch.float32
+    assert torch.equal(exported["1.weight"], model[1].weight.float())
+    assert exported["2.weight"].dtype == torch.float32

@@ -190,7 +190,8 @@ class PowerSGD:
     Args:
         config: the PowerSGD settings.
         params: the model's parameters by qualified name (the keys of the saved state).
-        wire_dtype: dtype of the uncompressed gradients on the wire.
+        wire_dtype: dtype of the uncompressed gradients on the wire; ``None`` (AMP off): FP32, and
+            float64 gradients in float64, so that nothing is rounded (as DDP's all-reduce sends them).
         predivide_factor: as in :class:`~distamp.distributed.comm_hooks.LowPrecisionAllReduce`.
         process_group: the data-parallel group; ``None`` is the world.
         pending: gradient merge's FP32 sums to add to a bucket first (O2), or None.
@@ -209,15 +210,15 @@ class PowerSGD:
         self,
         config: PowerSGDConfig,
         params: Mapping[str, torch.Tensor],
-        wire_dtype: torch.dtype,
+        wire_dtype: torch.dtype | None,
         predivide_factor: float | None = None,
         process_group: dist.ProcessGroup | None = None,
         pending: Pending | None = None,
         device: torch.device | None = None,
     ) -> None:
-        if wire_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        if wire_dtype not in (None, torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"wire_dtype={wire_dtype!r} is not supported; use torch.float16, torch.bfloat16 "
-                            "or torch.float32")
+                            "or torch.float32, or None for FP32 with float64 kept")
         self.config = config
         self.params = dict(params)
         self.names = {id(p): name for name, p in self.params.items()}
@@ -382,12 +383,21 @@ class PowerSGD:
 
     # -- the hook's work -------------------------------------------------------------
 
+    def wire_for(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a bucket of ``dtype`` gradients crosses the wire in."""
+        if self.wire_dtype is not None:
+            return self.wire_dtype
+        return torch.float64 if dtype == torch.float64 else torch.float32
+
     def split(self, grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> tuple[list, list]:
         """``(compressed [(name, grad, rows, cols)], dense grads)`` of a bucket at this step."""
         compressed, dense = [], []
         for grad, param in zip(grads, params, strict=True):
             shape = matrix_shape(grad.shape)
-            if self.compressing and shape is not None and self.config.compresses(*shape):
+            # The factors are FP32 (and the C kernels read FP32 or BF16): a float64 gradient is sent
+            # whole rather than rounded. (A complex one arrives as DDP's real view, FP32, and is factored.)
+            if (self.compressing and shape is not None and grad.dtype in _FACTORED_DTYPES
+                    and self.config.compresses(*shape)):
                 compressed.append((self.names[id(param)], as_indexed(grad, param), *shape))
             else:
                 dense.append(grad)
@@ -414,7 +424,8 @@ class PowerSGD:
         matrices = [self._start(name, grad, rows, cols, scale) for name, grad, rows, cols in compressed]
         p_total = sum(x.p.numel() for x in matrices)
         q_total = sum(x.qt.numel() for x in matrices)
-        self.count(4 * (p_total + q_total), sum(x.grad.numel() for x in matrices) * _size(self.wire_dtype))
+        self.count(4 * (p_total + q_total),
+                   sum(x.grad.numel() * _size(self.wire_for(x.grad.dtype)) for x in matrices))
         # P is orthogonalised next, so its sum need not be divided by the world size.
         _all_reduce_each([x.p for x in matrices], self.process_group)
         for x in matrices:
@@ -583,6 +594,9 @@ def _all_reduce_each(tensors: list[torch.Tensor], group: dist.ProcessGroup | Non
         at += t.numel()
 
 
+_FACTORED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def _size(dtype: torch.dtype) -> int:
     return torch.empty(0, dtype=dtype).element_size()
 
@@ -603,8 +617,8 @@ def powersgd_hook(state: PowerSGD, bucket: dist.GradBucket) -> torch.futures.Fut
     future = None
     if flat is not None:
         wire = flat.div_(state.predivide_factor)
-        if wire.dtype != state.wire_dtype:
-            wire = wire.to(state.wire_dtype)
+        if wire.dtype != state.wire_for(wire.dtype):
+            wire = wire.to(state.wire_for(wire.dtype))
         state.count(wire.numel() * wire.element_size(), wire.numel() * wire.element_size())
         future = dist.all_reduce(wire, group=state.process_group, async_op=True).get_future()
     state.compress(compressed, state._loss_scale())

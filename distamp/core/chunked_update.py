@@ -85,9 +85,9 @@ from distamp.torch_compat import (
 )
 
 __all__ = ["SLICEABLE_OPTIMIZERS", "SLICE_ALIGN", "CheckedGrads", "GradSource", "Pair", "Piece", "Verdict",
-           "as_one_step", "check_in_chunks", "chunk_limit", "chunk_numel", "copy_and_unscale_", "holds_rounding_of",
-           "plan_chunks", "room_below_peak", "step_and_free_in_chunks", "step_in_chunks", "step_makes_temporaries",
-           "step_only", "steps_in_chunks"]
+           "adopt_written_values", "as_one_step", "check_in_chunks", "chunk_limit", "chunk_numel",
+           "copy_and_unscale_", "holds_rounding_of", "plan_chunks", "room_below_peak", "step_and_free_in_chunks",
+           "step_in_chunks", "step_makes_temporaries", "step_only", "steps_in_chunks"]
 
 SLICEABLE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 """Optimizers whose update of an element depends on that element's gradient and state only."""
@@ -528,3 +528,20 @@ def holds_rounding_of(low: torch.Tensor, fp32: torch.Tensor) -> bool:
     value it held must leave its master's finer bits alone.
     """
     return torch.equal(low, fp32.to(low.dtype).view_as(low))
+
+
+def adopt_written_values(low: torch.Tensor, fp32: torch.Tensor) -> bool:
+    """Give ``fp32`` the values of ``low`` where ``low`` no longer holds ``fp32`` rounded; whether any changed.
+
+    Element by element, as :func:`holds_rounding_of` decides for the
+    whole tensor: an in-place write that changes some elements of a
+    parameter (``nn.Embedding(max_norm=...)`` renormalising the rows it
+    looked up) takes those into the master (widening is exact) and leaves
+    the others' finer FP32 bits alone.
+    """
+    master = fp32.view_as(low)
+    differs = master.to(low.dtype) != low
+    if not bool(differs.any()):
+        return False
+    master.copy_(torch.where(differs, low.to(fp32.dtype), master))
+    return True

@@ -13,8 +13,10 @@ weights with ``model.load_state_dict``, an in-place edit under
 ``torch.no_grad()``) is taken into the masters before they are next read
 (:meth:`MasterWeights.adopt_model_writes`), so the model trains from what it
 holds, as it would without masters. A parameter's version counter says it
-was written; the values decide (a write of the value it already held changes
-nothing). Writes through ``.data`` bypass the counter and are not seen.
+was written; the values decide, element by element (a write of the value an
+element already held changes nothing, so the rows an ``nn.Embedding`` with
+``max_norm`` renormalises are taken and the others keep their FP32 bits).
+Writes through ``.data`` bypass the counter and are not seen.
 
 Masters live in one flat FP32 buffer per device, so broadcasting,
 checkpointing and copying are a few large operations instead of one per
@@ -34,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distamp.core.chunked_update import holds_rounding_of
+from distamp.core.chunked_update import adopt_written_values
 from distamp.torch_compat import foreach_add_, foreach_copy_, foreach_zero_, tensor_version
 
 __all__ = ["MasterWeights", "MasterWeightsSurface", "check_saved_masters", "clear_grads"]
@@ -236,16 +238,15 @@ class MasterWeights:
 
         Called before the masters are read (the step's check, ``state_dict``,
         ``exact_fp32``). A parameter whose version counter moved is compared
-        with its master rounded to its dtype; where they differ, the master
-        becomes the parameter's value (exactly: widening to FP32 is exact).
+        with its master rounded to its dtype; the master's elements that
+        differ become the parameter's (exactly: widening to FP32 is exact).
         Returns how many masters changed.
         """
         written = [(p, m) for p, m in self._pairs if tensor_version(p) != self._versions.get(id(p))]
         adopted = 0
         with torch.no_grad():
             for model_p, master in written:
-                if not holds_rounding_of(model_p, master):
-                    master.copy_(model_p)
+                if adopt_written_values(model_p.detach(), master):
                     adopted += 1
                 self._versions[id(model_p)] = tensor_version(model_p)
         return adopted

@@ -65,7 +65,8 @@ def o2_dtype_error_hint(strategy: DistributedStrategy, exc: RuntimeError) -> str
     if not (strategy.amp and cfg.use_pure_fp16) or "type" not in message:
         return None
     if any(torch.is_autocast_enabled(t) for t in ("cpu", "cuda") if t == "cpu" or torch.cuda.is_available()):
-        if "dtype" not in message and "scalar type" not in message:
+        # "same type as": embedding_bag's check of per_sample_weights against its weight.
+        if not any(words in message for words in ("dtype", "scalar type", "same type as")):
             return None
         return (
             f"distamp: with use_pure_fp16 the model's weights are {cfg.dtype}, and autocast casts FP32 inputs "

@@ -158,7 +158,7 @@ class DDPPreparation:
             return ShardedGradReduce(shards, self._wire_dtype(), self.process_group, pending, self._bucket_bytes())
         if self.strategy.powersgd:
             # The optimizer binds itself (DataParallel.bind_compressor): it reports each step's verdict.
-            wire = cfg.comm_torch_dtype if self.strategy.amp else torch.float32
+            wire = cfg.comm_torch_dtype if self.strategy.amp else None  # AMP off: FP32, float64 kept
             predivide = cfg.gradient_predivide_factor if self.strategy.amp else None
             device = self._training_device()
             # Keyed by the names of the model inside torch.compile's wrapper: its state fits the eager model too.

@@ -180,7 +180,7 @@ class WireReduceScatter(FSDPReduceScatter):
 
 
 def _sum_into(output: torch.Tensor, chunks: Sequence[torch.Tensor], divisor: int) -> None:
-    """``output = sum(chunks) / divisor``, added in FP32 in the order given, rounded once to ``output``'s dtype.
+    """``output = sum(chunks) / divisor``, added in FP32 (float64 for float64) in the order given, rounded once.
 
     Two chunks of ``output``'s dtype are one ``torch.add``: torch adds
     16-bit tensors in FP32 and rounds once (CPU and CUDA), which is the
@@ -192,7 +192,7 @@ def _sum_into(output: torch.Tensor, chunks: Sequence[torch.Tensor], divisor: int
         return
     for lo in range(0, output.numel(), _SLICE):
         hi = min(lo + _SLICE, output.numel())
-        total = chunks[0][lo:hi].float()
+        total = chunks[0][lo:hi].to(torch.promote_types(output.dtype, torch.float32))
         for chunk in chunks[1:]:
             total += chunk[lo:hi]
         if divisor != 1:

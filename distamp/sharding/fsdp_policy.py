@@ -5,8 +5,12 @@ mode       ``param_dtype``       sharded parameter (master)  ``reduce_dtype``   
 =========  ====================  ==========================  ====================  ==================
 O2         ``dtype`` (16-bit)    FP32                        ``comm_dtype``        FP32
 O1         ``None`` (FP32)       FP32                        ``comm_dtype``        FP32
-amp off    ``None`` (FP32)       FP32                        FP32                  FP32
+amp off    ``None`` (FP32)       FP32                        ``None`` (FP32)       FP32
 =========  ====================  ==========================  ====================  ==================
+
+With AMP off ``reduce_dtype`` is ``None``: each unit reduces in its
+parameters' dtype, FP32, or float64 for a float64 unit, which an FP32
+``reduce_dtype`` would round.
 
 ``reduce_dtype`` is the wire dtype (``amp_configs["comm_dtype"]``, default
 ``dtype``): the dtype of FSDP's reduce-scatter buffers and of what crosses
@@ -45,7 +49,7 @@ def unit_policies(strategy: DistributedStrategy) -> UnitPolicies:
     """The policies ``strategy`` asks for (see the module docstring)."""
     pure = strategy.amp and strategy.amp_config.use_pure_fp16
     param_dtype = strategy.amp_config.torch_dtype if pure else None
-    reduce_dtype = wire_dtype(strategy)
+    reduce_dtype = wire_dtype(strategy) if strategy.amp else None
     # No unit casts its inputs: as in unsharded O2, fleet.auto_cast() casts them op by op for the 16-bit
     # weights, and what the forward computes from FP32 inputs outside those ops (timestep embeddings,
     # indices, a loss inside forward) stays FP32.

@@ -139,8 +139,11 @@ class ShardedParameters:
         return 0
 
     def exact_fp32(self) -> dict[int, torch.Tensor]:
-        """``{id(param): full FP32 value}``, gathered from the shards (collective: every rank calls it)."""
-        return {id(p): _full(p).float() for p in self.model_params}
+        """``{id(param): full value}``, gathered from the shards (collective: every rank calls it).
+
+        FP32; a float64 parameter (AMP off, O1) stays float64, as unsharded.
+        """
+        return {id(p): _full(p) if p.dtype == torch.float64 else _full(p).float() for p in self.model_params}
 
     def zero_master_grads(self) -> None:
         """Nothing to drop: the gradients are the parameters' own."""

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distamp.core.chunked_update import holds_rounding_of
+from distamp.core.chunked_update import adopt_written_values
 from distamp.core.flat_layout import FlatLayout, Piece
 from distamp.core.master_weights import clear_grads
 from distamp.sharding.direct_gather import DirectGather
@@ -230,8 +230,7 @@ class ShardedMasters:
             for piece, master in zip(self.pieces, self.masters, strict=True):
                 if piece.param in written:
                     part = self.model_params[piece.param].detach().view(-1)[piece.start : piece.stop]
-                    if not holds_rounding_of(part, master):
-                        master.copy_(part)
+                    if adopt_written_values(part, master):
                         adopted += 1
         for i in written:
             self._versions[i] = tensor_version(self.model_params[i])

@@ -667,6 +667,43 @@ def test_an_all_zero_gradient_makes_no_nan():
         assert torch.isfinite(params).all()
 
 
+class _Float64Head(nn.Module):
+    """FP32 layers, then a float64 matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(16, 24), nn.ReLU())
+        self.head = nn.Linear(24, 4).double()
+
+    def forward(self, x):
+        return self.head(self.body(x).double())
+
+
+def _float64_worker(rank, world_size, start_step):
+    """AMP off: the float64 matrix's gradient is the exact mean, before and after start_step."""
+    import torch.distributed as dist
+
+    x, y = _batch(rank, 1)
+    local = _Float64Head()
+    F.cross_entropy(local(x), y).backward()
+    want = local.head.weight.grad.clone()
+    dist.all_reduce(want)
+    want /= world_size
+    model, wrapped, opt = _build(_strategy(amp=False, start_step=start_step), _Float64Head())
+    opt.zero_grad()
+    opt.backward(F.cross_entropy(wrapped(x), y))
+    return model.head.weight.grad.dtype, torch.equal(model.head.weight.grad, want)
+
+
+@pytest.mark.parametrize("start_step", [0, 5])
+def test_a_float64_gradient_is_averaged_in_float64_and_not_compressed(start_step):
+    # Was: from start_step on, the C kernels refused it ("low-rank kernel argument grad: expected ... dtype in
+    # (torch.bfloat16, torch.float32)") in the first backward; before it, it crossed the wire rounded to FP32.
+    out = run_workers(_float64_worker, 2, start_step, timeout=100)
+    assert out == [(torch.float64, True)] * 2
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 

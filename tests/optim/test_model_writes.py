@@ -134,3 +134,30 @@ def test_weights_loaded_between_steps_are_trained_from_at_sharding_stages_1_and_
             # One SGD step (lr 0.01) away from what was loaded; put back, the old weights are ~1 away.
             assert (after - written).abs().max() < 0.05, (stage, overlap)
             assert torch.equal(after, runs[0, False][0][1]), (stage, overlap)  # as unsharded, on every rank
+
+
+def _embedding_run(max_norm: float | None) -> torch.Tensor:
+    """O2 BF16: row 0 grows past ``max_norm`` every step (renormalised in the forward), row 1 by 1e-5 per step."""
+    emb = nn.Embedding(3, 4, max_norm=max_norm)
+    with torch.no_grad():
+        emb.weight.copy_(torch.tensor([[2.0, 0, 0, 0], [0.1, 0.2, 0.3, 0.4], [0.5, 0.5, 0.5, 0.5]]))
+    opt = AmpOptimizer(torch.optim.SGD(emb.parameters(), lr=1e-5), _strategy("bfloat16"))
+    for _ in range(20):
+        with auto_cast(dtype=torch.bfloat16):
+            out = emb(torch.tensor([0, 1])).float()
+        opt.zero_grad()
+        opt.backward(-(out[1].sum() + 1000 * out[0].sum()))
+        assert opt.step()
+    return opt.master_weights.exact_fp32()[id(emb.weight)]
+
+
+def test_rows_an_embedding_renormalises_are_taken_into_the_master_and_the_other_rows_keep_their_fp32_bits():
+    # Was: the first row renormalised in a forward (an in-place write of some rows) made the whole master adopt the
+    # 16-bit weight, so every row's updates below BF16's spacing were lost at every such step.
+    renormed = _embedding_run(max_norm=1.0)
+    free = _embedding_run(max_norm=None)
+    assert torch.equal(renormed[1:], free[1:])  # rows 1 (1e-5 per step, below BF16's spacing) and 2 (not looked up)
+    assert not torch.equal(renormed[1], renormed[1].bfloat16().float())  # finer than BF16: the master kept it
+    # Row 0: renormalised to norm 1 by the last forward, then one update of 1e-2 per element; unrenormalised: ~2.4.
+    assert abs(renormed[0].norm().item() - 1.0) < 0.05
+    assert free[0].norm().item() > 2.0

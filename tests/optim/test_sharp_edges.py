@@ -215,6 +215,37 @@ def test_an_o2_op_autocast_does_not_cast_names_both_fixes_and_each_works():
     assert forward(custom_black_varnames=["head"]).dtype == torch.float32
 
 
+class _WeightedBag(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(10, 4, mode="sum")
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, tokens, weights):
+        return self.head(self.bag(tokens, per_sample_weights=weights))
+
+
+def test_an_o2_embedding_bag_with_fp32_per_sample_weights_names_both_fixes_and_each_works():
+    # Was: torch's bare "Expected tensor for argument #1 'weight' to have the same type as tensor for argument #1
+    # 'per_sample_weights'", with no hint: the message says "type", not "dtype", and the hint was not added.
+    from distamp import fleet
+
+    def forward(**configs):
+        torch.manual_seed(0)
+        model = _WeightedBag()
+        strategy = fleet.DistributedStrategy(amp=True)
+        strategy.amp_configs = {"use_pure_fp16": True, "dtype": "bfloat16", **configs}
+        _opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), strategy)
+        wrapped = fleet.distributed_model(model, strategy=strategy)
+        with fleet.auto_cast():
+            return wrapped(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.full((2, 3), 0.5))
+
+    with pytest.raises(RuntimeError, match=r"(?s)per_sample_weights.*custom_white_list.*custom_black_varnames"):
+        forward()
+    assert forward(custom_white_list=["embedding_bag"]).dtype == torch.bfloat16
+    assert forward(custom_black_varnames=["bag"]).dtype == torch.bfloat16  # the bag in FP32, the head in 16 bits
+
+
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_add_param_group_refuses_a_parameter_of_another_group_as_torch_does(mode):
     # It was dropped from the new group without a word: the group's lr never applied to it.

@@ -972,3 +972,46 @@ def test_the_fixes_the_error_names_train_the_shared_unit_as_without_checkpointin
             assert len(states) == len(plain) == 3, case
             for got, expected in zip(states, plain, strict=True):
                 assert torch.equal(got, expected), case
+
+
+class _Float64Tail(nn.Module):
+    """An FP32 unit, then a float64 one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.ReLU())
+        self.tail = nn.Linear(16, 3).double()
+
+    def forward(self, x):
+        return self.tail(self.body(x).double())
+
+
+def _float64_worker(rank, world):
+    import torch.distributed as dist
+
+    from distamp import fleet
+
+    fleet.init()
+    x, y = (t[rank * PER_RANK:(rank + 1) * PER_RANK] for t in _batches(world, 1)[0])
+    local = _Float64Tail()
+    F.mse_loss(local(x), y.double()).backward()
+    want = local.tail.weight.grad.clone()
+    dist.all_reduce(want)
+    want = local.tail.weight.detach() - want / world
+    model = _Float64Tail()
+    strategy = _strategy(3, amp=False, units=["body", "tail"])
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=1.0), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    opt.backward(F.mse_loss(wrapped(x), y.double()))
+    assert opt.step()
+    got = model.tail.weight.full_tensor()
+    exported = opt.fp32_state_dict(wrapped)["tail.weight"]
+    return got.dtype, torch.equal(got, want), exported.dtype, torch.equal(exported, want)
+
+
+def test_amp_off_reduces_a_float64_unit_in_float64_and_exports_it_whole():
+    # Was: the policy's reduce_dtype was FP32 with AMP off, so FSDP2 rounded the float64 gradients to FP32 for the
+    # reduce-scatter (the update was off by ~1e-7 where unsharded AMP-off training is exact), and fp32_state_dict
+    # rounded the float64 parameter to FP32.
+    assert run_workers(_float64_worker, 2, timeout=100) == [(torch.float64, True, torch.float64, True)] * 2
