@@ -47,6 +47,7 @@ from distamp.distributed.process_group import (
     world_info_from_group,
 )
 from distamp.model.data_parallel import DataParallel
+from distamp.model.forward_weight_writes import check_forward_weight_writes
 from distamp.model.sparse_gradients import refuse_sparse_gradients
 from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
@@ -348,6 +349,8 @@ def distributed_model(
     strategy = _strategy(strategy)
     check_applicable(strategy, world.world_size)
     refuse_sparse_gradients(model, strategy)
+    if isinstance(model, nn.Module):  # else: the wrapper's TypeError
+        check_forward_weight_writes(model, world.world_size, _fully_sharded(strategy))
     if "device" in kwargs:
         raise ValueError(
             f"fleet.distributed_model(..., device={kwargs['device']!r}): the model trains on fleet.device() "

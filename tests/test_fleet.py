@@ -471,6 +471,41 @@ def test_sparse_embeddings_are_refused_under_amp_sharding_or_powersgd_and_train_
     assert opt.step() is True
 
 
+def test_an_embedding_with_max_norm_is_refused_at_stage_3_where_its_renormalisation_would_be_lost():
+    # Was: accepted; the forward renormalised FSDP2's gathered copy, which is freed, so max_norm did nothing
+    # (rows of norm 8-12 stayed so where stage 0 made them 1.0).
+    from distamp import fleet
+
+    fleet.init()
+    model = nn.Sequential(nn.Linear(2, 2), nn.Embedding(10, 4, max_norm=1.0))
+    stage3 = fleet.DistributedStrategy(sharding=True, sharding_configs={"stage": 3})
+    with pytest.raises(ValueError, match=r"model\.1: an embedding with max_norm .* max_norm ignored\. Renormalise "
+                                         r"once per step.*or use sharding stage 1 or 2"):
+        fleet.distributed_model(model, stage3)
+    with pytest.raises(ValueError, match=r"model\.1: an embedding"):  # compiled first: the model's names
+        fleet.distributed_model(torch.compile(model, backend="eager"), stage3)
+
+
+def _max_norm_warnings(rank, world_size):
+    import warnings
+
+    from distamp import fleet
+
+    fleet.init()
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fleet.distributed_model(model, fleet.DistributedStrategy())
+    return [str(w.message) for w in caught]
+
+
+def test_an_embedding_with_max_norm_on_several_ranks_warns_that_the_replicas_drift_apart():
+    # Each rank renormalises the rows its own batch looks up (as under torch's DDP): was silent.
+    for messages in run_workers(_max_norm_warnings, 2, timeout=90):
+        assert any(m.startswith("model.0: an embedding with max_norm renormalises") and "drift apart" in m
+                   for m in messages), messages
+
+
 TIMES_OUT = """
     import json, os, sys, time, torch, torch.distributed as dist
     from distamp import fleet
