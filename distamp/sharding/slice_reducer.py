@@ -6,7 +6,8 @@ replaces DDP for stage 2, as DeepSpeed's stage 2 does with its IPG buckets
 (``reduce_ipg_grads``) and FSDP2 does in its post-backward:
 
 * a post-accumulate-grad hook (``Tensor.register_post_accumulate_grad_hook``)
-  copies each parameter's gradient, once autograd has accumulated it, into
+  copies each parameter's gradient, once autograd has accumulated it, divided by the
+  world size (before the cast, as unsharded AMP divides before its wire cast) into
   its place in a 16-bit bucket and frees ``.grad`` at once;
 * buckets hold consecutive parameters in reverse registration order (the
   order backward usually produces them) and are launched strictly in that
@@ -235,8 +236,9 @@ class SliceReducer:
                 "bucket was sent (a parameter used both inside and outside a reentrant activation checkpoint); "
                 "use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
             )
+        world = self.exchange.world_size
         if len(self.buckets[b].params) == 1 and _lendable(grad, self.exchange.wire_dtype):
-            self._buffers[b] = grad.detach().view(-1)  # the gradient is the bucket: no copy
+            self._buffers[b] = grad.detach().view(-1).div_(world)  # the gradient is the bucket: no copy
             self._used.add(id(param))
             self._ready[b] = 1
             param.grad = None
@@ -247,10 +249,12 @@ class SliceReducer:
             buffer = self._buffers[b] = torch.zeros(self.buckets[b].numel, dtype=self.exchange.wire_dtype,
                                                     device=grad.device)
         target = buffer[offset : offset + grad.numel()].view(grad.shape)
+        # Divided by the world size before the cast to the bucket's (wire) dtype, as unsharded AMP divides
+        # before its wire cast: an FP32 gradient that only fits FP16 once divided survives.
         if id(param) in self._used:  # a second accumulation in the same backward (reentrant checkpoint)
-            target.add_(grad)
+            target.add_(grad, alpha=1 / world)
         else:
-            target.copy_(grad)
+            torch.div(grad, world, out=target)
             self._used.add(id(param))
             self._ready[b] += 1
         param.grad = None
@@ -269,7 +273,7 @@ class SliceReducer:
             buffer = torch.zeros(bucket.numel, dtype=self.exchange.wire_dtype, device=device)
         self._buffers[b] = None
         self._next = b + 1
-        self.exchange.launch(buffer, bucket.params)
+        self.exchange.launch(buffer, bucket.params, divided=True)
 
     def _flush(self) -> None:
         """End of backward: send the buckets still waiting, finish every exchange, record who got a gradient."""
