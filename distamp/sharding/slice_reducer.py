@@ -249,12 +249,10 @@ class SliceReducer:
             buffer = self._buffers[b] = torch.zeros(self.buckets[b].numel, dtype=self.exchange.wire_dtype,
                                                     device=grad.device)
         target = buffer[offset : offset + grad.numel()].view(grad.shape)
-        # Divided by the world size before the cast to the bucket's (wire) dtype, as unsharded AMP divides
-        # before its wire cast: an FP32 gradient that only fits FP16 once divided survives.
         if id(param) in self._used:  # a second accumulation in the same backward (reentrant checkpoint)
-            target.add_(grad, alpha=1 / world)
+            _divide_into(target, grad, world, accumulate=True)
         else:
-            torch.div(grad, world, out=target)
+            _divide_into(target, grad, world)
             self._used.add(id(param))
             self._ready[b] += 1
         param.grad = None
@@ -306,6 +304,30 @@ def _remove(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
     handles.clear()
+
+
+DIVIDE_SLAB = 1 << 15
+"""Elements divided per call when a gradient is divided into a bucket of another dtype: torch computes such a
+division in a temporary of the source dtype, which a slab bounds (128 KiB of FP32) instead of the gradient's size."""
+
+
+def _divide_into(target: torch.Tensor, grad: torch.Tensor, world: int, accumulate: bool = False) -> None:
+    """``target = grad / world`` (``+=`` with ``accumulate``), divided in ``grad``'s dtype before the cast to
+    ``target``'s (the wire dtype), as unsharded AMP divides before its wire cast: an FP32 gradient that only
+    fits FP16 once divided survives."""
+    if grad.dtype == target.dtype or not grad.is_contiguous():
+        if accumulate:
+            target.add_(grad / world)
+        else:
+            torch.div(grad, world, out=target)
+        return
+    source, dest = grad.view(-1), target.view(-1)
+    for lo in range(0, source.numel(), DIVIDE_SLAB):
+        piece = dest[lo : lo + DIVIDE_SLAB]
+        if accumulate:
+            piece.add_(source[lo : lo + DIVIDE_SLAB] / world)
+        else:
+            torch.div(source[lo : lo + DIVIDE_SLAB], world, out=piece)
 
 
 def _lendable(grad: torch.Tensor, wire_dtype: torch.dtype) -> bool:
