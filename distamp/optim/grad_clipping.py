@@ -33,7 +33,9 @@ class GradClipper:
             raise RuntimeError(
                 f"unscale_()/clip_grad_norm_() called in the middle of a gradient-merge window "
                 f"(micro-batch {self.merge.micro_steps} of {self.merge.k_steps}); call it only "
-                "before the step that completes the window"
+                "before the step that completes the window: with gradient_merge the loop's backward and step() "
+                f"run every micro-batch, so clip after every {self.merge.k_steps}-th backward only (or leave "
+                "clipping out of the other micro-batches), as a torch accumulation loop clips once per window"
             )
         if not self.policy.unscaled:
             self.policy.unscale_and_check()

@@ -149,8 +149,9 @@ class GradWatch:
             raise RuntimeError(
                 f"optimizer.step() found gradients that did not come from optimizer.backward(loss): with the "
                 f"loss scale at {loss_scale:g}, a plain loss.backward() leaves them unscaled and step() would "
-                f"divide them by the scale. Replace loss.backward() with optimizer.backward(loss) (or call "
-                f"optimizer.minimize(loss))."
+                f"divide them by the scale (a torch.amp.GradScaler's scaler.scale(loss).backward() scales them by "
+                f"its own scale, not distamp's). Replace loss.backward() with optimizer.backward(loss) (or call "
+                f"optimizer.minimize(loss)); distamp scales the loss itself, so drop any GradScaler."
             )
         return True
 

@@ -9,13 +9,15 @@ the elements of the bucket that rank owns in the flat parameter space
 (:mod:`distamp.core.flat_layout`): one ``all_to_all_single`` of 16-bit
 chunks with per-rank split sizes (gloo and NCCL both take split sizes), so
 each element crosses the wire once, where an all-reduce sends it twice.
-Each rank then adds the W received copies of its elements, divided by W,
-in FP32 into its gradient slice (``grads`` of the sharded masters): an FP32
+Each rank divides its gradients by W before the cast to the wire dtype,
+as unsharded AMP's all-reduce does (an FP32 gradient in [65504, 65504 * W)
+is finite once divided but inf if cast first: O1, and O2's FP32 norm
+parameters), and adds the W received copies of its elements in FP32 into
+its gradient slice (``grads`` of the sharded masters): an FP32
 slice, where several backward passes (and gradient merge's micro-batches)
 accumulate without 16-bit rounding, or in O2 without gradient merge a slice
 in the model's 16-bit dtype, into which the FP32 sum is rounded once, as
-unsharded O2's all-reduce leaves it in ``.grad``. No pre-division is
-needed: the sum is FP32, so it cannot overflow.
+unsharded O2's all-reduce leaves it in ``.grad``.
 
 The exchanges go in rounds formed across buckets (see
 :class:`ShardedGradReduce`): a round carries as many elements for every
@@ -268,8 +270,13 @@ class ShardedGradReduce:
         return _BucketPlan(per_rank=tuple(tuple(entries) for entries in per_rank), numel=position)
 
     def launch(self, buffer: torch.Tensor, params: Sequence[torch.Tensor],
-               done: torch.futures.Future | None = None, last: bool = False) -> None:
+               done: torch.futures.Future | None = None, last: bool = False, divided: bool = False) -> None:
         """Hand over ``buffer`` (the gradients of ``params``, end to end) for reduce-scattering into the owners' slices.
+
+        The buffer is divided by the world size in place before anything is
+        cast to the wire dtype, unless ``divided`` says its gradients were
+        divided already (the stage-2 reducer divides each as it copies it
+        into its 16-bit bucket).
 
         Waits first for the oldest bucket while ``max_open`` are open. When
         every element is summed, ``buffer`` is zeroed and ``done`` (DDP's
@@ -288,6 +295,8 @@ class ShardedGradReduce:
             self._advance(block=True)  # bound the open buckets when the wire is slower than backward
         plan = self.plan(params)
         add_pending_fp32(buffer, params, self.pending)
+        if not divided and self.world_size > 1:
+            buffer.div_(self.world_size)
         exchange = _Exchange(buffer, done, unsent=plan.numel)  # every element has one owner
         for entries in plan.per_rank:
             for _, _, shard, _ in entries:
@@ -473,10 +482,10 @@ made its loopback step 1.3x-1.5x the unsharded one (6.56M MLP, 2 ranks), the Pyt
 
 def _sum_into_slices(received: torch.Tensor, n: int, dest: tuple[tuple[SliceOwner, int, int], ...],
                      world: int) -> None:
-    """Add the mean of the ``world`` received copies (``n`` elements each, end to end) into the owners' slices.
+    """Add the ``world`` received copies (``n`` elements each, end to end, each already divided by the world
+    size) into the owners' slices, so they receive the mean.
 
-    Each copy is divided by W and added in FP32, rank by rank: exact
-    division for a power-of-two W. An FP32 slice takes the copies straight
+    Each copy is added in FP32, rank by rank. An FP32 slice takes the copies straight
     (no FP32 temporary); a 16-bit slice gets the FP32 sum of every copy
     rounded once into it, as the unsharded all-reduce on 2 ranks rounds
     ``g0/2 + g1/2`` once into the 16-bit ``.grad``, built :data:`SUM_SLAB`
@@ -486,7 +495,7 @@ def _sum_into_slices(received: torch.Tensor, n: int, dest: tuple[tuple[SliceOwne
     targets = [shard.grads.buffer[start : start + length] for shard, start, length in dest]
     if all(t.dtype == torch.float32 for t in targets):
         for r in range(world):
-            foreach_add_(targets, list(received[r * n : (r + 1) * n].split(lengths)), alpha=1 / world)
+            foreach_add_(targets, list(received[r * n : (r + 1) * n].split(lengths)))
         return
     partial = torch.empty(min(n, SUM_SLAB), dtype=torch.float32, device=received.device)
     position = 0
@@ -496,7 +505,7 @@ def _sum_into_slices(received: torch.Tensor, n: int, dest: tuple[tuple[SliceOwne
             acc = partial[:m].zero_()
             for r in range(world):
                 start = r * n + position + lo
-                acc.add_(received[start : start + m], alpha=1 / world)
+                acc.add_(received[start : start + m])
             target[lo : lo + m].add_(acc)
         position += length
 

@@ -6,7 +6,8 @@ replaces DDP for stage 2, as DeepSpeed's stage 2 does with its IPG buckets
 (``reduce_ipg_grads``) and FSDP2 does in its post-backward:
 
 * a post-accumulate-grad hook (``Tensor.register_post_accumulate_grad_hook``)
-  copies each parameter's gradient, once autograd has accumulated it, into
+  copies each parameter's gradient, once autograd has accumulated it, divided by the
+  world size (before the cast, as unsharded AMP divides before its wire cast) into
   its place in a 16-bit bucket and frees ``.grad`` at once;
 * buckets hold consecutive parameters in reverse registration order (the
   order backward usually produces them) and are launched strictly in that
@@ -235,8 +236,9 @@ class SliceReducer:
                 "bucket was sent (a parameter used both inside and outside a reentrant activation checkpoint); "
                 "use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
             )
+        world = self.exchange.world_size
         if len(self.buckets[b].params) == 1 and _lendable(grad, self.exchange.wire_dtype):
-            self._buffers[b] = grad.detach().view(-1)  # the gradient is the bucket: no copy
+            self._buffers[b] = grad.detach().view(-1).div_(world)  # the gradient is the bucket: no copy
             self._used.add(id(param))
             self._ready[b] = 1
             param.grad = None
@@ -248,9 +250,9 @@ class SliceReducer:
                                                     device=grad.device)
         target = buffer[offset : offset + grad.numel()].view(grad.shape)
         if id(param) in self._used:  # a second accumulation in the same backward (reentrant checkpoint)
-            target.add_(grad)
+            _divide_into(target, grad, world, accumulate=True)
         else:
-            target.copy_(grad)
+            _divide_into(target, grad, world)
             self._used.add(id(param))
             self._ready[b] += 1
         param.grad = None
@@ -269,7 +271,7 @@ class SliceReducer:
             buffer = torch.zeros(bucket.numel, dtype=self.exchange.wire_dtype, device=device)
         self._buffers[b] = None
         self._next = b + 1
-        self.exchange.launch(buffer, bucket.params)
+        self.exchange.launch(buffer, bucket.params, divided=True)
 
     def _flush(self) -> None:
         """End of backward: send the buckets still waiting, finish every exchange, record who got a gradient."""
@@ -302,6 +304,30 @@ def _remove(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
     handles.clear()
+
+
+DIVIDE_SLAB = 1 << 15
+"""Elements divided per call when a gradient is divided into a bucket of another dtype: torch computes such a
+division in a temporary of the source dtype, which a slab bounds (128 KiB of FP32) instead of the gradient's size."""
+
+
+def _divide_into(target: torch.Tensor, grad: torch.Tensor, world: int, accumulate: bool = False) -> None:
+    """``target = grad / world`` (``+=`` with ``accumulate``), divided in ``grad``'s dtype before the cast to
+    ``target``'s (the wire dtype), as unsharded AMP divides before its wire cast: an FP32 gradient that only
+    fits FP16 once divided survives."""
+    if grad.dtype == target.dtype or not grad.is_contiguous():
+        if accumulate:
+            target.add_(grad / world)
+        else:
+            torch.div(grad, world, out=target)
+        return
+    source, dest = grad.view(-1), target.view(-1)
+    for lo in range(0, source.numel(), DIVIDE_SLAB):
+        piece = dest[lo : lo + DIVIDE_SLAB]
+        if accumulate:
+            piece.add_(source[lo : lo + DIVIDE_SLAB] / world)
+        else:
+            torch.div(source[lo : lo + DIVIDE_SLAB], world, out=piece)
 
 
 def _lendable(grad: torch.Tensor, wire_dtype: torch.dtype) -> bool:

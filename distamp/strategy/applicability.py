@@ -50,8 +50,9 @@ def check_applicable(strategy: DistributedStrategy, world_size: int) -> None:
             raise ValueError(
                 f"amp_configs['gradient_predivide_factor']={factor!r} applies only without sharding (the "
                 f"all-reduce of plain data parallelism and of PowerSGD); sharding stage {stage} reduce-scatters "
-                "gradients with the sum taken in FP32, which cannot overflow, so nothing is pre-divided. Remove "
-                "the key (or set it to None)"
+                "gradients with the sum taken in FP32, which cannot overflow, and divides by the world size "
+                f"{'before the wire cast, as None does' if stage < 3 else 'as FSDP2 does'}. Remove the key (or "
+                "set it to None)"
             )
         if world_size > 1 and factor > world_size:
             raise ValueError(

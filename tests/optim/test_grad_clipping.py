@@ -88,6 +88,15 @@ def test_error_if_nonfinite_is_passed_on():
         clipper.clip_grad_norm_(1.0, error_if_nonfinite=True)
 
 
+def test_the_merge_window_refusal_says_which_backward_may_clip():
+    # A loop kept in the shape of its non-merged version clips at every iteration; the error said only
+    # "before the step that completes the window", not which iteration that is.
+    _, _, _, clipper = _setup(k_steps=4)
+    clipper.merge.count_backward()
+    with pytest.raises(RuntimeError, match=r"clip after every 4-th backward only"):
+        clipper.unscale_()
+
+
 def test_refused_in_the_middle_of_a_merge_window():
     _, _, _, clipper = _setup(k_steps=4)
     clipper.merge.count_backward()

@@ -37,6 +37,16 @@ def test_plain_backward_under_scaling_raises():
     assert watch.before_step(1.0) is True  # no scaling: applied as they are
 
 
+def test_the_plain_backward_error_names_a_kept_grad_scaler_as_a_cause_too():
+    # A DDP + torch.amp loop moved to distamp that kept its GradScaler (scaler.scale(loss).backward(),
+    # scaler.step(optimizer)) reaches this error too; it said only "a plain loss.backward()".
+    p = _p()
+    watch = GradWatch([p])
+    p.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match=r"GradScaler's scaler\.scale\(loss\)\.backward\(\).*drop any GradScaler"):
+        watch.before_step(1024.0)
+
+
 def test_in_place_change_is_noticed_by_version():
     p = _p()
     p.grad = torch.zeros(3)

@@ -179,8 +179,9 @@ def _reversed_and_accumulated(rank, world):
         buffer = torch.cat([g[5:], g[:5]])
         reduce_scatter_hook(state, Bucket(buffer, order)).wait()
     (first, _) = rounds
-    # Rank 0's elements (parameter 0 [0, 4)), then rank 1's (parameter 1, then parameter 0 [4, 5)).
-    packed = torch.cat([g[:4], g[5:], g[4:5]])
+    # Rank 0's elements (parameter 0 [0, 4)), then rank 1's (parameter 1, then parameter 0 [4, 5)), divided by
+    # the world size before the wire cast (exact for 2 ranks).
+    packed = torch.cat([g[:4], g[5:], g[4:5]]) / world
     return (shard.grads.buffer.clone(), torch.equal(first["send"], packed), first["send_ptr"] == buffer.data_ptr(),
             first["input_splits"], len(state._plans))
 

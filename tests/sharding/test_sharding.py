@@ -535,3 +535,46 @@ def test_stage_1_with_static_graph_trains_as_without():
     reference = run_workers(_static_graph, 2, False, timeout=120)
     for rank in range(2):
         assert torch.equal(out[rank], reference[rank])
+
+
+class _Gain(nn.Module):
+    """``x * weight``: a product autocast leaves in FP32, so the weight's gradient is FP32 in O1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def _fp32_gradient_beyond_fp16(rank, world, stage):
+    """One O1 FP16 step at a fixed scale of 1 where rank 0's FP32 gradient is 3 * 2**15 (beyond FP16's 65504) and
+    rank 1's is 0: the mean, 3 * 2**14, fits FP16 exactly."""
+    from distamp import fleet
+
+    fleet.init()
+    model = _Gain()
+    strategy = _strategy(stage, use_dynamic_loss_scaling=False, init_loss_scaling=1.0)
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=1e-5), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    x = torch.full((1, 4), 3.0 * 2**15 if rank == 0 else 0.0)
+    with fleet.auto_cast():
+        loss = wrapped(x).sum()
+    opt.backward(loss)
+    return opt.step(), model.weight.detach().clone()
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_fp32_gradient_beyond_fp16_whose_mean_fits_is_applied_as_unsharded(stage):
+    # Unsharded O1 divides each rank's FP32 gradient by the world size before the FP16 wire cast; stages 1
+    # and 2 cast first and divided after, so 3 * 2**15 became inf on the wire and every rank skipped the step.
+    reference = run_workers(_fp32_gradient_beyond_fp16, 2, 0, timeout=120)
+    out = run_workers(_fp32_gradient_beyond_fp16, 2, stage, timeout=120)
+    for rank in range(2):
+        assert reference[rank][0] is True
+        assert torch.equal(reference[rank][1], torch.ones(4).add_(torch.full((4,), 3.0 * 2**14), alpha=-1e-5))
+        applied, weight = out[rank]
+        assert applied is True, (stage, rank)
+        assert torch.equal(weight, reference[rank][1]), (stage, rank, weight)

@@ -219,3 +219,29 @@ def test_a_garbage_reducer_leaves_the_models_gradients_alone():
         assert taken == [None, None]
         assert reduced
         assert all(g is not None for g in kept)
+
+
+def _largest_allocation(fn) -> int:
+    """The largest single CPU allocation (bytes) ``fn`` makes, from torch.profiler's allocation events."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = prof.profiler.kineto_results.events() if prof.profiler is not None else []
+    return max([e.nbytes() for e in events if e.name() == "[memory]"], default=0)
+
+
+@pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16])
+def test_a_gradient_is_divided_before_the_wire_cast_without_a_temporary_of_its_size(wire):
+    # Stage 2 divides each FP32 (O1) gradient by the world size as it copies it into its 16-bit bucket, so a
+    # value that only fits FP16 once divided survives; torch.div(grad, W, out=bucket) would compute in an FP32
+    # temporary as large as the gradient, raising stage 2's peak by the largest gradient.
+    from distamp.sharding.slice_reducer import DIVIDE_SLAB, _divide_into
+
+    grad = torch.randn(8 * DIVIDE_SLAB + 5, generator=torch.Generator().manual_seed(0)) * 1e3
+    grad[0] = 3.0 * 2**15  # beyond FP16, half of it fits
+    target = torch.zeros(grad.numel(), dtype=wire)
+    largest = _largest_allocation(lambda: _divide_into(target, grad, 2))
+    assert largest <= DIVIDE_SLAB * 4, largest
+    assert torch.equal(target, (grad / 2).to(wire))
+    assert torch.isfinite(target).all()
+    _divide_into(target, grad, 2, accumulate=True)
+    assert torch.equal(target, (grad / 2).to(wire) + (grad / 2).to(wire))
