@@ -344,20 +344,21 @@ def distributed_model(
     From then on the strategy's settings cannot change (``ValueError``), as
     with ``distributed_optimizer``.
     """
+    if not isinstance(model, nn.Module):  # before anything reads it as one
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     world = _world()
     default = strategy is None and _state.strategy is None
     strategy = _strategy(strategy)
     check_applicable(strategy, world.world_size)
     refuse_sparse_gradients(model, strategy)
-    if isinstance(model, nn.Module):  # else: the wrapper's TypeError
-        check_forward_weight_writes(model, world.world_size, _fully_sharded(strategy))
+    check_forward_weight_writes(model, world.world_size, _fully_sharded(strategy))
     if "device" in kwargs:
         raise ValueError(
             f"fleet.distributed_model(..., device={kwargs['device']!r}): the model trains on fleet.device() "
             f"({device()} here: cuda:LOCAL_RANK with CUDA, else the CPU); move it there with "
             "model.to(fleet.device()) and remove device="
         )
-    optimizers = _optimizers_of(model) if isinstance(model, nn.Module) else []  # else: the wrapper's TypeError
+    optimizers = _optimizers_of(model)
     for opt in optimizers:
         check_same_strategy(opt.strategy, strategy)
     if _fully_sharded(strategy):

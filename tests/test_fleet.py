@@ -421,6 +421,9 @@ def test_bad_models_and_optimizers_are_refused_with_the_fix():
     model = nn.Linear(2, 2)
     with pytest.raises(TypeError, match=r"torch\.nn\.Module, got str"):
         fleet.distributed_model("model")
+    amp = fleet.DistributedStrategy(amp=True)  # was: AttributeError from the sparse-embedding check
+    with pytest.raises(TypeError, match=r"torch\.nn\.Module, got str"):
+        fleet.distributed_model("model", amp)
     with pytest.raises(ValueError, match=r"device_ids=\[0\] is set by distamp: .*fleet.device\(\).*remove it"):
         fleet.distributed_model(model, device_ids=[0])
     # Each of DDP's arguments distamp sets says what it is set to, or what to set instead.
