@@ -524,8 +524,9 @@ def holds_rounding_of(low: torch.Tensor, fp32: torch.Tensor) -> bool:
     values changed: torch's ``clip_grad_norm_`` multiplies every gradient in
     place, by 1.0 when the norm is below the limit, and taking those 16-bit
     values back would flush the unscaled gradients below FP16's range (which
-    loss scaling exists to keep) to zero; a model parameter written with the
-    value it held must leave its master's finer bits alone.
+    loss scaling exists to keep) to zero. Gradients are taken back whole;
+    model parameters written between steps go element by element
+    (:func:`adopt_written_values`).
     """
     return torch.equal(low, fp32.to(low.dtype).view_as(low))
 
