@@ -13,6 +13,10 @@ Three habits from plain PyTorch silently break a scaled-loss loop:
 * ``step()`` with nothing new since the last one: it would count (and, for
   some optimizers, apply again) a step. :meth:`GradWatch.before_step` warns
   once and the step is not taken.
+* ``zero_grad()`` between ``optimizer.backward(loss)`` and ``step()``: the
+  step would count as applied while applying nothing (or, at some stages,
+  zeros with momentum and weight decay). :meth:`GradWatch.refuse_cleared`
+  raises, as torch's ``GradScaler`` does ("No inf checks were recorded").
 
 Gradients are compared by identity and version counter; a check is one
 pass over the parameters. Identity is a stamp the snapshot writes into each
@@ -64,6 +68,7 @@ class GradWatch:
         self._backward_since_step = False
         self._after_backward: _Snapshot | None = None
         self._scaled_backward = False
+        self._cleared_after_backward = False
         self._after_step = self._snapshot(self._step_slot)
         self._warned: set[str] = set()
 
@@ -107,8 +112,43 @@ class GradWatch:
     def after_backward(self, loss_scale: float) -> None:
         """``optimizer.backward`` finished (gradients communicated)."""
         self._backward_since_step = True
+        self._cleared_after_backward = False
         self._after_backward = self._snapshot(self._backward_slot)
         self._scaled_backward = loss_scale != 1.0
+
+    def cleared(self) -> None:
+        """``optimizer.zero_grad()`` cleared the gradients (outside a gradient-merge window)."""
+        self._cleared_after_backward = self._backward_since_step
+
+    def refuse_cleared(self) -> None:
+        """Raise if the last backward's gradients were cleared before this step could apply them.
+
+        Either ``optimizer.zero_grad()`` ran after it, or every gradient it
+        left on the model is ``None`` now (``model.zero_grad()``). Checked
+        before any collective of the step, so every rank that cleared
+        raises alike.
+
+        Raises:
+            RuntimeError: the gradients of the last ``optimizer.backward`` were cleared.
+        """
+        if not self._backward_since_step:
+            return
+        how = None
+        if self._cleared_after_backward:
+            how = "optimizer.zero_grad()"
+        elif self._after_backward is not None:
+            deliveries, _, versions = self._after_backward
+            present = [p for p, seen in zip(self.params, versions, strict=False) if seen is not None]
+            if present and deliveries == self._deliveries() and all(p.grad is None for p in present):
+                how = "a zero_grad() (model.zero_grad() or setting .grad to None)"
+        if how is not None:
+            raise RuntimeError(
+                f"optimizer.step() after {how}: the gradients of the last optimizer.backward(loss) were "
+                "cleared before step() applied them, so this step would apply none of that backward yet count as a "
+                "step (torch's GradScaler refuses this order too: \"No inf checks were recorded for this "
+                "optimizer\"). Call optimizer.zero_grad() before optimizer.backward(loss) or after "
+                "optimizer.step(), as in `optimizer.zero_grad(); optimizer.backward(loss); optimizer.step()`."
+            )
 
     def kept_since_backward(self) -> bool:
         """True when a backward ran since the last step and no gradient changed after it (accumulation goes on)."""
@@ -173,6 +213,7 @@ class GradWatch:
     def after_step(self) -> None:
         """A step was taken (or skipped for inf/NaN): start watching for the next backward."""
         self._backward_since_step = False
+        self._cleared_after_backward = False
         self._after_backward = None
         self._scaled_backward = False
         self._after_step = self._snapshot(self._step_slot)

@@ -254,6 +254,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         """
         if not self.merge.is_accumulating:
             self.master_weights.zero_grads(set_to_none)
+            self._watch.cleared()
 
     def clear_grad(self, set_to_zero: bool = True) -> None:
         """Paddle's name for :meth:`zero_grad` (``set_to_zero=False`` frees them)."""

@@ -104,6 +104,7 @@ class StepPolicy:
         if self.merge.is_accumulating:
             self.last_step_skipped = False  # nothing was skipped, whatever the last window's verdict
             return False
+        self.watch.refuse_cleared()
         if not self.unscaled and not self.watch.before_step(self.precision.loss_scale):
             self.last_step_skipped = True
             return False
@@ -132,6 +133,7 @@ class StepPolicy:
         while True:
             with torch.enable_grad():
                 loss = closure()
+            self.watch.refuse_cleared()
             if not self.unscaled:  # else the closure unscaled itself (clip_grad_norm_ after its backward)
                 if not self.watch.before_step(self.precision.loss_scale):
                     self.last_step_skipped = True

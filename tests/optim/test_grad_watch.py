@@ -142,3 +142,51 @@ def test_an_untouched_gradient_is_still_nothing_new():
         assert watch.before_step(2.0) is False
     with pytest.warns(UserWarning, match="found no new gradients"):
         assert other.before_step(2.0) is False
+
+
+def test_zero_grad_between_backward_and_step_is_refused_until_the_next_backward():
+    p = _p()
+    watch = GradWatch([p])
+    p.grad = torch.ones(3)
+    watch.after_backward(1024.0)
+    p.grad = None
+    watch.cleared()
+    with pytest.raises(RuntimeError, match=re.escape("optimizer.step() after optimizer.zero_grad(): the gradients")):
+        watch.refuse_cleared()
+    p.grad = torch.ones(3)
+    watch.after_backward(1024.0)  # a new backward after the zero_grad: its gradients are what step applies
+    watch.refuse_cleared()
+    assert watch.before_step(1024.0) is True
+
+
+def test_zero_grad_before_backward_or_after_step_is_the_usual_loop():
+    p = _p()
+    watch = GradWatch([p])
+    watch.cleared()  # zero_grad() at the top of the first iteration
+    p.grad = torch.ones(3)
+    watch.after_backward(8.0)
+    watch.refuse_cleared()
+    watch.after_step()
+    watch.cleared()  # zero_grad() after step()
+    watch.refuse_cleared()
+
+
+def test_every_gradient_of_the_backward_set_to_none_elsewhere_is_refused_too():
+    # model.zero_grad() bypasses the optimizer: the backward's gradients are all None at step().
+    p, unused = _p(), _p()
+    watch = GradWatch([p, unused])
+    p.grad = torch.ones(3)
+    watch.after_backward(8.0)
+    p.grad = None
+    with pytest.raises(RuntimeError, match=re.escape("optimizer.step() after a zero_grad() (model.zero_grad()")):
+        watch.refuse_cleared()
+
+
+def test_a_backward_that_left_no_gradient_on_the_model_is_not_taken_for_a_cleared_one():
+    # O2 moves gradients into the masters and stage 2 frees them into its buckets during backward.
+    p = _p()
+    delivered = [0]
+    watch = GradWatch([p], deliveries=lambda: delivered[0])
+    delivered[0] += 1
+    watch.after_backward(8.0)
+    watch.refuse_cleared()

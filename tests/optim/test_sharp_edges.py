@@ -302,3 +302,65 @@ def test_an_o2_module_run_with_autocast_switched_off_gets_the_fix_that_works(swi
     with pytest.raises(RuntimeError):
         forward(custom_white_list=["linear"])
     assert forward(custom_black_varnames=["sensitive"]).dtype == torch.float32
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_zero_grad_between_backward_and_step_is_refused_in_every_mode(mode, set_to_none):
+    # Was: step() returned True and counted an applied step; with set_to_none=False SGD's momentum moved the
+    # parameters on zeros. torch's GradScaler refuses the order ("No inf checks were recorded").
+    model = _model()
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), _strategy(mode))
+    opt.backward(_forward_loss(model, opt))
+    assert opt.step()
+    opt.backward(_forward_loss(model, opt))
+    opt.zero_grad(set_to_none=set_to_none)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=re.escape("optimizer.step() after optimizer.zero_grad()")):
+        opt.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+    assert (opt.steps_applied, opt.steps_skipped) == (1, 0)
+    opt.backward(_forward_loss(model, opt))  # the loop goes on once a backward follows the zero_grad
+    assert opt.step()
+    assert opt.steps_applied == 2
+
+
+def _cleared_on_two_ranks(rank, world_size, extra):
+    from distamp import fleet
+
+    fleet.init()
+    model = _model()
+    strategy = _strategy("o1_fp16", **extra)
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), strategy)
+    model = fleet.distributed_model(model)
+    opt.backward(_forward_loss(model, opt))
+    assert opt.step()
+    opt.backward(_forward_loss(model, opt))
+    opt.zero_grad()
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        refused = str(exc)
+    else:
+        refused = ""
+    opt.zero_grad()
+    opt.backward(_forward_loss(model, opt))
+    applied = opt.step()
+    whole = [getattr(p, "full_tensor", lambda p=p: p)() for p in model.parameters()]  # stage 3: DTensor shards
+    return refused, applied, opt.steps_applied, [p.detach().float().sum().item() for p in whole]
+
+
+@pytest.mark.parametrize("extra", [
+    {"sharding": True, "sharding_configs": {"stage": 2}},
+    {"sharding": True, "sharding_configs": {"stage": 3}},
+    {"powersgd": True, "powersgd_configs": {"start_step": 0, "min_compression_rate": 1.0}},
+], ids=["stage2", "stage3", "powersgd"])
+def test_zero_grad_between_backward_and_step_is_refused_on_every_rank_and_the_loop_goes_on(extra):
+    from tests.multiprocess import run_workers
+
+    results = run_workers(_cleared_on_two_ranks, 2, extra, timeout=120)
+    for refused, applied, steps_applied, _ in results:
+        assert refused.startswith("optimizer.step() after optimizer.zero_grad()")
+        assert applied
+        assert steps_applied == 2
+    assert results[0][3] == results[1][3]
