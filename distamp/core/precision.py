@@ -572,6 +572,12 @@ def _stuck_message(config: AmpConfig, scale: float, count: int) -> str:
                 "init_loss_scaling, or use_dynamic_loss_scaling=True")
     if config.dtype != "float16":
         why = "the scale is fixed at 1.0 in BF16"
+    elif config.use_dynamic_loss_scaling and scale > float(torch.tensor(config.min_loss_scaling, dtype=torch.float32)):
+        # Above its minimum, only backoff's decr_ratio can hold the scale: scale * decr_ratio rounds back to it.
+        why = (f"decr_ratio={config.decr_ratio!r} is too close to 1 to lower it (the scale is kept in FP32, where "
+               f"{scale:g} * decr_ratio rounds back to {scale:g})")
+        hint = ("Use a decr_ratio further from 1 (the default is 0.5), or strategy.amp_configs = "
+                "{..., 'dtype': 'bfloat16'}")
     elif config.use_dynamic_loss_scaling:
         why = f"the scale could not go lower (min_loss_scaling={config.min_loss_scaling:g})"
     else:

@@ -218,3 +218,18 @@ def test_precision_for_picks_the_plugin():
     o2 = strategy(amp=True, amp_configs={"use_pure_fp16": True})
     assert type(precision_for(o2, _params())) is PureLowPrecision
     assert type(precision_for(strategy(sharding=True), _params())) is ShardedPrecision
+
+
+def test_a_scale_held_by_a_decr_ratio_too_close_to_1_blames_decr_ratio_not_min_loss_scaling():
+    # Was: "the scale could not go lower (min_loss_scaling=1)" with the scale at 1024, far above it.
+    config = AmpConfig.from_dict({"dtype": "float16", "init_loss_scaling": 1024.0, "decr_ratio": 1 - 1e-9,
+                                  "decr_every_n_nan_or_inf": 1, "stuck_scale_patience": 2})
+    plugin = MixedPrecision(_params(), config)
+    plugin.update(True, None)
+    assert plugin.loss_scale == 1024.0
+    with pytest.raises(RuntimeError, match=re.escape(
+        "the loss scale is stuck at 1024: 2 consecutive steps overflowed while decr_ratio=0.999999999 is too close "
+        "to 1 to lower it (the scale is kept in FP32, where 1024 * decr_ratio rounds back to 1024), so training is "
+        "not making progress. Use a decr_ratio further from 1 (the default is 0.5)"
+    )):
+        plugin.update(True, None)
