@@ -246,6 +246,32 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         self.finish_param_gather()
         return self.clipper.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """True under AMP: torch's ``GradScaler.step`` then calls :meth:`step`, which refuses it, instead of unscaling.
+
+        distamp scales the loss itself, so a ``GradScaler`` kept from a torch
+        AMP loop is a mistake: :meth:`step` sees the ``grad_scale`` it sets
+        and raises with the fix. Without this, in O2 ``GradScaler`` found no
+        gradient on the FP32 masters and failed inside torch ("No inf checks
+        were recorded for this optimizer"), and in O1 BF16 (scale 1) the step
+        went on with its scaled gradients. With AMP off a ``GradScaler`` the
+        loop drives itself unscales the model's gradients as for any optimizer.
+        """
+        return self.amp_enabled
+
+    def _refuse_grad_scaler(self) -> None:
+        if self.__dict__.pop("grad_scale", None) is None:
+            return
+        self.__dict__.pop("found_inf", None)
+        raise RuntimeError(
+            "optimizer.step() was called by a torch.amp.GradScaler (scaler.step(optimizer)), but with "
+            "strategy.amp on distamp scales the loss itself. Drop the GradScaler: optimizer.backward(loss) replaces "
+            "scaler.scale(loss).backward(), and optimizer.step() replaces scaler.step(optimizer) and "
+            "scaler.update(); optimizer.unscale_() and optimizer.clip_grad_norm_(max_norm) replace "
+            "scaler.unscale_(optimizer) before clipping."
+        )
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear model and master gradients.
 
@@ -283,6 +309,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         gradient shards (``.grad`` is ``None`` after it, as DeepSpeed's
         engine zeroes the gradients after its step).
         """
+        self._refuse_grad_scaler()
         self.finish_param_gather()
         steps_before = self.policy.step_number
         if closure is not None:

@@ -364,3 +364,39 @@ def test_zero_grad_between_backward_and_step_is_refused_on_every_rank_and_the_lo
         assert applied
         assert steps_applied == 2
     assert results[0][3] == results[1][3]
+
+
+@pytest.mark.parametrize("mode", ["o1_fp16", "o2_fp16", "o2_bf16"])
+def test_a_grad_scaler_kept_from_a_torch_amp_loop_is_named_in_every_amp_mode(mode):
+    # Was, in O2: GradScaler.step found no gradient on the FP32 masters and failed inside torch with
+    # "No inf checks were recorded for this optimizer", which says nothing of the fix; O1 named it through the
+    # gradients changed behind distamp's back (at FP16 scaling only).
+    model = _model()
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), _strategy(mode))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(_forward_loss(model, opt)).backward()
+    with pytest.raises(RuntimeError, match=re.escape(
+        "optimizer.step() was called by a torch.amp.GradScaler (scaler.step(optimizer)), but with strategy.amp on "
+        "distamp scales the loss itself. Drop the GradScaler"
+    )):
+        scaler.step(opt)
+    assert opt.steps_applied == 0
+    assert not hasattr(opt, "grad_scale")
+
+
+def test_amp_off_with_the_loops_own_grad_scaler_steps_as_the_inner_optimizer_does():
+    # With AMP off distamp leaves scaling to the loop: GradScaler unscales, skips and steps as for torch's optimizer.
+    model, reference = _model(), _model()
+    opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), _strategy("off"))
+    plain = torch.optim.SGD(reference.parameters(), lr=0.01, momentum=0.9)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**16), torch.amp.GradScaler("cpu", init_scale=2.0**16)]
+    for step in range(3):
+        for net, optimizer, scaler in zip((model, reference), (opt, plain), scalers, strict=True):
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.mse_loss(net(torch.full((4, 4), 1.0 + step)), torch.full((4, 2), 5.0))
+            scaler.scale(loss * (float("inf") if step == 1 else 1.0)).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0**15
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
