@@ -199,6 +199,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         window_open = self.merge.is_accumulating and not self.binding.backward_stays_local()
         self.precision.after_backward(window_open=window_open)
         self._watch.after_backward(self.precision.loss_scale)
+        self.binding.note_backward()
         self.merge.publish()
 
     def minimize(self, loss: torch.Tensor) -> bool:
@@ -456,5 +457,11 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
             checker.watch_grads(named_params)
 
     def add_sync_listener(self, listener: Any) -> None:
-        """Keep ``listener.set_grad_sync(optimizer, flag)`` told whether the next backward communicates."""
+        """Keep ``listener.set_grad_sync(optimizer, flag)`` told whether the next backward communicates.
+
+        A listener with ``backward_communicates()`` (the ``fleet.distributed_model`` wrappers) is asked
+        after each backward, so that ``step()`` refuses gradients a ``no_sync()`` backward left unreduced.
+        """
         self.merge.add_listener(listener, self)
+        if hasattr(listener, "backward_communicates"):
+            self.binding.watch_sync(listener)
