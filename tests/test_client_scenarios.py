@@ -276,3 +276,50 @@ def test_a_step_after_a_no_sync_backward_is_refused_on_every_rank_and_the_window
         assert result["applied"] == 3
     for a, b in zip(rank0["params"], rank1["params"], strict=True):
         assert torch.equal(a, b)
+
+
+def _parameters_outside_the_model(rank: int, world_size: int, stage: int, when: str) -> dict:
+    fleet.init()
+    model = _model()
+    head = nn.Linear(3, 3)  # a learnable loss head, outside the data-parallel model
+    strategy = _strategy(True)
+    strategy.amp_configs = {"dtype": "float16"}
+    if stage:
+        strategy.sharding = True
+        strategy.sharding_configs = {"stage": stage}
+    params = list(model.parameters()) + (list(head.parameters()) if when == "built" else [])
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(params, lr=0.5), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    errors = []
+    if when == "added":
+        try:
+            optimizer.add_param_group({"params": list(head.parameters())})
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    before = {k: v.detach().clone() for k, v in optimizer.fp32_state_dict(wrapped).items()}
+    x, y = _batch(rank, 0)
+    with fleet.auto_cast():
+        loss = F.cross_entropy(head(wrapped(x)), y)
+    optimizer.backward(loss)
+    try:
+        optimizer.step()
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    after = optimizer.fp32_state_dict(wrapped)
+    return {"errors": errors, "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+            "head": [p.detach().clone() for p in head.parameters()], "groups": len(optimizer.param_groups)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("stage", "when"), [(0, "built"), (0, "added"), (1, "built"), (3, "built")])
+def test_optimizer_parameters_outside_the_data_parallel_model_are_refused_on_every_rank(stage, when):
+    rank0, rank1 = run_workers(_parameters_outside_the_model, 2, stage, when, timeout=90)
+    for result in (rank0, rank1):
+        # was: nothing reduced the head's gradient; each rank (stages 1-2: each slice's owner) applied its own
+        assert len(result["errors"]) == 1
+        assert "['params[4] (3, 3)', 'params[5] (3,)']" in result["errors"][0]
+        assert "not parameters of the data-parallel model" in result["errors"][0]
+        assert result["unchanged"] == (when == "built")  # refused by add_param_group, the model's step went on
+        assert result["groups"] == 1
+    for a, b in zip(rank0["head"], rank1["head"], strict=True):
+        assert torch.equal(a, b)

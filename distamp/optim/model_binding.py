@@ -29,7 +29,7 @@ calls) or, without it, at the model's first forward
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -141,14 +141,40 @@ class ModelBinding:
         self.last_backward_local = self.backward_stays_local() or not all(
             source.backward_communicates() for source in self._sync_sources)
 
-    def check_grads_reduced(self, group: dist.ProcessGroup | None) -> None:
+    def check_owned(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, start: int = 0) -> None:
+        """Raise when a data-parallel wrapper reduces the model's gradients but not those of some of ``params``.
+
+        ``params`` are optimizer parameters (numbered from ``start`` in
+        messages); one that trains (``requires_grad``) and is not the
+        adopted model's gets no reduction from the wrapper.
+
+        Raises:
+            RuntimeError: on several ranks, such a parameter.
+        """
+        if not (self.adopted and self.reduces_grads) or group_size(group) == 1:
+            return
+        outside = [f"params[{start + i}] {tuple(p.shape)}" for i, p in enumerate(params)
+                   if p.requires_grad and not self.owns(p)]
+        if outside:
+            raise RuntimeError(
+                f"the optimizer trains {outside} (optimizer parameter index and shape), which are not parameters of "
+                f"the data-parallel model, so nothing reduces their gradients over the {group_size(group)} ranks: "
+                "every rank would apply its own (sharded, each slice its owner's) and the ranks would silently "
+                "diverge. Make them part of the model given to fleet.distributed_model (or torch's "
+                "DistributedDataParallel), e.g. a submodule of it that its forward calls, or leave them out of "
+                "the optimizer."
+            )
+
+    def check_grads_reduced(self, group: dist.ProcessGroup | None, params: Sequence[torch.Tensor] = ()) -> None:
         """Raise when several ranks would each apply their own gradients.
 
         Raises:
             RuntimeError: the data-parallel group has more than one rank and
                 no data-parallel wrapper (``fleet.distributed_model`` or
                 torch's ``DistributedDataParallel``) ran the model's forward,
-                or the latest backward ran inside the wrapper's ``no_sync()``.
+                the latest backward ran inside the wrapper's ``no_sync()``, or
+                some of ``params`` (the optimizer's) are not the model's (see
+                :meth:`check_owned`).
         """
         if group_size(group) == 1:
             return
@@ -162,6 +188,7 @@ class ModelBinding:
                 "the accumulated sum), then step."
             )
         if self.reduces_grads:
+            self.check_owned(params, group)
             return
         seen = "its model ran a forward outside any data-parallel wrapper" if self.adopted else (
             "no module owning all its parameters ran a forward")

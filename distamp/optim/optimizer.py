@@ -302,8 +302,10 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
                 torch's optimizers refuse it).
             RuntimeError: O2 on several ranks after the data-parallel wrapper
                 was built on the parameters' dtypes, for a parameter of the
-                model that would be stored in 16 bits; or sharding stages 1
-                and 2 (the slices are cut when the optimizer is built).
+                model that would be stored in 16 bits; on several ranks, a
+                parameter that is not the data-parallel model's (nothing would
+                reduce its gradient); or sharding stages 1 and 2 (the slices
+                are cut when the optimizer is built).
         """
         group = dict(param_group)
         params = group["params"]
@@ -322,6 +324,8 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
                 f"some parameters appear in more than one parameter group: {again} are in this optimizer "
                 "already. Give each parameter to one group only (torch's optimizers refuse it too)."
             )
+        self.binding.check_owned(params, data_parallel_group(self.policy.process_group),
+                                 start=len(self.master_weights.model_params))
         weights = self.master_weights
         if not (weights.enabled and isinstance(weights, MasterWeights) and self.binding.reduces_grads
                 and group_size(data_parallel_group(self.policy.process_group)) > 1):
