@@ -229,3 +229,97 @@ def test_o2_gradient_merge_in_torch_ddp_with_no_sync_keeps_the_ranks_equal():
     reference = run_workers(_merge_with_torch_ddp_no_sync, 2, "fleet", timeout=60)[0]
     for a, b in zip(rank0, reference, strict=True):
         torch.testing.assert_close(a, b, rtol=2**-7, atol=2**-7)
+
+
+def _step_inside_no_sync(rank: int, world_size: int, wrapper: str) -> dict:
+    fleet.init()
+    model = _model()
+    strategy = _strategy(True)
+    strategy.amp_configs = {"dtype": "float16", "use_pure_fp16": wrapper != "stage3"}
+    if wrapper.startswith("stage"):
+        strategy.sharding = True
+        strategy.sharding_configs = {"stage": int(wrapper[-1])}
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.5), strategy)
+    wrapped = DistributedDataParallel(model) if wrapper == "torch" else fleet.distributed_model(model, strategy)
+    errors = []
+    for step in range(3):
+        optimizer.zero_grad()
+        with wrapped.no_sync():
+            x, y = _batch(rank, 2 * step)
+            with fleet.auto_cast():
+                loss = F.cross_entropy(wrapped(x), y)
+            optimizer.backward(loss)
+            if step == 1:  # a step inside the window: only this rank's micro-batch is in .grad
+                try:
+                    optimizer.step()
+                except RuntimeError as exc:
+                    errors.append(str(exc))
+        x, y = _batch(rank, 2 * step + 1)
+        with fleet.auto_cast():
+            loss = F.cross_entropy(wrapped(x), y)
+        optimizer.backward(loss)  # synced: reduces the window's sum
+        optimizer.step()
+    params = optimizer.fp32_state_dict(wrapped)
+    return {"errors": errors, "params": [p.detach().float().clone() for p in params.values()],
+            "applied": optimizer.steps_applied}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("wrapper", ["fleet", "torch", "stage2", "stage3"])
+def test_a_step_after_a_no_sync_backward_is_refused_on_every_rank_and_the_window_goes_on(wrapper):
+    rank0, rank1 = run_workers(_step_inside_no_sync, 2, wrapper, timeout=90)
+    for result in (rank0, rank1):
+        # was: each rank applied its own unreduced gradient (sharded: each slice its owner's), silently
+        assert len(result["errors"]) == 1
+        assert "after a backward inside model.no_sync()" in result["errors"][0]
+        assert "outside no_sync()" in result["errors"][0]
+        assert result["applied"] == 3
+    for a, b in zip(rank0["params"], rank1["params"], strict=True):
+        assert torch.equal(a, b)
+
+
+def _parameters_outside_the_model(rank: int, world_size: int, stage: int, when: str) -> dict:
+    fleet.init()
+    model = _model()
+    head = nn.Linear(3, 3)  # a learnable loss head, outside the data-parallel model
+    strategy = _strategy(True)
+    strategy.amp_configs = {"dtype": "float16"}
+    if stage:
+        strategy.sharding = True
+        strategy.sharding_configs = {"stage": stage}
+    params = list(model.parameters()) + (list(head.parameters()) if when == "built" else [])
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(params, lr=0.5), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    errors = []
+    if when == "added":
+        try:
+            optimizer.add_param_group({"params": list(head.parameters())})
+        except RuntimeError as exc:
+            errors.append(str(exc))
+    before = {k: v.detach().clone() for k, v in optimizer.fp32_state_dict(wrapped).items()}
+    x, y = _batch(rank, 0)
+    with fleet.auto_cast():
+        loss = F.cross_entropy(head(wrapped(x)), y)
+    optimizer.backward(loss)
+    try:
+        optimizer.step()
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    after = optimizer.fp32_state_dict(wrapped)
+    return {"errors": errors, "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+            "head": [p.detach().clone() for p in head.parameters()], "groups": len(optimizer.param_groups)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("stage", "when"), [(0, "built"), (0, "added"), (1, "built"), (3, "built")])
+def test_optimizer_parameters_outside_the_data_parallel_model_are_refused_on_every_rank(stage, when):
+    rank0, rank1 = run_workers(_parameters_outside_the_model, 2, stage, when, timeout=90)
+    for result in (rank0, rank1):
+        # was: nothing reduced the head's gradient; each rank (stages 1-2: each slice's owner) applied its own
+        assert len(result["errors"]) == 1
+        assert "['params[4] (3, 3)', 'params[5] (3,)']" in result["errors"][0]
+        assert "not parameters of the data-parallel model" in result["errors"][0]
+        assert result["unchanged"] == (when == "built")  # refused by add_param_group, the model's step went on
+        assert result["groups"] == 1
+    for a, b in zip(rank0["head"], rank1["head"], strict=True):
+        assert torch.equal(a, b)

@@ -109,6 +109,7 @@ class _Runtime:
         self.merge_sync = True  # all(optimizer_sync): a plain bool for forward (torch.compile guards on it)
         self.reduce_scatter = False  # sharding stage 1 or 2: every micro-batch communicates
         self.sync_enabled = True
+        self.forward_synced = True  # sync_enabled at the latest forward with gradients: its backward reduces
         self.prepared = False
         self.param_gather = ForwardParamGather(module)  # overlap_param_gather: finished in forward
         # Parameters frozen when DDP (or stage 2's reducer) was built, which therefore never reduces them.
@@ -345,6 +346,16 @@ class DataParallel(nn.Module):
     def require_backward_grad_sync(self, value: bool) -> None:
         self._runtime.sync_enabled = bool(value)
 
+    def backward_communicates(self) -> bool:
+        """Whether the backward of the latest forward with gradients reduces them over the ranks.
+
+        False when that forward ran inside :meth:`no_sync` (or with
+        ``require_backward_grad_sync = False``): its backward leaves each
+        rank's own gradient, for a later synced backward to reduce. Read by
+        the attached optimizers after each ``optimizer.backward``.
+        """
+        return self._runtime.forward_synced or not self.distributed
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally: backward passes run inside skip the all-reduce."""
@@ -400,6 +411,8 @@ class DataParallel(nn.Module):
         if torch.is_grad_enabled() and any(p.dtype != dtype or p.device != device
                                            for _, p, dtype, device in runtime.layout_at_build):
             self._refuse_converted()  # a forward without gradients reduces nothing: converting for evaluation is fine
+        if torch.is_grad_enabled():
+            runtime.forward_synced = runtime.sync_enabled
         ddp = runtime.ddp
         try:
             if runtime.reducer is not None:

@@ -29,7 +29,7 @@ calls) or, without it, at the model's first forward
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,9 @@ class ModelBinding:
         self.reduces_grads = False
         self._torch_ddp: weakref.ref[DistributedDataParallel] | None = None
         self._names: dict[int, str] = {}
+        self._sync_sources: weakref.WeakSet = weakref.WeakSet()
+        self.last_backward_local = False
+        """Whether the latest backward left each rank's own gradient (inside a wrapper's ``no_sync()``)."""
 
     def name_of(self, param: torch.Tensor, index: int) -> str:
         """The qualified name of ``param`` in the adopted model (inside any wrappers), else ``"params[index]"``."""
@@ -125,15 +128,67 @@ class ModelBinding:
         ddp = self._torch_ddp() if self._torch_ddp is not None else None
         return ddp is not None and not ddp.require_backward_grad_sync
 
-    def check_grads_reduced(self, group: dist.ProcessGroup | None) -> None:
+    def watch_sync(self, source: object) -> None:
+        """Ask ``source.backward_communicates()`` after each backward (a ``fleet.distributed_model`` wrapper)."""
+        self._sync_sources.add(source)
+
+    def note_backward(self) -> None:
+        """An ``optimizer.backward`` finished: remember whether it reduced the gradients over the ranks.
+
+        A synced backward reduces what earlier local ones accumulated, so only
+        the latest one counts.
+        """
+        self.last_backward_local = self.backward_stays_local() or not all(
+            source.backward_communicates() for source in self._sync_sources)
+
+    def check_owned(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, start: int = 0) -> None:
+        """Raise when a data-parallel wrapper reduces the model's gradients but not those of some of ``params``.
+
+        ``params`` are optimizer parameters (numbered from ``start`` in
+        messages); one that trains (``requires_grad``) and is not the
+        adopted model's gets no reduction from the wrapper.
+
+        Raises:
+            RuntimeError: on several ranks, such a parameter.
+        """
+        if not (self.adopted and self.reduces_grads) or group_size(group) == 1:
+            return
+        outside = [f"params[{start + i}] {tuple(p.shape)}" for i, p in enumerate(params)
+                   if p.requires_grad and not self.owns(p)]
+        if outside:
+            raise RuntimeError(
+                f"the optimizer trains {outside} (optimizer parameter index and shape), which are not parameters of "
+                f"the data-parallel model, so nothing reduces their gradients over the {group_size(group)} ranks: "
+                "every rank would apply its own (sharded, each slice its owner's) and the ranks would silently "
+                "diverge. Make them part of the model given to fleet.distributed_model (or torch's "
+                "DistributedDataParallel), e.g. a submodule of it that its forward calls, or leave them out of "
+                "the optimizer."
+            )
+
+    def check_grads_reduced(self, group: dist.ProcessGroup | None, params: Sequence[torch.Tensor] = ()) -> None:
         """Raise when several ranks would each apply their own gradients.
 
         Raises:
             RuntimeError: the data-parallel group has more than one rank and
                 no data-parallel wrapper (``fleet.distributed_model`` or
-                torch's ``DistributedDataParallel``) ran the model's forward.
+                torch's ``DistributedDataParallel``) ran the model's forward,
+                the latest backward ran inside the wrapper's ``no_sync()``, or
+                some of ``params`` (the optimizer's) are not the model's (see
+                :meth:`check_owned`).
         """
-        if self.reduces_grads or group_size(group) == 1:
+        if group_size(group) == 1:
+            return
+        if self.last_backward_local:
+            raise RuntimeError(
+                "optimizer.step() (or unscale_/clip_grad_norm_) after a backward inside model.no_sync() (or with "
+                "model.require_backward_grad_sync = False) and no synced backward since: the gradients are each "
+                f"rank's own, not reduced over the {group_size(group)} ranks, so every rank would apply its own "
+                "(or, sharded, each slice its owner's) and the ranks would silently diverge. Run the forward and "
+                "backward of the accumulation window's last micro-batch outside no_sync() (that backward reduces "
+                "the accumulated sum), then step."
+            )
+        if self.reduces_grads:
+            self.check_owned(params, group)
             return
         seen = "its model ran a forward outside any data-parallel wrapper" if self.adopted else (
             "no module owning all its parameters ran a forward")

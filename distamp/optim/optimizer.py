@@ -199,6 +199,7 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         window_open = self.merge.is_accumulating and not self.binding.backward_stays_local()
         self.precision.after_backward(window_open=window_open)
         self._watch.after_backward(self.precision.loss_scale)
+        self.binding.note_backward()
         self.merge.publish()
 
     def minimize(self, loss: torch.Tensor) -> bool:
@@ -329,8 +330,10 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
                 torch's optimizers refuse it).
             RuntimeError: O2 on several ranks after the data-parallel wrapper
                 was built on the parameters' dtypes, for a parameter of the
-                model that would be stored in 16 bits; or sharding stages 1
-                and 2 (the slices are cut when the optimizer is built).
+                model that would be stored in 16 bits; on several ranks, a
+                parameter that is not the data-parallel model's (nothing would
+                reduce its gradient); or sharding stages 1 and 2 (the slices
+                are cut when the optimizer is built).
         """
         group = dict(param_group)
         params = group["params"]
@@ -349,6 +352,8 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
                 f"some parameters appear in more than one parameter group: {again} are in this optimizer "
                 "already. Give each parameter to one group only (torch's optimizers refuse it too)."
             )
+        self.binding.check_owned(params, data_parallel_group(self.policy.process_group),
+                                 start=len(self.master_weights.model_params))
         weights = self.master_weights
         if not (weights.enabled and isinstance(weights, MasterWeights) and self.binding.reduces_grads
                 and group_size(data_parallel_group(self.policy.process_group)) > 1):
@@ -484,5 +489,11 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
             checker.watch_grads(named_params)
 
     def add_sync_listener(self, listener: Any) -> None:
-        """Keep ``listener.set_grad_sync(optimizer, flag)`` told whether the next backward communicates."""
+        """Keep ``listener.set_grad_sync(optimizer, flag)`` told whether the next backward communicates.
+
+        A listener with ``backward_communicates()`` (the ``fleet.distributed_model`` wrappers) is asked
+        after each backward, so that ``step()`` refuses gradients a ``no_sync()`` backward left unreduced.
+        """
         self.merge.add_listener(listener, self)
+        if hasattr(listener, "backward_communicates"):
+            self.binding.watch_sync(listener)

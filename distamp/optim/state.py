@@ -46,7 +46,8 @@ class StatefulOptimizer(Protocol):
 
     def load_state_dict(self, state_dict: dict) -> None: ...
 
-__all__ = ["STATE_FORMAT", "check_optimizer_state", "load_optimizer_state", "optimizer_state"]
+__all__ = ["STATE_FORMAT", "check_optimizer_state", "load_optimizer_state", "optimizer_state",
+           "refuse_pending_gradients"]
 
 STATE_FORMAT = "distamp.AmpOptimizer/1"
 
@@ -80,13 +81,17 @@ def optimizer_state(opt: StatefulOptimizer, *, local: bool = False) -> dict:
 
 
 def check_optimizer_state(opt: StatefulOptimizer, state_dict: Any) -> None:
-    """``ValueError`` unless ``opt`` can take ``state_dict``: checks what :func:`load_optimizer_state` checks
-    before it loads anything (a distamp state, the inner optimizer class, ``use_pure_fp16``), changing nothing.
+    """Raise unless ``opt`` can take ``state_dict`` now: checks what :func:`load_optimizer_state` checks
+    before it loads anything (no gradients waiting for their step, a distamp state, the inner optimizer class,
+    ``use_pure_fp16``), changing nothing.
 
     Raises:
+        RuntimeError: gradients of an ``optimizer.backward`` wait for their
+            ``step()`` (see :func:`refuse_pending_gradients`).
         ValueError: not a distamp optimizer state, or saved around another
             inner optimizer class or with another ``use_pure_fp16``.
     """
+    refuse_pending_gradients(opt)
     if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT:
         keys = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict).__name__
         how = ("use optimizer.inner_opt.load_state_dict(...)" if opt.precision.stage not in (1, 2) else
@@ -117,6 +122,9 @@ def load_optimizer_state(opt: StatefulOptimizer, state_dict: dict) -> None:
         ValueError: not a distamp optimizer state, or saved around another
             inner optimizer class, with another loss scaler or another
             ``use_pure_fp16``.
+        RuntimeError: called between ``optimizer.backward`` and the
+            ``step()`` that applies its gradients (see
+            :func:`refuse_pending_gradients`).
     """
     check_optimizer_state(opt, state_dict)
     opt.precision.load_checkpoint_state(opt.inner_opt, state_dict)
@@ -139,6 +147,34 @@ def load_optimizer_state(opt: StatefulOptimizer, state_dict: dict) -> None:
     policy.unscaled = False
     policy.watch.after_step()  # the loaded state is the baseline misuse detection compares with
     opt.merge.publish()
+
+
+def refuse_pending_gradients(opt: StatefulOptimizer) -> None:
+    """``RuntimeError`` when gradients of an ``optimizer.backward`` wait for their ``step()``.
+
+    They were scaled by the loss scale of the state being replaced, and a
+    PowerSGD step's error feedback is computed from that state; a load keeps
+    neither, and takes the gradients present as the baseline the next
+    ``step()`` compares with, which would then find nothing new and drop
+    them. A backward whose gradients were changed since (zeroed) has nothing
+    pending.
+    """
+    policy = opt.policy
+    if not (policy.unscaled or policy.watch.kept_since_backward()):
+        return
+    if opt.merge.is_accumulating:
+        where = f"inside a gradient-merge window (micro-batch {opt.merge.micro_steps} of {opt.merge.k_steps})"
+        fate = "the window's step would apply them to the loaded state with its scale"
+    else:
+        where = "before the step() that applies them"
+        fate = "the next step() would find nothing new and drop them"
+    raise RuntimeError(
+        f"optimizer state loaded (optimizer.load_state_dict, load_latest_checkpoint) after optimizer.backward(loss), "
+        f"{where}: those gradients were "
+        f"scaled by the loss scale of the state being replaced (with PowerSGD, compressed with its error "
+        f"feedback), and {fate}. Load the state before backward() or after step() (a checkpoint: after the step "
+        "that completes a window)"
+    )
 
 
 def _check_inner_type(opt: StatefulOptimizer, saved: Any) -> None:

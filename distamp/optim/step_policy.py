@@ -66,7 +66,7 @@ class StepPolicy:
 
     def unscale_and_check(self) -> None:
         """Unscale, check and agree on the verdict (once per step)."""
-        self.binding.check_grads_reduced(data_parallel_group(self.process_group))
+        self.binding.check_grads_reduced(data_parallel_group(self.process_group), self.binding_params())
         self.watch.before_unscale()
         with named_collective(f"the inf/NaN verdict all-reduce of step {self.step_number + 1}"):
             self.found_inf, self.grad_max = self.precision.unscale_and_check(self._group())

@@ -134,6 +134,7 @@ class FullyShardedModel(nn.Module):
         self._optimizers: list[FullyShardedOptimizer] = []
         self._ran_forward = False
         self._grad_sync = True
+        self._forward_synced = True  # _grad_sync at the latest forward with gradients: its backward reduces
         # FSDP2 syncs no buffer: DDP's broadcast_buffers rule keeps BatchNorm statistics equal across ranks.
         self._buffer_broadcast = BufferBroadcast(module, group, enabled=self._group_size > 1)
 
@@ -211,6 +212,11 @@ class FullyShardedModel(nn.Module):
         self._grad_sync = bool(value)
         cast(FSDPModule, self.module).set_requires_gradient_sync(self._grad_sync)  # the root is an FSDPModule
 
+    def backward_communicates(self) -> bool:
+        """Whether the backward of the latest forward with gradients reduce-scatters them (False: inside
+        :meth:`no_sync`, each rank keeps its own unsharded gradient); read after each ``optimizer.backward``."""
+        return self._forward_synced
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate unsharded FP32 gradients locally: backward passes run inside skip the reduce-scatter."""
@@ -231,6 +237,8 @@ class FullyShardedModel(nn.Module):
                 ``fleet.auto_cast()`` gets the fix added, as without sharding.
         """
         self._buffer_broadcast.before_forward()
+        if torch.is_grad_enabled():
+            self._forward_synced = self._grad_sync
         try:
             output = self.module(*args, **kwargs)
         except RuntimeError as error:

@@ -733,3 +733,40 @@ def test_an_optimizer_whose_step_needs_a_closure_is_refused_when_wrapped(amp):
     assert all(p.dtype == torch.float32 for p in model.parameters())  # refused before O2 converted anything
     torch.optim.lr_scheduler.StepLR(sgd := torch.optim.SGD(model.parameters(), lr=0.1), step_size=1)
     AmpOptimizer(sgd, strategy)  # a scheduler's wrapper around step() does not look like a required closure
+
+
+@pytest.mark.parametrize("pure", [False, True])
+@pytest.mark.parametrize("k_steps", [1, 2])
+def test_load_state_dict_between_backward_and_step_is_refused_and_the_step_still_applies(pure, k_steps):
+    def run(load_between: bool) -> tuple[list[torch.Tensor], list[bool], list[str]]:
+        strategy = make_strategy(use_pure_fp16=pure, init_loss_scaling=1024.0)
+        if k_steps > 1:
+            strategy.gradient_merge = True
+            strategy.gradient_merge_configs = {"k_steps": k_steps}
+        model = tiny_mlp()
+        opt = AmpOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+        applied, errors = [], []
+        for i, (x, y) in enumerate(batches(3 * k_steps)):
+            with auto_cast(dtype="float16"):
+                loss = F.mse_loss(model(x), y)
+            opt.zero_grad()
+            opt.backward(loss)
+            if load_between and i == k_steps:  # the first micro-batch of the second step
+                with pytest.raises(RuntimeError) as caught:
+                    opt.load_state_dict(opt.state_dict())
+                errors.append(str(caught.value))
+            applied.append(opt.step())
+        return [m.detach().clone() for m in opt.master_weights.masters], applied, errors
+
+    masters, applied, errors = run(load_between=True)
+    reference, reference_applied, _ = run(load_between=False)
+    # was: the load took the pending gradients for the baseline and the next step() dropped them (k=1), or
+    # it warned that a mid-window state's gradients were not saved while the window kept them (k=2)
+    assert len(errors) == 1
+    assert "after optimizer.backward(loss)" in errors[0]
+    assert "Load the state before backward() or after step()" in errors[0]
+    window = "inside a gradient-merge window (micro-batch 1 of 2)" if k_steps > 1 else "before the step()"
+    assert window in errors[0]
+    assert applied == reference_applied
+    for got, want in zip(masters, reference, strict=True):
+        assert torch.equal(got, want)  # the refusal changed nothing: the run goes on as an uninterrupted one
