@@ -133,22 +133,32 @@ class GradWatch:
         """
         if not self._backward_since_step:
             return
-        how = None
         if self._cleared_after_backward:
             how = "optimizer.zero_grad()"
-        elif self._after_backward is not None:
-            deliveries, _, versions = self._after_backward
-            present = [p for p, seen in zip(self.params, versions, strict=False) if seen is not None]
-            if present and deliveries == self._deliveries() and all(p.grad is None for p in present):
-                how = "a zero_grad() (model.zero_grad() or setting .grad to None)"
-        if how is not None:
-            raise RuntimeError(
-                f"optimizer.step() after {how}: the gradients of the last optimizer.backward(loss) were "
-                "cleared before step() applied them, so this step would apply none of that backward yet count as a "
-                "step (torch's GradScaler refuses this order too: \"No inf checks were recorded for this "
-                "optimizer\"). Call optimizer.zero_grad() before optimizer.backward(loss) or after "
-                "optimizer.step(), as in `optimizer.zero_grad(); optimizer.backward(loss); optimizer.step()`."
-            )
+        elif self._after_backward is not None and self._all_gone(self._after_backward):
+            how = "a zero_grad() (model.zero_grad() or setting .grad to None)"
+        else:
+            return
+        raise RuntimeError(
+            f"optimizer.step() after {how}: the gradients of the last optimizer.backward(loss) were "
+            "cleared before step() applied them, so this step would apply none of that backward yet count as a "
+            "step (torch's GradScaler refuses this order too: \"No inf checks were recorded for this "
+            "optimizer\"). Call optimizer.zero_grad() before optimizer.backward(loss) or after "
+            "optimizer.step(), as in `optimizer.zero_grad(); optimizer.backward(loss); optimizer.step()`."
+        )
+
+    def _all_gone(self, snapshot: _Snapshot) -> bool:
+        """Whether every gradient ``snapshot`` saw (at least one) is None now, with nothing delivered since."""
+        deliveries, _, versions = snapshot
+        if deliveries != self._deliveries():
+            return False
+        saw_one = False
+        for p, seen in zip(self.params, versions, strict=False):  # strict=False: as in _unchanged_since
+            if seen is not None:
+                if p.grad is not None:
+                    return False  # the usual case: stops at the first gradient
+                saw_one = True
+        return saw_one
 
     def kept_since_backward(self) -> bool:
         """True when a backward ran since the last step and no gradient changed after it (accumulation goes on)."""

@@ -72,6 +72,7 @@ class ModelBinding:
         self._torch_ddp: weakref.ref[DistributedDataParallel] | None = None
         self._names: dict[int, str] = {}
         self._sync_sources: weakref.WeakSet = weakref.WeakSet()
+        self._owned_checked = False  # check_owned passed on the adopted model's names, which never change after
         self.last_backward_local = False
         """Whether the latest backward left each rank's own gradient (inside a wrapper's ``no_sync()``)."""
 
@@ -188,7 +189,9 @@ class ModelBinding:
                 "the accumulated sum), then step."
             )
         if self.reduces_grads:
-            self.check_owned(params, group)
+            if not self._owned_checked:  # later parameters come through add_param_group, which checks its own
+                self.check_owned(params, group)
+                self._owned_checked = self.adopted
             return
         seen = "its model ran a forward outside any data-parallel wrapper" if self.adopted else (
             "no module owning all its parameters ran a forward")
