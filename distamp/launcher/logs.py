@@ -213,16 +213,18 @@ class RankLogs(LogsSpecs):
 
     Args:
         log_dir: where ``workerlog.N`` files go (must exist).
-        tee_ranks: global ranks whose new lines are copied to ``out``.
+        tee_ranks: global ranks whose new lines are copied to ``out``
+            (``None``: every rank).
         out: console stream for the tee (default ``sys.stdout``).
-        before_start: called before each attempt's workers start (distrun
-            stops there whatever the previous attempt left running).
+        before_start: called before each attempt's workers start, after its
+            rendezvous (:attr:`ranks` and :attr:`world_size` are the attempt's):
+            distrun stops there whatever the previous attempt left running.
     """
 
     def __init__(
         self,
         log_dir: str,
-        tee_ranks: frozenset[int],
+        tee_ranks: frozenset[int] | None,
         out: TextIO | None = None,
         before_start: Callable[[], None] | None = None,
     ):
@@ -235,6 +237,7 @@ class RankLogs(LogsSpecs):
         self._started: set[str] = set()
         self._round = 0
         self._ranks: tuple[int, ...] = ()
+        self._world_size = 0
         self._round_started = 0.0
         # Torch's error-reply files (written by @record-decorated workers) and
         # the guardians' exit stamps; not logs, so they live outside log_dir
@@ -255,6 +258,11 @@ class RankLogs(LogsSpecs):
     def ranks(self) -> tuple[int, ...]:
         """Global ranks of the latest attempt's workers on this node."""
         return self._ranks
+
+    @property
+    def world_size(self) -> int:
+        """The latest attempt's world size, as its rendezvous set it (0 before the first)."""
+        return self._world_size
 
     def exit_times(self, wait_for: Collection[int] = (), timeout: float = 2.0) -> dict[int, float]:
         """``time.time()`` at which the latest attempt's workers on this node
@@ -287,10 +295,11 @@ class RankLogs(LogsSpecs):
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         """Called by the agent before each attempt: write separators, start the tee."""
         self._stop_tee()
+        self._ranks = tuple(int(env["RANK"]) for env in envs.values())
+        self._world_size = int(next(iter(envs.values()))["WORLD_SIZE"]) if envs else 0
         if self._before_start is not None:
             self._before_start()
         self._round += 1
-        self._ranks = tuple(int(env["RANK"]) for env in envs.values())
         tee_files = {}
         error_files = {}
         for local_rank, env in envs.items():
@@ -309,7 +318,7 @@ class RankLogs(LogsSpecs):
                     f"{time.strftime('%Y-%m-%d %H:%M:%S')} =====\n"
                 )
                 offset = f.tell()
-            if rank in self._tee_ranks:
+            if self._tee_ranks is None or rank in self._tee_ranks:
                 tee_files[path] = (f"[rank{rank}]: ", offset)
             error_file = os.path.join(self._error_dir, f"start{self._round}.rank{rank}.json")
             error_files[local_rank] = error_file

@@ -58,8 +58,8 @@ class LaunchPlan:
     without ``--gpus``."""
     log_dir: str = "log"
     """Directory of ``workerlog.N``."""
-    tee: frozenset[int] = frozenset({0})
-    """Global ranks whose output is also printed on the console."""
+    tee: frozenset[int] | None = frozenset({0})
+    """Global ranks whose output is also printed on the console; ``None`` for every rank (``--tee all``)."""
     max_restarts: int = 0
     """Times a failed worker group is restarted."""
     grace_period: int = 30
@@ -67,9 +67,13 @@ class LaunchPlan:
     before SIGKILL (torch's agent uses a fixed 30 s after a worker failure)."""
 
     @property
-    def world_size(self) -> int:
-        """Total number of workers over all nodes."""
-        return self.nnodes * self.nproc_per_node
+    def world_size(self) -> int | None:
+        """Total number of workers: known before the rendezvous on one node only.
+
+        ``None`` with several nodes: each node may run its own
+        ``--nproc_per_node`` (as with torchrun), and the rendezvous adds them up.
+        """
+        return self.nproc_per_node if self.nnodes == 1 else None
 
     @property
     def local_rendezvous(self) -> bool:
@@ -77,9 +81,9 @@ class LaunchPlan:
         return self.master_addr is None
 
 
-def _parse_tee(text: str, world_size: int) -> frozenset[int]:
+def _parse_tee(text: str, world_size: int | None) -> frozenset[int] | None:
     if text.strip().lower() == "all":
-        return frozenset(range(world_size))
+        return None
     if text.strip().lower() == "none":
         return frozenset()
     ranks = set()
@@ -90,6 +94,8 @@ def _parse_tee(text: str, world_size: int) -> frozenset[int]:
                 f"comma-separated ranks such as '0,1', got {item!r}."
             )
         ranks.add(int(item.strip()))
+    if world_size is None:  # several nodes: checked once the rendezvous has set the world size
+        return frozenset(ranks)
     too_big = sorted(r for r in ranks if r >= world_size)
     if too_big:
         raise UsageError(
@@ -148,7 +154,7 @@ def build_plan(
             f"{TORCH_DEFAULT_GRACE_PERIOD} seconds (a grace period can be set from torch 2.12 on); "
             f"leave --grace_period out or upgrade torch"
         )
-    tee = _parse_tee(args.tee, nnodes * nproc)
+    tee = _parse_tee(args.tee, nproc if nnodes == 1 else None)
     log_dir = _check_log_dir(args.log_dir)
     command = resolve_command(args)
     return LaunchPlan(

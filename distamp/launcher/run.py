@@ -302,12 +302,23 @@ def _summary(plan: LaunchPlan) -> str:
             " (c10d, so all nodes restart together; the rendezvous orders the nodes, "
             "so global ranks may not follow --node_rank)"
         )
-    tee = ",".join(map(str, sorted(plan.tee))) or "none"
+    tee = "all" if plan.tee is None else ",".join(map(str, sorted(plan.tee))) or "none"
+    world = (f"world size {plan.world_size}" if plan.world_size is not None
+             else "world size from the rendezvous")
     return (
-        f"distrun: {plan.nproc_per_node} worker(s) on this node, world size "
-        f"{plan.world_size}{gpus}; rendezvous {where}; logs {plan.log_dir}/workerlog.N; "
-        f"console shows rank(s) {tee}."
+        f"distrun: {plan.nproc_per_node} worker(s) on this node, {world}{gpus}; rendezvous {where}; "
+        f"logs {plan.log_dir}/workerlog.N; console shows rank(s) {tee}."
     )
+
+
+def _rendezvous_result(plan: LaunchPlan, world_size: int, ranks: tuple[int, ...]) -> list[str]:
+    """What distrun says once a several-node rendezvous has set the world size."""
+    lines = [f"distrun: world size {world_size}; this node runs rank(s) {','.join(map(str, ranks))}."]
+    missing = sorted(r for r in plan.tee or () if r >= world_size)
+    if missing:
+        lines.append(f"distrun: --tee names rank {missing[0]}, but the world size is {world_size} "
+                     f"(ranks 0 to {world_size - 1}); no worker has that rank.")
+    return lines
 
 
 def _leftovers_note(killed: list[str]) -> str:
@@ -352,10 +363,17 @@ def _launch_claimed(plan: LaunchPlan, out: TextIO, err: TextIO) -> int:
         say(err, f"distrun: {note}")
     reaper = Reaper()
 
+    announced_world = 0
+
     def before_start() -> None:
+        nonlocal announced_world
         killed = reaper.kill_leftovers()
         if killed:
             say(err, _leftovers_note(killed) + " (before restarting)")
+        if plan.world_size is None and logs.world_size != announced_world:
+            announced_world = logs.world_size
+            for line in _rendezvous_result(plan, logs.world_size, logs.ranks):
+                say(err, line)
 
     logs = RankLogs(plan.log_dir, plan.tee, out=out, before_start=before_start)
     store_dir = tempfile.mkdtemp(prefix="distrun-")

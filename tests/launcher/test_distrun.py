@@ -298,7 +298,8 @@ def test_a_stop_signal_ends_a_wait_for_the_other_nodes(tmp_path, node_rank, sig)
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=worker_env(TMPDIR=str(tmp_path / "tmp")),
     )
-    assert proc.stderr.readline().startswith("distrun: 1 worker(s) on this node, world size 2; rendezvous")
+    assert proc.stderr.readline().startswith(
+        "distrun: 1 worker(s) on this node, world size from the rendezvous; rendezvous")
     time.sleep(2)  # well inside the rendezvous's wait by now
     start = time.monotonic()
     proc.send_signal(sig)
@@ -475,6 +476,29 @@ def test_two_nodes_restart_together(tmp_path):
     for rank in (0, 1):
         assert re.search(rf"attempt \d rank {rank} finished with 4.0", logs), logs
     assert "all nodes restart together" in results[0][1]
+
+
+@pytest.mark.timeout(120)
+def test_nodes_running_different_worker_counts_get_the_rendezvous_world_size_and_tee(tmp_path):
+    """As with torchrun, each node may run its own --nproc_per_node: node 0 runs ranks 0-1 and node 1 rank 2.
+    distrun names the world size the rendezvous set, tees rank 2 on the node running it (a check against
+    nnodes x nproc_per_node refused '--tee 2' there, and '--tee all' left it out) and says which named
+    ranks no worker has."""
+    script = write(tmp_path, "job.py", ALLREDUCE)
+    nodes = start_two_nodes(tmp_path, script, node_flags=lambda r: (
+        ("--nproc_per_node", "2", "--tee", "all", "--log_dir", "node0") if r == 0
+        else ("--tee", "2,5", "--log_dir", "node1")))
+    (out0, err0), (out1, err1) = [node.communicate(timeout=100) for node in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], (err0, err1)
+    for err, ranks in ((err0, "0,1"), (err1, "2")):
+        assert "world size from the rendezvous" in err.splitlines()[0], err
+        assert f"distrun: world size 3; this node runs rank(s) {ranks}." in err, err
+    assert "--tee names rank 5, but the world size is 3 (ranks 0 to 2); no worker has that rank." in err1
+    assert "--tee names" not in err0
+    assert "[rank0]: rank 0 sum 6.0" in out0
+    assert "[rank1]: rank 1 sum 6.0" in out0
+    assert "[rank2]: rank 2 sum 6.0" in out1, out1
+    assert "'WORLD_SIZE': '3'" in (tmp_path / "node1" / "workerlog.2").read_text()
 
 
 # A job that prints its own lines, the second half once the file "release" exists (when

@@ -39,18 +39,18 @@ def test_each_attempt_gets_exit_stamp_files_and_a_start_time(tmp_path):
     calls = []
     logs = RankLogs(str(tmp_path), frozenset(), before_start=lambda: calls.append(len(calls)))
     try:
-        envs = {0: {"RANK": "4"}, 1: {"RANK": "5"}}
+        envs = {0: {"RANK": "4", "WORLD_SIZE": "6"}, 1: {"RANK": "5", "WORLD_SIZE": "6"}}
         logs.reify(envs)
         assert calls == [0]
         assert logs.attempts == 1
-        assert logs.ranks == (4, 5)
+        assert (logs.ranks, logs.world_size) == ((4, 5), 6)
         assert logs.started_at > 0
         stamp = envs[1][_bootstrap.EXIT_FILE_VAR]
         with open(stamp, "w") as f:
             f.write("123.5")
         assert logs.exit_times(timeout=0) == {5: 123.5}
         assert logs.exit_times(wait_for={4, 5}, timeout=0.1) == {5: 123.5}
-        logs.reify({0: {"RANK": "4"}, 1: {"RANK": "5"}})  # a restart: fresh stamps
+        logs.reify({0: {"RANK": "4", "WORLD_SIZE": "6"}, 1: {"RANK": "5", "WORLD_SIZE": "6"}})  # fresh stamps
         assert calls == [0, 1]
         assert logs.attempts == 2
         assert logs.exit_times(timeout=0) == {}

@@ -32,10 +32,17 @@ def test_defaults_are_a_single_node_loopback_job():
 
 
 def test_world_size_and_rendezvous_of_a_multi_node_plan():
+    """Nodes may run different numbers of workers (as with torchrun): only the rendezvous knows the world size."""
     plan = LaunchPlan(command=("-m", "pkg.train"), nproc_per_node=4, nnodes=3, node_rank=2,
                       master_addr="10.0.0.1", master_port=DEFAULT_MASTER_PORT)
-    assert plan.world_size == 12
+    assert plan.world_size is None
     assert not plan.local_rendezvous
+
+
+def test_tee_ranks_of_a_multi_node_plan_are_checked_after_the_rendezvous(script):  # noqa: F811
+    plan = parse(["--nnodes", "2", "--node_rank", "1", "--master", "127.0.0.1:29501", "--tee", "0,5", "train.py"])
+    assert plan.tee == frozenset({0, 5})
+    assert parse(["--nnodes", "2", "--master", "127.0.0.1:29501", "--tee", "all", "train.py"]).tee is None
 
 
 def test_plans_are_frozen():
