@@ -49,6 +49,8 @@ __all__ = [
     "foreach_mul_",
     "foreach_norm",
     "foreach_zero_",
+    "fsdp_param_groups",
+    "fsdp_rederive_grad_dtypes",
     "fsdp_unsharded_parameters",
     "grace_period_supported",
     "group_timeout",
@@ -310,6 +312,41 @@ def _fsdp_param_groups(state: Any) -> list[Any]:
         f"torch {torch.__version__}: FSDP2's state has neither _fsdp_param_groups nor _fsdp_param_group; "
         "distamp's sharding stage 3 supports torch 2.11-2.15 (distamp/torch_compat.py)"
     )
+
+
+def fsdp_param_groups(root: nn.Module) -> list[tuple[Any, list[nn.Parameter]]]:
+    """Each FSDP2 parameter group under ``root`` with the sharded parameters it manages."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [
+        (group, [fsdp_param.sharded_param for fsdp_param in group.fsdp_params])
+        for module in root.modules() if isinstance(module, FSDPModule)
+        for group in _fsdp_param_groups(module._get_fsdp_state())
+    ]
+
+
+def fsdp_rederive_grad_dtypes(group: Any) -> None:
+    """Make an FSDP2 parameter group derive its gradient dtypes again, from the parameters trainable now.
+
+    FSDP2 derives a group's original and reduce dtypes once, at its lazy
+    init (the root's first forward), from the parameters trainable then
+    (``FSDPParamGroup._init_mp_dtypes``; 2.11.0, 2.13.0 and 2.15.0 checked).
+    A group with none gets neither, so when its parameters are made
+    trainable later, their reduced gradients keep the gathered dtype: with
+    16-bit gathered parameters torch then fails assigning a 16-bit gradient
+    to the FP32 shard, and with FP32 ones the group reduces in FP32 instead
+    of the policy's ``reduce_dtype``. torch 2.15 derives them from every
+    floating-point parameter when none is trainable, so there this changes
+    nothing. Call between steps, with none of the group's collectives in
+    flight.
+    """
+    init = getattr(type(group), "_init_mp_dtypes", None)
+    if init is None:
+        raise RuntimeError(
+            f"torch {torch.__version__}: FSDP2's parameter group has no _init_mp_dtypes; "
+            "distamp's sharding stage 3 supports torch 2.11-2.15 (distamp/torch_compat.py)"
+        )
+    init(group)
 
 
 def fsdp_unsharded_parameters(root: nn.Module) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

@@ -211,6 +211,46 @@ def test_fsdp2_unsharded_parameters_and_comm_interfaces_on_a_real_group():
         assert out[rank]["comm_bases"] == ("AllGather", "ReduceScatter")
 
 
+def _fsdp_unfrozen_group(rank, world_size, rederive):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fully_shard(model[0], mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model[0].requires_grad_(False)
+    model(torch.ones(3, 4)).float().sum().backward()  # FSDP2's lazy init: group 0 has nothing trainable
+    model[0].requires_grad_(True)
+    groups = tc.fsdp_param_groups(model)
+    if rederive:
+        for group, _ in groups:
+            tc.fsdp_rederive_grad_dtypes(group)
+    try:
+        model(torch.ones(3, 4)).float().sum().backward()
+        outcome = str(model[0].weight.grad.dtype)
+    except RuntimeError as exc:
+        outcome = str(exc)
+    return {"groups": [len(params) for _, params in groups],
+            "params_are_the_models": all(any(p is q for q in model.parameters()) for _, ps in groups for p in ps),
+            "outcome": outcome}
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_groups_and_gradient_dtypes_derived_again_after_unfreezing():
+    """What sharding stage 3 relies on for gradual unfreezing, on plain FSDP2: before torch 2.15, without deriving
+    the dtypes again the unfrozen group's BF16 gradient meets its FP32 shard (2.15 derives them from every
+    floating-point parameter when none is trainable, so there it changes nothing)."""
+    fixed_in_torch = torch.torch_version.TorchVersion(torch.__version__) >= "2.15"
+    for rederive, outcome in ((False, "torch.float32" if fixed_in_torch else "grad_dtype"), (True, "torch.float32")):
+        for out in run_workers(_fsdp_unfrozen_group, 2, rederive, timeout=100):
+            assert sorted(out["groups"]) == [2, 2]
+            assert out["params_are_the_models"]
+            assert outcome in out["outcome"], (rederive, out["outcome"])
+
+
 def test_a_renamed_fsdp_attribute_fails_loudly():
     class State:  # neither 2.11's _fsdp_param_group nor 2.12+'s _fsdp_param_groups
         pass

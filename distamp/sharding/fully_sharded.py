@@ -54,7 +54,12 @@ from distamp.sharding.fsdp_policy import unit_policies
 from distamp.sharding.shard_units import choose_units, shared_parameters
 from distamp.sharding.unit_trace import UnitTrace
 from distamp.strategy import DistributedStrategy
-from distamp.torch_compat import fsdp_unsharded_parameters, is_mixed_dtensor_error
+from distamp.torch_compat import (
+    fsdp_param_groups,
+    fsdp_rederive_grad_dtypes,
+    fsdp_unsharded_parameters,
+    is_mixed_dtensor_error,
+)
 
 __all__ = ["FullyShardedModel"]
 
@@ -133,6 +138,8 @@ class FullyShardedModel(nn.Module):
         self._replaced = {id(old): (weakref.ref(old), after[name]) for name, old in before}
         self._optimizers: list[FullyShardedOptimizer] = []
         self._ran_forward = False
+        # FSDP2's groups with no trainable parameter at its lazy init (the first forward); None before it.
+        self._frozen_groups: list[tuple[Any, list[nn.Parameter]]] | None = None
         self._grad_sync = True
         self._forward_synced = True  # _grad_sync at the latest forward with gradients: its backward reduces
         # FSDP2 syncs no buffer: DDP's broadcast_buffers rule keeps BatchNorm statistics equal across ranks.
@@ -237,6 +244,7 @@ class FullyShardedModel(nn.Module):
                 ``fleet.auto_cast()`` gets the fix added, as without sharding.
         """
         self._buffer_broadcast.before_forward()
+        self._follow_unfrozen_units()
         if torch.is_grad_enabled():
             self._forward_synced = self._grad_sync
         try:
@@ -256,6 +264,28 @@ class FullyShardedModel(nn.Module):
             for optimizer in self._optimizers:
                 optimizer.watch_local_grads(named)
         return output
+
+    def _follow_unfrozen_units(self) -> None:
+        """Gradual unfreezing: a unit entirely frozen at the first forward gets its gradient dtypes once trainable.
+
+        FSDP2 (before torch 2.15) fixes each unit's gradient dtypes at its lazy init, from the
+        parameters trainable then; a unit with none would reduce its later
+        gradients in the wrong dtype (O2: torch fails in backward; O1: an
+        FP32 wire instead of ``comm_dtype``).
+        """
+        if self._frozen_groups is None:  # this forward runs FSDP2's lazy init
+            self._frozen_groups = [(group, params) for group, params in fsdp_param_groups(self.module)
+                                   if not any(p.requires_grad for p in params)]
+            return
+        if not any(p.requires_grad for _, params in self._frozen_groups for p in params):
+            return
+        still_frozen = []
+        for group, params in self._frozen_groups:
+            if any(p.requires_grad for p in params):
+                fsdp_rederive_grad_dtypes(group)
+            else:
+                still_frozen.append((group, params))
+        self._frozen_groups = still_frozen
 
     def _unsharded_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """``(name, unsharded parameter)`` of each parameter gathered so far: where autograd puts local gradients."""

@@ -1015,3 +1015,49 @@ def test_amp_off_reduces_a_float64_unit_in_float64_and_exports_it_whole():
     # reduce-scatter (the update was off by ~1e-7 where unsharded AMP-off training is exact), and fp32_state_dict
     # rounded the float64 parameter to FP32.
     assert run_workers(_float64_worker, 2, timeout=100) == [(torch.float64, True, torch.float64, True)] * 2
+
+
+def _unfreeze_at_step_two(rank, world):
+    """Layer 0 frozen, then made trainable before the third step (gradual unfreezing), unsharded and at stage 3."""
+    from distamp import fleet
+
+    fleet.init()
+    finals = {}
+    for mode, configs in {"O2-fp16": {"use_pure_fp16": True, "init_loss_scaling": 1024.0},
+                          "O2-bf16": {"use_pure_fp16": True, "dtype": "bfloat16"},
+                          "O1-fp16": {"init_loss_scaling": 1024.0}}.items():
+        for stage in (0, 3):
+            model = _model()
+            if stage == 3:  # FSDP2's lazy init, at the first forward, sees the unit frozen
+                model[0].requires_grad_(False)
+            strategy = _strategy(stage, **configs)
+            strategy.find_unused_parameters = stage == 0
+            opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), strategy)
+            wrapped = fleet.distributed_model(model, strategy)
+            if stage == 0:  # unsharded, parameters are frozen after distributed_model (its own refusal's fix)
+                model[0].requires_grad_(False)
+            for i, (x, y) in enumerate(_batches(world, 4)):
+                if i == 2:
+                    for p in wrapped.module[0].parameters():
+                        p.requires_grad_(True)
+                x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
+                with fleet.auto_cast():
+                    loss = F.mse_loss(wrapped(x).float(), y)
+                opt.zero_grad()
+                opt.backward(loss)
+                assert opt.step()
+            finals[mode, stage] = opt.fp32_state_dict(wrapped)
+    return finals
+
+
+@pytest.mark.timeout(240)
+def test_a_unit_frozen_at_the_first_forward_trains_like_unsharded_once_unfrozen():
+    """FSDP2 fixes a unit's gradient dtypes at its first forward from the parameters trainable then. Was: a unit
+    unfrozen later failed in backward in O2 ("attempting to assign a gradient with dtype 'c10::Half' to a tensor
+    with grad_dtype 'Float'"), and in O1 reduced in FP32 instead of FP16 (its parameters off the unsharded run's)."""
+    for finals in run_workers(_unfreeze_at_step_two, 2, timeout=200):
+        for mode in ("O2-fp16", "O2-bf16", "O1-fp16"):
+            unsharded, sharded = finals[mode, 0], finals[mode, 3]
+            assert not torch.equal(sharded["0.weight"], _model()[0].weight.detach()), mode  # it trained
+            for name, value in unsharded.items():
+                assert torch.equal(sharded[name], value), (mode, name)
