@@ -425,7 +425,8 @@ class DataParallel(nn.Module):
             ddp.require_backward_grad_sync = runtime.sync_enabled and (runtime.reduce_scatter or runtime.merge_sync)
             ddp.training = self.training
             rebuilt = ddp_has_rebuilt_buckets(ddp)
-            if not rebuilt and runtime.reduce_scatter and not ddp.find_unused_parameters:
+            if (not rebuilt and runtime.reduce_scatter and not ddp.find_unused_parameters
+                    and not any(opt.grads_await_step() for opt in runtime.optimizers)):
                 _free_zero_grads(ddp)
             output = ddp(*args, **kwargs)
         except RuntimeError as exc:
@@ -517,6 +518,10 @@ def _free_zero_grads(ddp: DistributedDataParallel) -> None:
     backward makes each ``.grad`` again (a view of a new bucket). Without
     ``find_unused_parameters`` every parameter gets a gradient in every
     reduced backward, so no step sees ``None`` where it would have seen zeros.
+    Not called while a backward's gradients wait for ``step()``: after a
+    forward between backward and step (an evaluation) ``step()`` would find
+    no ``.grad``, take the slice's reduced gradients for none and refuse the
+    step; DDP then rebuilds beside the old buckets, once.
     """
     for p in ddp.module.parameters():
         if p.grad is not None and not bool(p.grad.any()):

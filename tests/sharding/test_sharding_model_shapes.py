@@ -1,0 +1,94 @@
+"""Stages 1 and 2 against sharding off on loops and model shapes the other sharding tests do not cover.
+
+Each worker trains the same model from the same data with sharding off and with
+stages 1 and 2, on 2 gloo ranks, and the test compares the final FP32 values.
+AMP off and O2 BF16 without gradient merge are compared bitwise: on 2 ranks the
+reduce-scatter sums the same two halves in FP32 that the unsharded all-reduce
+sums (see tests/sharding/test_sharding.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.multiprocess import run_workers
+
+STEPS, PER_RANK = 3, 4
+
+
+class _Normed(nn.Module):
+    """A BatchNorm between two Linears: its running statistics change in every forward, evaluated or not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = nn.Linear(5, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.l2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.relu(self.norm(self.l1(x))))
+
+
+def _strategy(stage: int, amp: str):
+    from distamp import fleet
+
+    strategy = fleet.DistributedStrategy(amp=amp != "off", sharding=stage > 0)
+    if amp == "o2-bf16":
+        strategy.amp_configs = {"use_pure_fp16": True, "dtype": "bfloat16"}
+    if stage:
+        strategy.sharding_configs = {"stage": stage}
+    strategy.fuse_grad_size_in_MB = 0.0001  # several buckets, one cut by the slice boundary
+    return strategy
+
+
+def _evaluate_between_backward_and_step(rank, world, amp, grad_enabled):
+    """Each step: a training forward and backward, then a forward in eval mode (a validation loss), then step()."""
+    from distamp import fleet
+
+    fleet.init()
+    out = {}
+    for stage in (0, 1, 2):
+        model = _Normed()
+        strategy = _strategy(stage, amp)
+        opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), strategy)
+        wrapped = fleet.distributed_model(model, strategy)
+        g = torch.Generator().manual_seed(10 + rank)
+        applied = []
+        for _ in range(STEPS):
+            x, y = torch.randn(PER_RANK, 5, generator=g), torch.randn(PER_RANK, 3, generator=g)
+            opt.zero_grad()
+            with fleet.auto_cast():
+                loss = F.mse_loss(wrapped(x).float(), y)
+            opt.backward(loss)
+            wrapped.eval()
+            with torch.set_grad_enabled(grad_enabled), fleet.auto_cast():
+                wrapped(2 * x)
+            wrapped.train()
+            applied.append(opt.step())
+        out[stage] = {"applied": applied, "fp32": opt.fp32_state_dict(wrapped)}
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("grad_enabled", [False, True], ids=["no_grad", "grad"])
+@pytest.mark.parametrize("amp", ["off", "o2-bf16"])
+def test_a_forward_between_backward_and_step_trains_as_unsharded(amp, grad_enabled):
+    """Stage 1 freed each zeroed ``.grad`` before the first forward after the first backward (so that DDP's
+    bucket rebuild finds the old buckets gone); when that forward came between backward and step() (an
+    evaluation), step() found the backward's gradients cleared and raised "optimizer.step() after a zero_grad()".
+    Now nothing is freed while a backward's gradients wait for step(), and every stage applies every step,
+    bitwise as sharding off."""
+    out = run_workers(_evaluate_between_backward_and_step, 2, amp, grad_enabled, timeout=100)
+    for rank in (0, 1):
+        for stage in (0, 1, 2):
+            result = out[rank][stage]
+            assert result["applied"] == [True] * STEPS, (rank, stage)
+            for name, value in out[0][0]["fp32"].items():
+                if name.startswith("norm.running") and rank == 1:
+                    continue  # rank 1's statistics are its own until the next training forward broadcasts rank 0's
+                assert torch.equal(result["fp32"][name], value), (rank, stage, name)
+
