@@ -110,6 +110,7 @@ class _Runtime:
         self.reduce_scatter = False  # sharding stage 1 or 2: every micro-batch communicates
         self.sync_enabled = True
         self.forward_synced = True  # sync_enabled at the latest forward with gradients: its backward reduces
+        self.reduced_since_forward = False  # a backward ran since the latest forward with gradients (DDP reduced it)
         self.prepared = False
         self.param_gather = ForwardParamGather(module)  # overlap_param_gather: finished in forward
         # Parameters frozen when DDP (or stage 2's reducer) was built, which therefore never reduces them.
@@ -356,6 +357,21 @@ class DataParallel(nn.Module):
         """
         return self._runtime.forward_synced or not self.distributed
 
+    def take_reducing_backward(self) -> bool:
+        """Whether the backward that just ran is the first since the latest forward with gradients; marks it.
+
+        DDP (sharding off, stage 1) reduces in the first backward after a
+        forward only and leaves a second one through the same forward
+        (``backward(retain_graph=True)`` twice) each rank's own, as inside
+        :meth:`no_sync`. Always True where every backward reduces (stage 2's
+        reducer) or nothing does (one process). Called by the attached
+        optimizers after each ``optimizer.backward``.
+        """
+        runtime = self._runtime
+        first = not runtime.reduced_since_forward
+        runtime.reduced_since_forward = True
+        return first or runtime.ddp is None
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally: backward passes run inside skip the all-reduce."""
@@ -413,6 +429,7 @@ class DataParallel(nn.Module):
             self._refuse_converted()  # a forward without gradients reduces nothing: converting for evaluation is fine
         if torch.is_grad_enabled():
             runtime.forward_synced = runtime.sync_enabled
+            runtime.reduced_since_forward = False  # a constant: torch.compile guards on no counter
         ddp = runtime.ddp
         try:
             if runtime.reducer is not None:

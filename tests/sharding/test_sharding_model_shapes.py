@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.multiprocess import run_workers
+from tests.sharding.test_sharding import assert_within_bf16_rounding
 
 STEPS, PER_RANK = 3, 4
 
@@ -91,4 +92,76 @@ def test_a_forward_between_backward_and_step_trains_as_unsharded(amp, grad_enabl
                 if name.startswith("norm.running") and rank == 1:
                     continue  # rank 1's statistics are its own until the next training forward broadcasts rank 0's
                 assert torch.equal(result["fp32"][name], value), (rank, stage, name)
+
+
+class _Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = nn.Linear(5, 9)
+        self.l2 = nn.Linear(9, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+def _two_backwards_of_one_forward(rank, world, amp):
+    """``optimizer.backward(loss, retain_graph=True)`` then ``optimizer.backward(loss)`` after one forward:
+    first straight to step() (what it does or raises), then followed by another forward and backward."""
+    from distamp import fleet
+
+    fleet.init()
+    out = {}
+    for stage in (0, 1, 2):
+        for then_forward in (False, True):
+            model = _Plain()
+            strategy = _strategy(stage, amp)
+            opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+            wrapped = fleet.distributed_model(model, strategy)
+            g = torch.Generator().manual_seed(10 + rank)
+            x, y = torch.randn(PER_RANK, 5, generator=g), torch.randn(PER_RANK, 3, generator=g)
+            with fleet.auto_cast():
+                loss = F.mse_loss(wrapped(x).float(), y)
+            opt.backward(loss, retain_graph=True)
+            opt.backward(loss)
+            if then_forward:
+                with fleet.auto_cast():
+                    opt.backward(F.mse_loss(wrapped(x).float(), y))
+            try:
+                applied = opt.step()
+            except RuntimeError as error:
+                out[stage, then_forward] = str(error)
+                continue
+            out[stage, then_forward] = {"applied": applied, "fp32": opt.fp32_state_dict(wrapped)}
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("amp", ["off", "o2-bf16"])
+def test_a_second_backward_of_one_forward_is_reduced_or_refused_on_every_stage(amp):
+    """DDP (sharding off and stage 1) reduces in the first backward after each forward only. A second backward
+    through the same forward left each rank's own gradient: sharding off applied it (the ranks drifted apart),
+    stage 1 left it out of the slices (the ranks agreed on half the gradient). Now step() raises on every rank
+    unless a later synced backward reduces it (as after a no_sync() backward), and then every stage applies the
+    three gradients' mean; stage 2's reducer reduces every backward and applies it either way."""
+    out = run_workers(_two_backwards_of_one_forward, 2, amp, timeout=100)
+    for rank in (0, 1):
+        for stage in (0, 1):
+            message = out[rank][stage, False]
+            assert isinstance(message, str), (rank, stage)
+            assert "second backward through one forward" in message
+            assert "optimizer.backward once" in message
+        assert out[rank][2, False]["applied"]
+        for stage in (0, 1, 2):
+            result = out[rank][stage, True]
+            assert result["applied"], (rank, stage)
+            for name, value in out[0][stage, True]["fp32"].items():
+                assert torch.equal(result["fp32"][name], value), (rank, stage, name)  # the ranks agree
+                # Stage 2 reduces three gradients and sums them in FP32; DDP reduces the sum of the last two
+                # (16-bit in O2) added to the first's reduced value: rounding apart.
+                expected = out[0][2, True]["fp32"][name]
+                if amp == "off":
+                    torch.testing.assert_close(result["fp32"][name], expected, rtol=0, atol=1e-6)
+                else:
+                    assert_within_bf16_rounding(result["fp32"][name], expected)
 
