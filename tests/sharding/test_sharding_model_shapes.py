@@ -165,3 +165,56 @@ def test_a_second_backward_of_one_forward_is_reduced_or_refused_on_every_stage(a
                 else:
                     assert_within_bf16_rounding(result["fp32"][name], expected)
 
+
+class _Gain(nn.Module):
+    """``x * weight``: an FP32 product (the O2 weight is promoted), whose gradient is cast to FP16 for the weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def _merged_sum_beyond_fp16(rank, world):
+    """O2 FP16, gradient merge K=2, a fixed scale of 1: each of rank 0's micro-batches has the gradient
+    3 * 2**14 (the loss divided by K), their sum 3 * 2**15 is beyond FP16's 65504, and the mean over the ranks
+    (rank 1's gradients are 0), 3 * 2**14, fits FP16 exactly."""
+    from distamp import fleet
+
+    fleet.init()
+    out = {}
+    for stage in (0, 1, 2):
+        model = _Gain()
+        strategy = fleet.DistributedStrategy(amp=True, sharding=stage > 0, gradient_merge=True)
+        strategy.amp_configs = {"use_pure_fp16": True, "dtype": "float16", "use_dynamic_loss_scaling": False,
+                                "init_loss_scaling": 1.0}
+        strategy.gradient_merge_configs = {"k_steps": 2}
+        if stage:
+            strategy.sharding_configs = {"stage": stage}
+        opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=1e-5), strategy)
+        wrapped = fleet.distributed_model(model, strategy)
+        x = torch.full((1, 4), 3.0 * 2**15 if rank == 0 else 0.0)
+        for _ in range(2):
+            with fleet.auto_cast():
+                loss = wrapped(x).sum()
+            opt.backward(loss)
+            applied = opt.step()
+        out[stage] = applied, opt.fp32_state_dict(wrapped)["weight"]
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_o2_fp16_merged_sum_beyond_fp16_whose_mean_fits_is_applied_as_sharded():
+    """Sharding off added the FP32 sum of the window's micro-batches into the 16-bit bucket before dividing it by
+    the world size, so 3 * 2**15 became inf there and every rank skipped a step that stages 1 and 2 (which
+    reduce-scatter each micro-batch, divided first) applied. It now divides the FP32 sum first, as the hook
+    divides an FP32 (O1) gradient before the wire cast: every stage applies the mean, 3 * 2**14."""
+    out = run_workers(_merged_sum_beyond_fp16, 2, timeout=100)
+    expected = torch.ones(4).add_(torch.full((4,), 3.0 * 2**14), alpha=-1e-5)
+    for rank in (0, 1):
+        for stage in (0, 1, 2):
+            applied, weight = out[rank][stage]
+            assert applied is True, (rank, stage)
+            assert torch.equal(weight, expected), (rank, stage, weight)
