@@ -1,7 +1,7 @@
-"""Stages 1 and 2 against sharding off on loops and model shapes the other sharding tests do not cover.
+"""The sharding stages against sharding off on loops and model shapes the other sharding tests do not cover.
 
 Each worker trains the same model from the same data with sharding off and with
-stages 1 and 2, on 2 gloo ranks, and the test compares the final FP32 values.
+the sharding stages, on 2 gloo ranks, and the test compares the final FP32 values.
 AMP off and O2 BF16 without gradient merge are compared bitwise: on 2 ranks the
 reduce-scatter sums the same two halves in FP32 that the unsharded all-reduce
 sums (see tests/sharding/test_sharding.py).
@@ -42,7 +42,8 @@ def _strategy(stage: int, amp: str):
         strategy.amp_configs = {"use_pure_fp16": True, "dtype": "bfloat16"}
     if stage:
         strategy.sharding_configs = {"stage": stage}
-    strategy.fuse_grad_size_in_MB = 0.0001  # several buckets, one cut by the slice boundary
+    if stage != 3:  # stage 3 sends one FSDP2 unit at a time and refuses a bucket size
+        strategy.fuse_grad_size_in_MB = 0.0001  # several buckets, one cut by the slice boundary
     return strategy
 
 
@@ -218,3 +219,45 @@ def test_o2_fp16_merged_sum_beyond_fp16_whose_mean_fits_is_applied_as_sharded():
             applied, weight = out[rank][stage]
             assert applied is True, (rank, stage)
             assert torch.equal(weight, expected), (rank, stage, weight)
+
+
+class _EmptyParameter(nn.Module):
+    """A Linear and a trainable parameter of no elements (a placeholder some models keep)."""
+
+    def __init__(self, frozen: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(5, 3)
+        self.empty = nn.Parameter(torch.zeros(0), requires_grad=not frozen)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.empty.sum()
+
+
+def _stage3_with_an_empty_parameter(rank, world, frozen):
+    from distamp import fleet
+
+    fleet.init()
+    model = _EmptyParameter(frozen)
+    strategy = _strategy(3, "off")
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    try:
+        wrapped = fleet.distributed_model(model, strategy)
+    except ValueError as error:
+        return str(error)
+    x = torch.randn(PER_RANK, 5, generator=torch.Generator().manual_seed(rank))
+    opt.backward(wrapped(x).pow(2).mean())
+    return opt.step()
+
+
+@pytest.mark.timeout(120)
+def test_stage3_refuses_a_trainable_parameter_without_elements_before_sharding():
+    """FSDP2 accepted it and failed in the first backward with "_chunk_cat expects non-empty tensor"; now
+    fleet.distributed_model names it and the fixes, before any collective. Frozen, it trains."""
+    for message in run_workers(_stage3_with_an_empty_parameter, 2, False, timeout=100):
+        assert message == (
+            "sharding stage 3: parameters ['empty'] have no elements; FSDP2's gradient reduce-scatter fails on "
+            "them in the first backward (torch: '_chunk_cat expects non-empty tensor'). Remove them, register "
+            "them as buffers, or set requires_grad=False on them before fleet.distributed_model (stages 1 and 2 "
+            "train them).")
+    assert run_workers(_stage3_with_an_empty_parameter, 2, True, timeout=100) == [True, True]
