@@ -46,6 +46,7 @@ __all__ = [
     "dtensor_local",
     "foreach_add_",
     "foreach_copy_",
+    "foreach_div_",
     "foreach_mul_",
     "foreach_norm",
     "foreach_zero_",
@@ -75,6 +76,7 @@ __all__ = [
 # names. Same signatures on 2.11-2.14.
 foreach_add_ = torch._foreach_add_
 foreach_copy_ = torch._foreach_copy_
+foreach_div_ = torch._foreach_div_
 foreach_mul_ = torch._foreach_mul_
 foreach_zero_ = torch._foreach_zero_
 # GradScaler's fused unscale and inf/NaN check (torch/amp/grad_scaler.py): one

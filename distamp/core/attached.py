@@ -67,6 +67,9 @@ class AttachedOptimizer(Protocol):
     def grads_reseated(self) -> None:
         """The model's ``.grad`` tensors were replaced by equal ones (DDP rebuilt its buckets)."""
 
+    def grads_await_step(self) -> bool:
+        """Whether the last backward's gradients wait for ``step()`` (outside a gradient-merge window)."""
+
     def defer_param_gather(self, deferred: bool) -> bool:
         """Whether ``step()`` may leave its all-gather to the model's forward hooks; True when it overlaps."""
 

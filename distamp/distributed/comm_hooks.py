@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distamp.torch_compat import foreach_add_, foreach_copy_
+from distamp.torch_compat import foreach_add_, foreach_copy_, foreach_div_
 
 __all__ = ["CommStats", "LowPrecisionAllReduce", "PendingFp32Grads", "add_pending_fp32", "low_precision_allreduce_hook"]
 
@@ -102,11 +102,12 @@ def low_precision_allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook body for :class:`LowPrecisionAllReduce` (``state`` is the instance)."""
     buffer = bucket.buffer()
-    add_pending_fp32(buffer, bucket.parameters(), state.pending)
-    # Divide in the bucket's own dtype before casting: an FP32 (O1) gradient
-    # in [65504, 65504 * world_size) is finite once divided but inf if cast
-    # first. Dividing the bucket in place is fine: the result overwrites it.
-    wire = buffer.div_(state.predivide_factor)
+    # Divide before casting: an FP32 (O1) gradient, or gradient merge's FP32
+    # sum, in [65504, 65504 * world_size) is finite once divided but inf if
+    # cast first. Dividing the bucket in place is fine: the result overwrites it.
+    if not add_pending_fp32(buffer, bucket.parameters(), state.pending, state.predivide_factor):
+        buffer.div_(state.predivide_factor)
+    wire = buffer
     if wire.dtype != state.wire_dtype:
         wire = wire.to(state.wire_dtype)
     nbytes = wire.numel() * wire.element_size()
@@ -125,26 +126,40 @@ def low_precision_allreduce_hook(
     return work.get_future().then(finish)
 
 
-def add_pending_fp32(buffer: torch.Tensor, params: Sequence[torch.Tensor], pending: Pending | None) -> None:
+def add_pending_fp32(buffer: torch.Tensor, params: Sequence[torch.Tensor], pending: Pending | None,
+                     divisor: float | None = None) -> bool:
     """Add the FP32 sums ``pending`` has for the bucket's parameters into the bucket, rounding once.
 
     Gradient merge in O2: the earlier micro-batches' FP32 sum (the
     accumulator, consumed here) takes this micro-batch's gradient in FP32
     and the total is rounded into the 16-bit bucket once, instead of once
-    per micro-batch; no buffer is allocated.
+    per micro-batch; no buffer is allocated. With ``divisor`` the whole
+    bucket is divided by it too, a total in FP32 before it is rounded (so
+    one beyond the 16-bit range whose quotient fits stays finite), and
+    True is returned; False when nothing was pending (nothing changed).
     """
     extra = pending(params) if pending is not None else None
     if extra is None:
-        return
-    sums, grads, position = [], [], 0
+        return False
+    sums, grads, rest, position = [], [], [], 0
     for p, e in zip(params, extra, strict=True):
+        part = buffer[position : position + p.numel()]
         if e is not None:
             sums.append(e.view(-1))
-            grads.append(buffer[position : position + p.numel()])
+            grads.append(part)
+        else:
+            rest.append(part)
         position += p.numel()
     if sums:
         foreach_add_(sums, grads)
+        if divisor is not None:
+            foreach_div_(sums, divisor)
         foreach_copy_(grads, sums)
+    if divisor is not None:
+        if rest:
+            foreach_div_(rest, divisor)
+        return True
+    return bool(sums)
 
 
 class PendingFp32Grads:

@@ -110,6 +110,7 @@ class _Runtime:
         self.reduce_scatter = False  # sharding stage 1 or 2: every micro-batch communicates
         self.sync_enabled = True
         self.forward_synced = True  # sync_enabled at the latest forward with gradients: its backward reduces
+        self.reduced_since_forward = False  # a backward ran since the latest forward with gradients (DDP reduced it)
         self.prepared = False
         self.param_gather = ForwardParamGather(module)  # overlap_param_gather: finished in forward
         # Parameters frozen when DDP (or stage 2's reducer) was built, which therefore never reduces them.
@@ -356,6 +357,21 @@ class DataParallel(nn.Module):
         """
         return self._runtime.forward_synced or not self.distributed
 
+    def take_reducing_backward(self) -> bool:
+        """Whether the backward that just ran is the first since the latest forward with gradients; marks it.
+
+        DDP (sharding off, stage 1) reduces in the first backward after a
+        forward only and leaves a second one through the same forward
+        (``backward(retain_graph=True)`` twice) each rank's own, as inside
+        :meth:`no_sync`. Always True where every backward reduces (stage 2's
+        reducer) or nothing does (one process). Called by the attached
+        optimizers after each ``optimizer.backward``.
+        """
+        runtime = self._runtime
+        first = not runtime.reduced_since_forward
+        runtime.reduced_since_forward = True
+        return first or runtime.ddp is None
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally: backward passes run inside skip the all-reduce."""
@@ -413,6 +429,7 @@ class DataParallel(nn.Module):
             self._refuse_converted()  # a forward without gradients reduces nothing: converting for evaluation is fine
         if torch.is_grad_enabled():
             runtime.forward_synced = runtime.sync_enabled
+            runtime.reduced_since_forward = False  # a constant: torch.compile guards on no counter
         ddp = runtime.ddp
         try:
             if runtime.reducer is not None:
@@ -425,7 +442,8 @@ class DataParallel(nn.Module):
             ddp.require_backward_grad_sync = runtime.sync_enabled and (runtime.reduce_scatter or runtime.merge_sync)
             ddp.training = self.training
             rebuilt = ddp_has_rebuilt_buckets(ddp)
-            if not rebuilt and runtime.reduce_scatter and not ddp.find_unused_parameters:
+            if (not rebuilt and runtime.reduce_scatter and not ddp.find_unused_parameters
+                    and not any(opt.grads_await_step() for opt in runtime.optimizers)):
                 _free_zero_grads(ddp)
             output = ddp(*args, **kwargs)
         except RuntimeError as exc:
@@ -517,6 +535,10 @@ def _free_zero_grads(ddp: DistributedDataParallel) -> None:
     backward makes each ``.grad`` again (a view of a new bucket). Without
     ``find_unused_parameters`` every parameter gets a gradient in every
     reduced backward, so no step sees ``None`` where it would have seen zeros.
+    Not called while a backward's gradients wait for ``step()``: after a
+    forward between backward and step (an evaluation) ``step()`` would find
+    no ``.grad``, take the slice's reduced gradients for none and refuse the
+    step; DDP then rebuilds beside the old buckets, once.
     """
     for p in ddp.module.parameters():
         if p.grad is not None and not bool(p.grad.any()):

@@ -160,6 +160,11 @@ class GradWatch:
                 saw_one = True
         return saw_one
 
+    @property
+    def backward_pending(self) -> bool:
+        """Whether an ``optimizer.backward`` ran since the last step (its gradients wait for ``step()``)."""
+        return self._backward_since_step
+
     def kept_since_backward(self) -> bool:
         """True when a backward ran since the last step and no gradient changed after it (accumulation goes on)."""
         return (self._backward_since_step and self._after_backward is not None

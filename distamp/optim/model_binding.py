@@ -74,7 +74,10 @@ class ModelBinding:
         self._sync_sources: weakref.WeakSet = weakref.WeakSet()
         self._owned_checked = False  # check_owned passed on the adopted model's names, which never change after
         self.last_backward_local = False
-        """Whether the latest backward left each rank's own gradient (inside a wrapper's ``no_sync()``)."""
+        """Whether the latest backward left each rank's own gradient (inside a wrapper's ``no_sync()``, or a second
+        backward through one forward of a DDP-based wrapper)."""
+        self.last_backward_repeated = False
+        """Whether the latest backward was a second one through one forward of a DDP-based wrapper."""
 
     def name_of(self, param: torch.Tensor, index: int) -> str:
         """The qualified name of ``param`` in the adopted model (inside any wrappers), else ``"params[index]"``."""
@@ -139,7 +142,13 @@ class ModelBinding:
         A synced backward reduces what earlier local ones accumulated, so only
         the latest one counts.
         """
-        self.last_backward_local = self.backward_stays_local() or not all(
+        repeated = False
+        for source in self._sync_sources:  # every source is told, none skipped
+            take = getattr(source, "take_reducing_backward", None)
+            if take is not None and not take():
+                repeated = True
+        self.last_backward_repeated = repeated
+        self.last_backward_local = repeated or self.backward_stays_local() or not all(
             source.backward_communicates() for source in self._sync_sources)
 
     def check_owned(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, start: int = 0) -> None:
@@ -179,6 +188,16 @@ class ModelBinding:
         """
         if group_size(group) == 1:
             return
+        if self.last_backward_repeated:
+            raise RuntimeError(
+                "optimizer.step() (or unscale_/clip_grad_norm_) after a second backward through one forward of the "
+                "data-parallel model (optimizer.backward(loss, retain_graph=True) and another backward, with no "
+                "forward between) and no synced forward and backward since: DDP reduces the gradients in the first "
+                "backward after each forward only, so the later backward's gradients are each rank's own, not "
+                f"reduced over the {group_size(group)} ranks, and every rank would apply its own (or, sharded, "
+                "each slice its owner's) and the ranks would silently diverge. Add the losses and call "
+                "optimizer.backward once, or run the forward again before each backward."
+            )
         if self.last_backward_local:
             raise RuntimeError(
                 "optimizer.step() (or unscale_/clip_grad_norm_) after a backward inside model.no_sync() (or with "

@@ -421,6 +421,15 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
         """
         self._watch.reseated()
 
+    def grads_await_step(self) -> bool:
+        """Whether the gradients of the last ``backward`` wait for ``step()`` with no backward of theirs to come.
+
+        True after a backward until the next step, except inside a
+        gradient-merge window, whose next micro-batch makes the model's
+        ``.grad`` again (``fleet.distributed_model`` asks before freeing them).
+        """
+        return self._watch.backward_pending and not self.merge.is_accumulating
+
     def defer_param_gather(self, deferred: bool) -> bool:
         """Let ``step()`` leave its parameter all-gather running for forward hooks to finish (or stop it).
 

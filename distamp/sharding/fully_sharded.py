@@ -113,6 +113,7 @@ class FullyShardedModel(nn.Module):
         units = choose_units(module, strategy.sharding_config.units)
         fp32_units = precision.fp32_modules(module)
         _check_nothing_shared(module, [*units, *fp32_units])
+        _check_no_empty_trainable(module)
         self.module = module
         self.strategy = strategy
         self._black_modules = precision.keep_black_modules_in_fp32(module)
@@ -391,6 +392,25 @@ def _check_nothing_shared(module: nn.Module, units: list[tuple[str, nn.Module]])
             "in one unit only (tied weights, one Parameter set on two modules). Name units in "
             "sharding_configs['units'] that leave every module holding it in one unit, or in the root; units now: "
             f"{[n for n, _ in units]}."
+        )
+
+
+def _check_no_empty_trainable(module: nn.Module) -> None:
+    """Refuse a trainable parameter without elements, which FSDP2's reduce-scatter fails on, naming it.
+
+    torch's ``fully_shard`` accepts it and fails in the first backward
+    ("_chunk_cat expects non-empty tensor"), after collectives ran.
+
+    Raises:
+        ValueError: naming the parameters and the fix.
+    """
+    empty = [name for name, p in module.named_parameters() if p.requires_grad and p.numel() == 0]
+    if empty:
+        raise ValueError(
+            f"sharding stage 3: parameters {empty} have no elements; FSDP2's gradient reduce-scatter fails on "
+            "them in the first backward (torch: '_chunk_cat expects non-empty tensor'). Remove them, register "
+            "them as buffers, or set requires_grad=False on them before fleet.distributed_model (stages 1 and 2 "
+            "train them)."
         )
 
 
