@@ -110,6 +110,7 @@ class _Runtime:
         self.reduce_scatter = False  # sharding stage 1 or 2: every micro-batch communicates
         self.sync_enabled = True
         self.forward_synced = True  # sync_enabled at the latest forward with gradients: its backward reduces
+        self.forward_pending = False  # a forward with gradients ran since the latest optimizer.backward
         self.prepared = False
         self.param_gather = ForwardParamGather(module)  # overlap_param_gather: finished in forward
         # Parameters frozen when DDP (or stage 2's reducer) was built, which therefore never reduces them.
@@ -356,6 +357,21 @@ class DataParallel(nn.Module):
         """
         return self._runtime.forward_synced or not self.distributed
 
+    def backward_bypassed(self) -> bool:
+        """Whether the latest backward had no forward of this wrapper before it, so DDP reduced nothing.
+
+        DDP reduces the backward of a forward it ran, once: a backward of a
+        forward through ``model.module`` (or a second backward of one forward)
+        leaves each rank's own gradient, and each rank (at sharding stage 1,
+        each slice's owner) would apply its own. Stage 2's reducer (hooks on
+        the parameters) reduces every backward, so this is False there and
+        without DDP. Read by the attached optimizer after each
+        ``optimizer.backward``; the read uses up the forward.
+        """
+        runtime = self._runtime
+        pending, runtime.forward_pending = runtime.forward_pending, False
+        return runtime.ddp is not None and not pending
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally: backward passes run inside skip the all-reduce."""
@@ -413,6 +429,7 @@ class DataParallel(nn.Module):
             self._refuse_converted()  # a forward without gradients reduces nothing: converting for evaluation is fine
         if torch.is_grad_enabled():
             runtime.forward_synced = runtime.sync_enabled
+            runtime.forward_pending = True
         ddp = runtime.ddp
         try:
             if runtime.reducer is not None:
