@@ -89,6 +89,9 @@ class FullyShardedModel(nn.Module):
         process_group: the data-parallel group; ``None`` is the world.
         device: the device this process trains on (``fleet.device()``);
             every parameter and buffer must be there.
+        broadcast_buffers: DDP's option of that name: rank 0's buffers are
+            broadcast before each forward that follows a synced training
+            forward (FSDP2 alone syncs none); False keeps each rank's own.
 
     Raises:
         ValueError: a ``units`` or ``custom_black_varnames`` pattern matches
@@ -96,7 +99,8 @@ class FullyShardedModel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, strategy: DistributedStrategy, precision: ModelPrecision, *,
-                 process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
+                 broadcast_buffers: bool = True) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
@@ -136,7 +140,7 @@ class FullyShardedModel(nn.Module):
         self._grad_sync = True
         self._forward_synced = True  # _grad_sync at the latest forward with gradients: its backward reduces
         # FSDP2 syncs no buffer: DDP's broadcast_buffers rule keeps BatchNorm statistics equal across ranks.
-        self._buffer_broadcast = BufferBroadcast(module, group, enabled=self._group_size > 1)
+        self._buffer_broadcast = BufferBroadcast(module, group, enabled=self._group_size > 1 and broadcast_buffers)
 
     # ------------------------------------------------------------------
     @property
