@@ -83,6 +83,27 @@ def _check_ddp_kwargs(strategy: DistributedStrategy, ddp_kwargs: dict[str, Any])
                 f"takes only {list(STAGE2_DDP_KWARGS)} (and find_unused_parameters); remove the others"
             )
     _refuse_static_graph_with_merge(strategy, ddp_kwargs)
+    _refuse_ddp_mixed_precision(strategy, ddp_kwargs)
+
+
+def _refuse_ddp_mixed_precision(strategy: DistributedStrategy, ddp_kwargs: dict[str, Any]) -> None:
+    """Raise ``ValueError`` for DDP's own ``mixed_precision`` where distamp registers a comm hook on DDP.
+
+    DDP's ``mixed_precision`` registers its comm hook when DDP is built,
+    so distamp's (AMP's wire cast, stage 1's reduce-scatter, PowerSGD) could
+    not be registered: torch raised "register_comm_hook ... can only be
+    called once" at the first forward, after the start-up collectives.
+    """
+    if ddp_kwargs.get("mixed_precision") is None:
+        return
+    users = [name for name, on in (("strategy.amp", strategy.amp), ("strategy.powersgd", strategy.powersgd),
+                                   ("sharding stage 1", strategy.sharding)) if on]
+    if users:
+        raise ValueError(
+            "fleet.distributed_model(..., mixed_precision=...): DDP's own mixed precision registers its comm hook "
+            f"in place of the one distamp registers for {' and '.join(users)}; set the precision with "
+            "strategy.amp = True and amp_configs (dtype, use_pure_fp16, comm_dtype) and remove mixed_precision"
+        )
 
 
 def strategy_fp32_parameters(module: nn.Module, strategy: DistributedStrategy) -> list[nn.Parameter]:
