@@ -150,7 +150,7 @@ class DDPPreparation:
             device=self._training_device(),
         )
         if self.ddp_kwargs.get("init_sync", True):
-            reducer.broadcast_from_rank0()
+            reducer.broadcast_from_rank0(buffers=self.ddp_kwargs.get("broadcast_buffers", True))
         return reducer
 
     def _build_ddp(self, bucket_cap_mb: float) -> DistributedDataParallel:

@@ -90,8 +90,9 @@ class FullyShardedModel(nn.Module):
         device: the device this process trains on (``fleet.device()``);
             every parameter and buffer must be there.
         broadcast_buffers: DDP's option of that name: rank 0's buffers are
-            broadcast before each forward that follows a synced training
-            forward (FSDP2 alone syncs none); False keeps each rank's own.
+            broadcast when the model is sharded and before each forward that
+            follows a synced training forward (FSDP2 alone syncs none); False
+            keeps each rank's own, at start-up too.
 
     Raises:
         ValueError: a ``units`` or ``custom_black_varnames`` pattern matches
@@ -123,7 +124,7 @@ class FullyShardedModel(nn.Module):
         if self._group_size > 1:
             check_ranks_agree(strategy, module)
             with named_collective("the start-up broadcast of parameters from rank 0"):
-                _broadcast_from_first(module, group)
+                _broadcast_from_first(module, group, buffers=broadcast_buffers)
         before = list(module.named_parameters())
         self._reduce_scatter = WireReduceScatter()
         _shard(module, units, fp32_units, strategy, DeviceMesh.from_group(group, device.type), self._reduce_scatter)
@@ -368,11 +369,12 @@ def _check_nothing_shared(module: nn.Module, units: list[tuple[str, nn.Module]])
         )
 
 
-def _broadcast_from_first(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Give every rank the parameters and buffers of the group's first rank (in place)."""
+def _broadcast_from_first(module: nn.Module, group: dist.ProcessGroup, buffers: bool = True) -> None:
+    """Give every rank the parameters and (unless ``buffers`` is False, as DDP's ``broadcast_buffers=False``)
+    buffers of the group's first rank (in place)."""
     src = dist.get_global_rank(group, 0)
     with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
+        for tensor in [*module.parameters(), *(module.buffers() if buffers else ())]:
             dist.broadcast(tensor, src=src, group=group)
 
 

@@ -802,6 +802,37 @@ def test_stage_3_keeps_each_ranks_buffers_with_broadcast_buffers_false_and_names
         assert "takes only ['broadcast_buffers']" in message
 
 
+def _start_buffers(rank, world):
+    """BatchNorm's running mean, rank + 1 on each rank before the wrap, after the wrappers of stages 0, 2 and 3
+    are built and ran an evaluation forward, with and without broadcast_buffers."""
+    from distamp import fleet
+
+    fleet.init()
+    out = {}
+    for stage in (0, 2, 3):
+        for broadcast in (True, False):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+            model[1].running_mean.fill_(rank + 1.0)
+            strategy = _strategy(stage)
+            fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+            wrapped = fleet.distributed_model(model, strategy, **({} if broadcast else {"broadcast_buffers": False}))
+            with torch.no_grad():
+                wrapped.eval()(torch.randn(2, 4))
+            out[stage, broadcast] = model[1].running_mean.clone()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_broadcast_buffers_false_keeps_each_ranks_buffers_from_the_start_as_ddp_does():
+    # was: stages 2 and 3 broadcast rank 0's buffers when the model was built even with broadcast_buffers=False,
+    # which DDP (stages 0 and 1) leaves each rank's own from the start (rank-local buffers)
+    for rank, out in enumerate(run_workers(_start_buffers, 2, timeout=100)):
+        for stage in (0, 2, 3):
+            assert torch.equal(out[stage, True], torch.full((4,), 1.0)), (rank, stage)
+            assert torch.equal(out[stage, False], torch.full((4,), rank + 1.0)), (rank, stage)
+
+
 def _rank_seeded_start(rank, world):
     from distamp import fleet
 
