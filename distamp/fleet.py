@@ -47,6 +47,7 @@ from distamp.distributed.process_group import (
     world_info_from_group,
 )
 from distamp.model.data_parallel import DataParallel
+from distamp.model.ddp_preparation import refuse_stage3_kwargs
 from distamp.model.forward_weight_writes import check_forward_weight_writes
 from distamp.model.sparse_gradients import refuse_sparse_gradients
 from distamp.optim.optimizer import AmpOptimizer
@@ -338,8 +339,8 @@ def distributed_model(
     :class:`~distamp.sharding.fully_sharded.FullyShardedModel` instead:
     the model is sharded now with torch's FSDP2 (collective: every rank
     calls it), on the units ``sharding_configs["units"]`` names (default:
-    the model's repeated blocks); no DDP, so DDP's keyword arguments are
-    refused.
+    the model's repeated blocks); no DDP, so of DDP's keyword arguments
+    only ``broadcast_buffers`` is taken, the others are refused.
 
     From then on the strategy's settings cannot change (``ValueError``), as
     with ``distributed_optimizer``.
@@ -362,16 +363,12 @@ def distributed_model(
     for opt in optimizers:
         check_same_strategy(opt.strategy, strategy)
     if _fully_sharded(strategy):
-        if kwargs:
-            raise ValueError(
-                f"fleet.distributed_model(..., {', '.join(f'{k}=...' for k in kwargs)}): keyword arguments go to "
-                "DDP, which sharding stage 3 does not use (it shards with torch's FSDP2); remove them"
-            )
+        refuse_stage3_kwargs(kwargs)
         # Imported here: FSDP2's private communication interfaces load only when stage 3 is used.
         from distamp.amp.model_precision import ForwardPrecision
         from distamp.sharding.fully_sharded import FullyShardedModel
 
-        sharded = FullyShardedModel(model, strategy, ForwardPrecision(strategy), device=device())
+        sharded = FullyShardedModel(model, strategy, ForwardPrecision(strategy), device=device(), **kwargs)
         _adopt(strategy, "fleet.distributed_model")
         for opt in list(_state.optimizers):
             if sharded.owns_any(opt.master_weights.model_params):

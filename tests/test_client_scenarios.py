@@ -323,3 +323,70 @@ def test_optimizer_parameters_outside_the_data_parallel_model_are_refused_on_eve
         assert result["groups"] == 1
     for a, b in zip(rank0["head"], rank1["head"], strict=True):
         assert torch.equal(a, b)
+
+
+def _forward_through_module(rank: int, world_size: int, path: str, bypass: str) -> dict:
+    """O2 FP16 on ``path``, four steps (the third overflowing on rank 1); the second step's forward first bypasses
+    the wrapper (``bypass``: "module" calls ``wrapped.module``, "twice" runs a second backward of one forward,
+    "none" neither), and where that step is refused it is redone through the wrapper on the same batch."""
+    fleet.init()
+    model = _model()
+    strategy = _strategy(True)
+    strategy.amp_configs = {"dtype": "float16", "use_pure_fp16": True, "init_loss_scaling": 128.0}
+    if path == "powersgd":
+        strategy.powersgd = True
+        strategy.powersgd_configs = {"rank": 1, "start_step": 1, "min_compression_rate": 1.0}
+    elif path != "stage0":
+        strategy.sharding = True
+        strategy.sharding_configs = {"stage": int(path[-1])}
+    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.5), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    errors = []
+
+    def train_step(step: int, forward: nn.Module, twice: bool = False) -> None:
+        x, y = _batch(rank, step)
+        optimizer.zero_grad()
+        with fleet.auto_cast():
+            loss = F.cross_entropy(forward(x), y) * (1e38 if step == 2 and rank == 1 else 1.0)
+        if twice:
+            optimizer.backward(loss / 2, retain_graph=True)
+        optimizer.backward(loss / 2 if twice else loss)
+        optimizer.step()
+
+    for step in range(4):
+        if step == 1 and bypass != "none":
+            try:
+                train_step(step, wrapped.module if bypass == "module" else wrapped, twice=bypass == "twice")
+                continue
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        train_step(step, wrapped)
+    params = optimizer.fp32_state_dict(wrapped)
+    return {"errors": errors, "params": [p.detach().clone() for p in params.values()],
+            "applied": optimizer.steps_applied, "skipped": optimizer.stats()["steps_skipped"]}
+
+
+def _bypassed_and_not(rank: int, world_size: int, path: str, bypass: str) -> tuple[dict, dict]:
+    return _forward_through_module(rank, world_size, path, bypass), _forward_through_module(
+        rank, world_size, path, "none")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("path", "bypass"), [("stage0", "module"), ("stage1", "module"), ("powersgd", "module"),
+                                              ("stage0", "twice"), ("stage2", "module"), ("stage3", "module")])
+def test_a_backward_whose_forward_bypassed_ddp_is_refused_where_ddp_reduces_and_trains_elsewhere(path, bypass):
+    """DDP reduces only the backward of a forward it ran: a forward through model.module, or a second backward of
+    one forward, left each rank's own gradient. Stage 2's reducer and stage 3's FSDP2 hooks reduce it anyway."""
+    results = run_workers(_bypassed_and_not, 2, path, bypass, timeout=100)
+    refused = path in ("stage0", "stage1", "powersgd")
+    for bypassed, reference in results:
+        # was: every rank (stage 1: each slice's owner) applied its own gradient, silently
+        assert len(bypassed["errors"]) == int(refused)
+        if refused:
+            assert "did not run through the fleet.distributed_model wrapper" in bypassed["errors"][0]
+            assert "model.module" in bypassed["errors"][0]
+        assert (bypassed["applied"], bypassed["skipped"]) == (reference["applied"], reference["skipped"]) == (3, 1)
+        for a, b in zip(bypassed["params"], reference["params"], strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(results[0][0]["params"], results[1][0]["params"], strict=True):
+        assert torch.equal(a, b)

@@ -83,6 +83,27 @@ def _check_ddp_kwargs(strategy: DistributedStrategy, ddp_kwargs: dict[str, Any])
                 f"takes only {list(STAGE2_DDP_KWARGS)} (and find_unused_parameters); remove the others"
             )
     _refuse_static_graph_with_merge(strategy, ddp_kwargs)
+    _refuse_ddp_mixed_precision(strategy, ddp_kwargs)
+
+
+def _refuse_ddp_mixed_precision(strategy: DistributedStrategy, ddp_kwargs: dict[str, Any]) -> None:
+    """Raise ``ValueError`` for DDP's own ``mixed_precision`` where distamp registers a comm hook on DDP.
+
+    DDP's ``mixed_precision`` registers its comm hook when DDP is built,
+    so distamp's (AMP's wire cast, stage 1's reduce-scatter, PowerSGD) could
+    not be registered: torch raised "register_comm_hook ... can only be
+    called once" at the first forward, after the start-up collectives.
+    """
+    if ddp_kwargs.get("mixed_precision") is None:
+        return
+    users = [name for name, on in (("strategy.amp", strategy.amp), ("strategy.powersgd", strategy.powersgd),
+                                   ("sharding stage 1", strategy.sharding)) if on]
+    if users:
+        raise ValueError(
+            "fleet.distributed_model(..., mixed_precision=...): DDP's own mixed precision registers its comm hook "
+            f"in place of the one distamp registers for {' and '.join(users)}; set the precision with "
+            "strategy.amp = True and amp_configs (dtype, use_pure_fp16, comm_dtype) and remove mixed_precision"
+        )
 
 
 def strategy_fp32_parameters(module: nn.Module, strategy: DistributedStrategy) -> list[nn.Parameter]:
@@ -110,7 +131,7 @@ class _Runtime:
         self.reduce_scatter = False  # sharding stage 1 or 2: every micro-batch communicates
         self.sync_enabled = True
         self.forward_synced = True  # sync_enabled at the latest forward with gradients: its backward reduces
-        self.reduced_since_forward = False  # a backward ran since the latest forward with gradients (DDP reduced it)
+        self.forward_pending = False  # a forward with gradients ran since the latest optimizer.backward
         self.prepared = False
         self.param_gather = ForwardParamGather(module)  # overlap_param_gather: finished in forward
         # Parameters frozen when DDP (or stage 2's reducer) was built, which therefore never reduces them.
@@ -357,20 +378,20 @@ class DataParallel(nn.Module):
         """
         return self._runtime.forward_synced or not self.distributed
 
-    def take_reducing_backward(self) -> bool:
-        """Whether the backward that just ran is the first since the latest forward with gradients; marks it.
+    def backward_bypassed(self) -> bool:
+        """Whether the latest backward had no forward of this wrapper before it, so DDP reduced nothing.
 
-        DDP (sharding off, stage 1) reduces in the first backward after a
-        forward only and leaves a second one through the same forward
-        (``backward(retain_graph=True)`` twice) each rank's own, as inside
-        :meth:`no_sync`. Always True where every backward reduces (stage 2's
-        reducer) or nothing does (one process). Called by the attached
-        optimizers after each ``optimizer.backward``.
+        DDP reduces the backward of a forward it ran, once: a backward of a
+        forward through ``model.module`` (or a second backward of one forward)
+        leaves each rank's own gradient, and each rank (at sharding stage 1,
+        each slice's owner) would apply its own. Stage 2's reducer (hooks on
+        the parameters) reduces every backward, so this is False there and
+        without DDP. Read by the attached optimizer after each
+        ``optimizer.backward``; the read uses up the forward.
         """
         runtime = self._runtime
-        first = not runtime.reduced_since_forward
-        runtime.reduced_since_forward = True
-        return first or runtime.ddp is None
+        pending, runtime.forward_pending = runtime.forward_pending, False
+        return runtime.ddp is not None and not pending
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -429,7 +450,7 @@ class DataParallel(nn.Module):
             self._refuse_converted()  # a forward without gradients reduces nothing: converting for evaluation is fine
         if torch.is_grad_enabled():
             runtime.forward_synced = runtime.sync_enabled
-            runtime.reduced_since_forward = False  # a constant: torch.compile guards on no counter
+            runtime.forward_pending = True  # a constant: torch.compile guards on no counter
         ddp = runtime.ddp
         try:
             if runtime.reducer is not None:

@@ -31,10 +31,41 @@ from distamp.sharding.slice_reducer import SliceReducer
 from distamp.strategy import DistributedStrategy
 from distamp.torch_compat import DEFAULT_FIRST_BUCKET_BYTES
 
-__all__ = ["STAGE2_DDP_KWARGS", "DDPPreparation", "PreparedDDP"]
+__all__ = ["STAGE2_DDP_KWARGS", "STAGE3_DDP_KWARGS", "DDPPreparation", "PreparedDDP", "refuse_stage3_kwargs"]
 
 STAGE2_DDP_KWARGS = ("broadcast_buffers", "init_sync", "static_graph")
 """DDP keyword arguments sharding stage 2 (which replaces DDP) honours; ``static_graph`` needs nothing from it."""
+
+STAGE3_DDP_KWARGS = ("broadcast_buffers",)
+"""DDP keyword arguments sharding stage 3 (FSDP2, no DDP) honours: its wrapper keeps DDP's buffer broadcast."""
+
+_STAGE3_INSTEAD = {
+    "find_unused_parameters": "not needed: FSDP2 reduce-scatters each unit's gradients after its backward and a "
+                              "parameter no rank used keeps none, but every rank must run the same units (a branch "
+                              "only some ranks take needs stage 2 with find_unused_parameters)",
+    "static_graph": "not needed: FSDP2 takes no hint",
+    "bucket_cap_mb": "no DDP buckets: sharding_configs['units'] decide what is gathered and reduced together",
+    "bucket_cap_mb_list": "no DDP buckets: sharding_configs['units'] decide what is gathered and reduced together",
+    "gradient_as_bucket_view": "no DDP buckets: each gradient is reduce-scattered into its shard",
+    "init_sync": "the parameters are always broadcast from rank 0 before fully_shard",
+}
+
+
+def refuse_stage3_kwargs(kwargs: dict[str, Any]) -> None:
+    """Raise ``ValueError`` for DDP keyword arguments of ``fleet.distributed_model`` that stage 3 cannot honour.
+
+    Stage 3 shards with FSDP2 and builds no DDP; of DDP's options it keeps
+    ``broadcast_buffers`` (:data:`STAGE3_DDP_KWARGS`). Each other one is
+    named with why it is not needed or what to set instead.
+    """
+    refused = [name for name in kwargs if name not in STAGE3_DDP_KWARGS]
+    if refused:
+        reasons = "; ".join(f"{name}: {_STAGE3_INSTEAD.get(name, 'not taken at stage 3')}" for name in refused)
+        raise ValueError(
+            f"fleet.distributed_model(..., {', '.join(f'{name}=...' for name in refused)}): sharding stage 3 shards "
+            f"with torch's FSDP2 and builds no DDP ({reasons}); remove them. Of DDP's keyword arguments stage 3 "
+            f"takes only {list(STAGE3_DDP_KWARGS)}"
+        )
 
 
 @dataclass
@@ -119,7 +150,7 @@ class DDPPreparation:
             device=self._training_device(),
         )
         if self.ddp_kwargs.get("init_sync", True):
-            reducer.broadcast_from_rank0()
+            reducer.broadcast_from_rank0(buffers=self.ddp_kwargs.get("broadcast_buffers", True))
         return reducer
 
     def _build_ddp(self, bucket_cap_mb: float) -> DistributedDataParallel:

@@ -74,10 +74,10 @@ class ModelBinding:
         self._sync_sources: weakref.WeakSet = weakref.WeakSet()
         self._owned_checked = False  # check_owned passed on the adopted model's names, which never change after
         self.last_backward_local = False
-        """Whether the latest backward left each rank's own gradient (inside a wrapper's ``no_sync()``, or a second
-        backward through one forward of a DDP-based wrapper)."""
-        self.last_backward_repeated = False
-        """Whether the latest backward was a second one through one forward of a DDP-based wrapper."""
+        """Whether the latest backward left each rank's own gradient (inside a wrapper's ``no_sync()``)."""
+        self.last_backward_bypassed = False
+        """Whether the latest backward had no forward of the wrapper's DDP before it (a call of ``model.module``, or a
+        second backward through one forward)."""
 
     def name_of(self, param: torch.Tensor, index: int) -> str:
         """The qualified name of ``param`` in the adopted model (inside any wrappers), else ``"params[index]"``."""
@@ -142,14 +142,11 @@ class ModelBinding:
         A synced backward reduces what earlier local ones accumulated, so only
         the latest one counts.
         """
-        repeated = False
-        for source in self._sync_sources:  # every source is told, none skipped
-            take = getattr(source, "take_reducing_backward", None)
-            if take is not None and not take():
-                repeated = True
-        self.last_backward_repeated = repeated
-        self.last_backward_local = repeated or self.backward_stays_local() or not all(
-            source.backward_communicates() for source in self._sync_sources)
+        sources = list(self._sync_sources)
+        self.last_backward_local = self.backward_stays_local() or not all(
+            source.backward_communicates() for source in sources)
+        bypassed = [source.backward_bypassed() for source in sources if hasattr(source, "backward_bypassed")]
+        self.last_backward_bypassed = any(bypassed)  # every source read: each read uses up its forward
 
     def check_owned(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, start: int = 0) -> None:
         """Raise when a data-parallel wrapper reduces the model's gradients but not those of some of ``params``.
@@ -188,16 +185,6 @@ class ModelBinding:
         """
         if group_size(group) == 1:
             return
-        if self.last_backward_repeated:
-            raise RuntimeError(
-                "optimizer.step() (or unscale_/clip_grad_norm_) after a second backward through one forward of the "
-                "data-parallel model (optimizer.backward(loss, retain_graph=True) and another backward, with no "
-                "forward between) and no synced forward and backward since: DDP reduces the gradients in the first "
-                "backward after each forward only, so the later backward's gradients are each rank's own, not "
-                f"reduced over the {group_size(group)} ranks, and every rank would apply its own (or, sharded, "
-                "each slice its owner's) and the ranks would silently diverge. Add the losses and call "
-                "optimizer.backward once, or run the forward again before each backward."
-            )
         if self.last_backward_local:
             raise RuntimeError(
                 "optimizer.step() (or unscale_/clip_grad_norm_) after a backward inside model.no_sync() (or with "
@@ -206,6 +193,18 @@ class ModelBinding:
                 "(or, sharded, each slice its owner's) and the ranks would silently diverge. Run the forward and "
                 "backward of the accumulation window's last micro-batch outside no_sync() (that backward reduces "
                 "the accumulated sum), then step."
+            )
+        if self.last_backward_bypassed:
+            raise RuntimeError(
+                "optimizer.step() (or unscale_/clip_grad_norm_) after a backward whose forward did not run through "
+                "the fleet.distributed_model wrapper (the model called as model.module(...)), or after a second "
+                "backward through one forward (optimizer.backward(loss, retain_graph=True) and another backward): "
+                "DDP reduces only the first backward of a forward it ran, so the gradients are each rank's own, not "
+                f"reduced over the {group_size(group)} ranks, and every rank would apply its own (sharded, each "
+                "slice its owner's) while the ranks silently diverge. Call the wrapper (model(x)) for every training "
+                "forward (a submodule called through model.module in the same forward as the wrapper is reduced with "
+                "it), and add the losses and call optimizer.backward once rather than once per loss. Sharding stage "
+                "2 (no DDP) reduces every backward."
             )
         if self.reduces_grads:
             if not self._owned_checked:  # later parameters come through add_param_group, which checks its own

@@ -94,6 +94,10 @@ class FullyShardedModel(nn.Module):
         process_group: the data-parallel group; ``None`` is the world.
         device: the device this process trains on (``fleet.device()``);
             every parameter and buffer must be there.
+        broadcast_buffers: DDP's option of that name: rank 0's buffers are
+            broadcast when the model is sharded and before each forward that
+            follows a synced training forward (FSDP2 alone syncs none); False
+            keeps each rank's own, at start-up too.
 
     Raises:
         ValueError: a ``units`` or ``custom_black_varnames`` pattern matches
@@ -101,7 +105,8 @@ class FullyShardedModel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, strategy: DistributedStrategy, precision: ModelPrecision, *,
-                 process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
+                 broadcast_buffers: bool = True) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
@@ -125,7 +130,7 @@ class FullyShardedModel(nn.Module):
         if self._group_size > 1:
             check_ranks_agree(strategy, module)
             with named_collective("the start-up broadcast of parameters from rank 0"):
-                _broadcast_from_first(module, group)
+                _broadcast_from_first(module, group, buffers=broadcast_buffers)
         before = list(module.named_parameters())
         self._reduce_scatter = WireReduceScatter()
         _shard(module, units, fp32_units, strategy, DeviceMesh.from_group(group, device.type), self._reduce_scatter)
@@ -144,7 +149,7 @@ class FullyShardedModel(nn.Module):
         self._grad_sync = True
         self._forward_synced = True  # _grad_sync at the latest forward with gradients: its backward reduces
         # FSDP2 syncs no buffer: DDP's broadcast_buffers rule keeps BatchNorm statistics equal across ranks.
-        self._buffer_broadcast = BufferBroadcast(module, group, enabled=self._group_size > 1)
+        self._buffer_broadcast = BufferBroadcast(module, group, enabled=self._group_size > 1 and broadcast_buffers)
 
     # ------------------------------------------------------------------
     @property
@@ -414,11 +419,12 @@ def _check_no_empty_trainable(module: nn.Module) -> None:
         )
 
 
-def _broadcast_from_first(module: nn.Module, group: dist.ProcessGroup) -> None:
-    """Give every rank the parameters and buffers of the group's first rank (in place)."""
+def _broadcast_from_first(module: nn.Module, group: dist.ProcessGroup, buffers: bool = True) -> None:
+    """Give every rank the parameters and (unless ``buffers`` is False, as DDP's ``broadcast_buffers=False``)
+    buffers of the group's first rank (in place)."""
     src = dist.get_global_rank(group, 0)
     with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
+        for tensor in [*module.parameters(), *(module.buffers() if buffers else ())]:
             dist.broadcast(tensor, src=src, group=group)
 
 

@@ -20,8 +20,8 @@ forward from reading a stale parameter:
    lists, tuples and dicts too): the parameter itself, or a view,
    ``.data`` or ``.detach()`` of it, even one made before ``step()``.
 3. After the whole model's forward, and before ``state_dict()`` and
-   ``load_state_dict()`` of the model (wrapped or not), everything left is
-   finished: a load must not be overwritten by messages still landing (on
+   ``load_state_dict()`` of the model (wrapped or not) or of any of its
+   modules with parameters, everything left is finished: a load must not be overwritten by messages still landing (on
    gloo they write into the parameters as they arrive, and in O1 and with
    AMP off this rank's slice is sent from the parameters themselves).
 
@@ -95,9 +95,10 @@ class ForwardParamGather:
                 # First among the pre-hooks, so the guard also watches those registered before (weight_norm's).
                 self.handles.append(sub.register_forward_pre_hook(_PreHook(self, own), prepend=True))
                 self.handles.append(sub.register_forward_hook(_PostHook(self), always_call=True))
+                # On every such module, not only the model: model.module.encoder.state_dict() reads its parameters.
+                self.handles.append(sub.register_state_dict_pre_hook(_FinishAll(self)))
+                self.handles.append(sub.register_load_state_dict_pre_hook(_FinishAll(self)))
             self.handles.append(self.module.register_forward_hook(_FinishAll(self)))
-            self.handles.append(self.module.register_state_dict_pre_hook(_FinishAll(self)))
-            self.handles.append(self.module.register_load_state_dict_pre_hook(_FinishAll(self)))
 
     def remove(self) -> None:
         """Remove the hooks; the optimizers finish their gathers inside ``step()`` again."""

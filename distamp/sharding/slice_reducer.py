@@ -173,9 +173,11 @@ class SliceReducer:
         self._flush_queued = False
 
     # ------------------------------------------------------------------ start-up and forward
-    def broadcast_from_rank0(self) -> None:
-        """Every rank takes rank 0's parameters and buffers (collective; once, when built)."""
-        states = [p.detach() for p in self.module.parameters()] + [b.detach() for b in self.module.buffers()]
+    def broadcast_from_rank0(self, buffers: bool = True) -> None:
+        """Every rank takes rank 0's parameters and, unless ``buffers`` is False, buffers (collective; once, when
+        built). DDP with ``broadcast_buffers=False`` leaves each rank's buffers its own at build too."""
+        states = [p.detach() for p in self.module.parameters()] + [b.detach() for b in self.module.buffers()
+                                                                   if buffers]
         broadcast_from_rank0(states, _group(self.process_group))
 
     @torch.compiler.disable

@@ -713,6 +713,23 @@ def test_static_graph_with_gradient_merge_on_ddp_is_refused_before_anything_runs
     DataParallel(nn.Linear(2, 2), strategy, static_graph=True)
 
 
+def test_ddps_own_mixed_precision_is_refused_before_anything_runs_where_distamp_hooks_ddp():
+    # was: accepted, then DDP's __init__ registered its mixed-precision hook and distamp's registration failed at the
+    # first forward, after the start-up broadcast, with torch's "register_comm_hook ... can only be called once"
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    from distamp.model.data_parallel import DataParallel
+    from distamp.strategy import DistributedStrategy
+
+    ddp_precision = _MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float16)
+    for strategy, named in ((DistributedStrategy(amp=True), "strategy.amp"),
+                            (DistributedStrategy(powersgd=True), "strategy.powersgd"),
+                            (DistributedStrategy(sharding=True), "sharding stage 1")):
+        with pytest.raises(ValueError, match=rf"mixed_precision=\.\.\.\): DDP's own mixed precision .* for {named};"):
+            DataParallel(nn.Linear(2, 2), strategy, mixed_precision=ddp_precision)
+    DataParallel(nn.Linear(2, 2), DistributedStrategy(), mixed_precision=ddp_precision)  # no distamp hook: DDP's
+
+
 def _model_first_without_a_strategy(rank, world_size, model_first, custom_black):
     strategy = make_strategy(use_pure_fp16=True, dtype="bfloat16",
                              custom_black_varnames=["head"] if custom_black else [])

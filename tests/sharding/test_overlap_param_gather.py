@@ -285,3 +285,45 @@ def test_a_compiled_model_trains_as_without_overlap():
         assert torch.equal(overlapped["params"], plain["params"])
         assert overlapped["running"] == [True] * STEPS  # step() did leave the gather to the forward
         assert plain["running"] == [False] * STEPS
+
+
+def _submodule_state_after_step(rank, world, stage):
+    """O2 FP16 with overlap: right after a step, a submodule's ``state_dict()`` (through ``model.module``), and
+    right after the next, its ``load_state_dict()`` of its start values while rank 1's messages are late."""
+    from distamp import fleet
+
+    fleet.init()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 4 * D), nn.Tanh(), nn.Linear(4 * D, D))
+    strategy = _strategy(stage, overlap=True, use_pure_fp16=True, dtype="float16")
+    strategy.fuse_grad_size_in_MB = 0.0002
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+    wrapped = fleet.distributed_model(model, strategy)
+    start = {k: v.clone() for k, v in model[2].state_dict().items()}
+    gather, late = opt.master_weights.gather, []
+    if rank == 1:
+        launch = gather.start
+        gather.start = lambda *a, **kw: (time.sleep(0.5 if late else 0), launch(*a, **kw))[1]
+    g = torch.Generator().manual_seed(1)
+    _forward_backward(rank, world, wrapped, opt, g)
+    assert opt.step()
+    saved = {name: {k: v.clone() for k, v in wrapped.module[name].state_dict().items()} for name in (0, 2)}
+    masters = {k: v.half() for k, v in opt.fp32_state_dict(wrapped).items()}
+    _forward_backward(rank, world, wrapped, opt, g)
+    late[:] = [True]
+    assert opt.step()
+    late.clear()
+    wrapped.module[2].load_state_dict(start)  # e.g. a head reset: the gather must not land on top of it
+    opt.finish_param_gather()
+    return {"saved": all(torch.equal(v, masters[f"{name}.{k}"]) for name, sd in saved.items() for k, v in sd.items()),
+            "loaded": all(torch.equal(v, start[k]) for k, v in model[2].state_dict().items())}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_submodules_state_dict_and_load_right_after_step_finish_the_gather_first(stage):
+    """Was: only the model's own state_dict() and load_state_dict() finished the gather, so
+    model.module[0].state_dict() right after step() returned the last step's values where this rank had not yet
+    received them, and model.module[2].load_state_dict() was overwritten by the messages landing after it."""
+    for rank, out in enumerate(run_workers(_submodule_state_after_step, 2, stage, timeout=100)):
+        assert out == {"saved": True, "loaded": True}, rank

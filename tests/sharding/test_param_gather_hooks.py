@@ -52,17 +52,22 @@ def test_each_module_with_parameters_finishes_its_own_before_running_and_the_mod
     hooks.attach(opt)
     hooks.attach(opt)  # attaching twice changes nothing
     assert opt.precision.gather_hooked is True
-    # Pre- and forward hooks on the five modules with parameters inside (not ReLU), the model's last forward hook
-    # and its state_dict and load_state_dict pre-hooks.
-    assert len(hooks.handles) == 13
+    # Forward pre- and post-hooks and state_dict and load_state_dict pre-hooks on the five modules with parameters
+    # inside (the model among them, not ReLU), and the model's last forward hook.
+    assert len(hooks.handles) == 21
     model(torch.randn(2, 3))
     assert opt.calls == [["0.weight", "0.bias"], ["2.0.weight", "2.0.bias"], ["2.1.weight", "2.1.bias"], None]
     opt.calls.clear()
+    # Each module with parameters finishes everything before its own state_dict (model.module.encoder's is read
+    # alone too): the first call does the work, the four nested ones find nothing running.
     state = model.state_dict()
+    assert opt.calls == [None] * 5
+    opt.calls.clear()
+    model[2][1].state_dict()
     assert opt.calls == [None]
     opt.calls.clear()
     model.load_state_dict(state)
-    assert opt.calls == [None]
+    assert opt.calls == [None] * 5
     opt.calls.clear()
     hooks.remove()
     assert opt.precision.gather_hooked is False

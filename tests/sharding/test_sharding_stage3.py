@@ -320,7 +320,8 @@ def test_stage3_misuse_fails_with_the_fix():
     (errors,) = run_workers(_misuse, 1, timeout=100)
     assert re.match(r"sharding_configs\['units'\] pattern 'blocks\.\*' matches no submodule of Sequential\..*"
                     r"the model's modules: '0', '1', '2', '3'\.", errors["units"])
-    assert "find_unused_parameters=...): keyword arguments go to DDP" in errors["kwargs"]
+    assert ("find_unused_parameters=...): sharding stage 3 shards with torch's FSDP2 and builds no DDP"
+            in errors["kwargs"])
     assert "the optimizer's strategy is not stage 3" in errors["stage"]
     assert "call model = fleet.distributed_model(model)" in errors["unsharded"]
 
@@ -727,7 +728,7 @@ def test_a_rank_whose_shards_are_all_empty_skips_clips_and_gathers_alike(algorit
                 assert torch.equal(value, out[0]["state"][i][key]), (rank, i, key)
 
 
-def _batch_norm(rank, world, stage):
+def _batch_norm(rank, world, stage, **ddp_kwargs):
     from distamp import fleet
 
     torch.manual_seed(0)
@@ -735,7 +736,7 @@ def _batch_norm(rank, world, stage):
     fleet.init()
     opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                       _strategy(stage, use_pure_fp16=True, dtype="bfloat16"))
-    wrapped = fleet.distributed_model(model)
+    wrapped = fleet.distributed_model(model, **ddp_kwargs)
     g = torch.Generator().manual_seed(rank)  # each rank its own data: its own batch statistics
     for _ in range(3):
         with fleet.auto_cast():
@@ -763,6 +764,73 @@ def test_buffers_follow_rank_zero_before_each_training_forward_as_ddp_broadcasts
         reference = run_workers(_batch_norm, 2, 2, timeout=180)  # stage 2 broadcasts as DDP does
         for a, b in zip(out[0], reference[0], strict=True):
             assert torch.equal(a, b)
+
+
+def _batch_norm_unbroadcast(rank, world, stage):
+    """The buffers of ``_batch_norm`` with ``broadcast_buffers=False``; at stage 3 also the refusal of DDP's other
+    options, given before (and instead of) the model's sharding."""
+    from distamp import fleet
+
+    refused = None
+    if stage == 3:
+        fleet.init()
+        fleet.distributed_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters()), _strategy(3))
+        try:
+            fleet.distributed_model(nn.Linear(2, 2), broadcast_buffers=False, find_unused_parameters=True,
+                                    static_graph=True, bucket_cap_mb=1)
+        except ValueError as exc:
+            refused = str(exc)
+    return _batch_norm(rank, world, stage, broadcast_buffers=False), refused
+
+
+@pytest.mark.timeout(200)
+def test_stage_3_keeps_each_ranks_buffers_with_broadcast_buffers_false_and_names_the_ddp_options_it_refuses():
+    # was: stage 3 refused broadcast_buffers=False with every DDP option ("remove them"), so BatchNorm statistics
+    # could only follow rank 0's there, and the refusal said nothing of why each option was not needed
+    out = run_workers(_batch_norm_unbroadcast, 2, 3, timeout=180)
+    reference = run_workers(_batch_norm_unbroadcast, 2, 2, timeout=180)  # stage 2 honours it as DDP does
+    assert not torch.equal(out[0][0][0], out[1][0][0])  # each rank its own statistics
+    for rank in (0, 1):
+        for a, b in zip(out[rank][0], reference[rank][0], strict=True):
+            assert torch.equal(a, b)
+        message = out[rank][1]
+        assert "find_unused_parameters=..., static_graph=..., bucket_cap_mb=...)" in message
+        assert "broadcast_buffers=..." not in message
+        assert "find_unused_parameters: not needed" in message
+        assert "static_graph: not needed" in message
+        assert "sharding_configs['units']" in message
+        assert "takes only ['broadcast_buffers']" in message
+
+
+def _start_buffers(rank, world):
+    """BatchNorm's running mean, rank + 1 on each rank before the wrap, after the wrappers of stages 0, 2 and 3
+    are built and ran an evaluation forward, with and without broadcast_buffers."""
+    from distamp import fleet
+
+    fleet.init()
+    out = {}
+    for stage in (0, 2, 3):
+        for broadcast in (True, False):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+            model[1].running_mean.fill_(rank + 1.0)
+            strategy = _strategy(stage)
+            fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+            wrapped = fleet.distributed_model(model, strategy, **({} if broadcast else {"broadcast_buffers": False}))
+            with torch.no_grad():
+                wrapped.eval()(torch.randn(2, 4))
+            out[stage, broadcast] = model[1].running_mean.clone()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_broadcast_buffers_false_keeps_each_ranks_buffers_from_the_start_as_ddp_does():
+    # was: stages 2 and 3 broadcast rank 0's buffers when the model was built even with broadcast_buffers=False,
+    # which DDP (stages 0 and 1) leaves each rank's own from the start (rank-local buffers)
+    for rank, out in enumerate(run_workers(_start_buffers, 2, timeout=100)):
+        for stage in (0, 2, 3):
+            assert torch.equal(out[stage, True], torch.full((4,), 1.0)), (rank, stage)
+            assert torch.equal(out[stage, False], torch.full((4,), rank + 1.0)), (rank, stage)
 
 
 def _rank_seeded_start(rank, world):
