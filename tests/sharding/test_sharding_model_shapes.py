@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.multiprocess import run_workers
-from tests.sharding.test_sharding import assert_within_bf16_rounding
+from tests.sharding.test_sharding import _Gain, assert_within_bf16_rounding
 
 STEPS, PER_RANK = 3, 4
 
@@ -165,17 +165,6 @@ def test_a_second_backward_of_one_forward_is_reduced_or_refused_on_every_stage(a
                     torch.testing.assert_close(result["fp32"][name], expected, rtol=0, atol=1e-6)
                 else:
                     assert_within_bf16_rounding(result["fp32"][name], expected)
-
-
-class _Gain(nn.Module):
-    """``x * weight``: an FP32 product (the O2 weight is promoted), whose gradient is cast to FP16 for the weight."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(4))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.weight
 
 
 def _merged_sum_beyond_fp16(rank, world):
