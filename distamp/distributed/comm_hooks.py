@@ -105,8 +105,7 @@ def low_precision_allreduce_hook(
     # Divide before casting: an FP32 (O1) gradient, or gradient merge's FP32
     # sum, in [65504, 65504 * world_size) is finite once divided but inf if
     # cast first. Dividing the bucket in place is fine: the result overwrites it.
-    if not add_pending_fp32(buffer, bucket.parameters(), state.pending, state.predivide_factor):
-        buffer.div_(state.predivide_factor)
+    add_pending_fp32(buffer, bucket.parameters(), state.pending, state.predivide_factor)
     wire = buffer
     if wire.dtype != state.wire_dtype:
         wire = wire.to(state.wire_dtype)
@@ -127,20 +126,21 @@ def low_precision_allreduce_hook(
 
 
 def add_pending_fp32(buffer: torch.Tensor, params: Sequence[torch.Tensor], pending: Pending | None,
-                     divisor: float | None = None) -> bool:
+                     divisor: float | None = None) -> None:
     """Add the FP32 sums ``pending`` has for the bucket's parameters into the bucket, rounding once.
 
     Gradient merge in O2: the earlier micro-batches' FP32 sum (the
     accumulator, consumed here) takes this micro-batch's gradient in FP32
     and the total is rounded into the 16-bit bucket once, instead of once
     per micro-batch; no buffer is allocated. With ``divisor`` the whole
-    bucket is divided by it too, a total in FP32 before it is rounded (so
-    one beyond the 16-bit range whose quotient fits stays finite), and
-    True is returned; False when nothing was pending (nothing changed).
+    bucket is divided by it too, each pending total in FP32 before it is
+    rounded (so one beyond the 16-bit range whose quotient fits stays finite).
     """
     extra = pending(params) if pending is not None else None
     if extra is None:
-        return False
+        if divisor is not None:
+            buffer.div_(divisor)
+        return
     sums, grads, rest, position = [], [], [], 0
     for p, e in zip(params, extra, strict=True):
         part = buffer[position : position + p.numel()]
@@ -155,11 +155,8 @@ def add_pending_fp32(buffer: torch.Tensor, params: Sequence[torch.Tensor], pendi
         if divisor is not None:
             foreach_div_(sums, divisor)
         foreach_copy_(grads, sums)
-    if divisor is not None:
-        if rest:
-            foreach_div_(rest, divisor)
-        return True
-    return bool(sums)
+    if divisor is not None and rest:
+        foreach_div_(rest, divisor)
 
 
 class PendingFp32Grads:
