@@ -316,15 +316,19 @@ def _fsdp_param_groups(state: Any) -> list[Any]:
     )
 
 
-def fsdp_param_groups(root: nn.Module) -> list[tuple[Any, list[nn.Parameter]]]:
-    """Each FSDP2 parameter group under ``root`` with the sharded parameters it manages."""
+def _fsdp_groups_under(root: nn.Module) -> Iterator[Any]:
+    """The FSDP2 parameter groups of every ``fully_shard``ed module under ``root``."""
     from torch.distributed.fsdp import FSDPModule
 
-    return [
-        (group, [fsdp_param.sharded_param for fsdp_param in group.fsdp_params])
-        for module in root.modules() if isinstance(module, FSDPModule)
-        for group in _fsdp_param_groups(module._get_fsdp_state())
-    ]
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            yield from _fsdp_param_groups(module._get_fsdp_state())
+
+
+def fsdp_param_groups(root: nn.Module) -> list[tuple[Any, list[nn.Parameter]]]:
+    """Each FSDP2 parameter group under ``root`` with the sharded parameters it manages."""
+    return [(group, [fsdp_param.sharded_param for fsdp_param in group.fsdp_params])
+            for group in _fsdp_groups_under(root)]
 
 
 def fsdp_rederive_grad_dtypes(group: Any) -> None:
@@ -360,18 +364,13 @@ def fsdp_unsharded_parameters(root: nn.Module) -> Iterator[tuple[torch.Tensor, t
     rename in a newer torch cannot silently switch a check off. Call it after
     a forward has run.
     """
-    from torch.distributed.fsdp import FSDPModule
-
     seen = found = 0
-    for module in root.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        for group in _fsdp_param_groups(module._get_fsdp_state()):
-            for fsdp_param in group.fsdp_params:
-                seen += 1
-                if "_unsharded_param" in vars(fsdp_param):
-                    found += 1
-                    yield fsdp_param.sharded_param, fsdp_param._unsharded_param
+    for group in _fsdp_groups_under(root):
+        for fsdp_param in group.fsdp_params:
+            seen += 1
+            if "_unsharded_param" in vars(fsdp_param):
+                found += 1
+                yield fsdp_param.sharded_param, fsdp_param._unsharded_param
     if seen and not found:
         raise RuntimeError(
             f"torch {torch.__version__}: none of FSDP2's {seen} parameters has _unsharded_param after a forward; "
