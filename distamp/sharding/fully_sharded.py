@@ -48,7 +48,7 @@ from distamp.distributed.fingerprint import check_ranks_agree
 from distamp.distributed.groups import group_size
 from distamp.distributed.timeouts import named_collective
 from distamp.model_views import fp32_model_state_dict, parameters_device, unwrap_model
-from distamp.sharding.buffer_broadcast import BufferBroadcast
+from distamp.sharding.buffer_broadcast import BufferBroadcast, broadcast_from_rank0
 from distamp.sharding.fsdp_comms import InPlaceAllGather, WireReduceScatter
 from distamp.sharding.fsdp_policy import unit_policies
 from distamp.sharding.shard_units import choose_units, shared_parameters
@@ -130,7 +130,9 @@ class FullyShardedModel(nn.Module):
         if self._group_size > 1:
             check_ranks_agree(strategy, module)
             with named_collective("the start-up broadcast of parameters from rank 0"):
-                _broadcast_from_first(module, group, buffers=broadcast_buffers)
+                # DDP's broadcast_buffers=False leaves each rank its own buffers from the start too.
+                states = [*module.parameters(), *(module.buffers() if broadcast_buffers else ())]
+                broadcast_from_rank0([t.detach() for t in states], group)
         before = list(module.named_parameters())
         self._reduce_scatter = WireReduceScatter()
         _shard(module, units, fp32_units, strategy, DeviceMesh.from_group(group, device.type), self._reduce_scatter)
@@ -417,15 +419,6 @@ def _check_no_empty_trainable(module: nn.Module) -> None:
             "them as buffers, or set requires_grad=False on them before fleet.distributed_model (stages 1 and 2 "
             "train them)."
         )
-
-
-def _broadcast_from_first(module: nn.Module, group: dist.ProcessGroup, buffers: bool = True) -> None:
-    """Give every rank the parameters and (unless ``buffers`` is False, as DDP's ``broadcast_buffers=False``)
-    buffers of the group's first rank (in place)."""
-    src = dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *(module.buffers() if buffers else ())]:
-            dist.broadcast(tensor, src=src, group=group)
 
 
 def _shard(module: nn.Module, units: list[tuple[str, nn.Module]], fp32_units: list[tuple[str, nn.Module]],
