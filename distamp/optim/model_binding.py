@@ -133,7 +133,8 @@ class ModelBinding:
         return ddp is not None and not ddp.require_backward_grad_sync
 
     def watch_sync(self, source: object) -> None:
-        """Ask ``source.backward_communicates()`` after each backward (a ``fleet.distributed_model`` wrapper)."""
+        """Ask ``source.backward_communicates()`` and ``source.backward_bypassed()`` after each backward (a
+        ``fleet.distributed_model`` wrapper)."""
         self._sync_sources.add(source)
 
     def note_backward(self) -> None:
@@ -145,7 +146,7 @@ class ModelBinding:
         sources = list(self._sync_sources)
         self.last_backward_local = self.backward_stays_local() or not all(
             source.backward_communicates() for source in sources)
-        bypassed = [source.backward_bypassed() for source in sources if hasattr(source, "backward_bypassed")]
+        bypassed = [source.backward_bypassed() for source in sources]
         self.last_backward_bypassed = any(bypassed)  # every source read: each read uses up its forward
 
     def check_owned(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, start: int = 0) -> None:

@@ -232,6 +232,10 @@ class FullyShardedModel(nn.Module):
         :meth:`no_sync`, each rank keeps its own unsharded gradient); read after each ``optimizer.backward``."""
         return self._forward_synced
 
+    def backward_bypassed(self) -> bool:
+        """Always False: FSDP2 reduce-scatters every backward, also one of a forward through ``model.module``."""
+        return False
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate unsharded FP32 gradients locally: backward passes run inside skip the reduce-scatter."""
