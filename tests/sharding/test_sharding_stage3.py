@@ -1108,12 +1108,8 @@ def _unfreeze_at_step_two(rank, world):
                 if i == 2:
                     for p in wrapped.module[0].parameters():
                         p.requires_grad_(True)
-                x, y = x[rank * PER_RANK:(rank + 1) * PER_RANK], y[rank * PER_RANK:(rank + 1) * PER_RANK]
-                with fleet.auto_cast():
-                    loss = F.mse_loss(wrapped(x).float(), y)
-                opt.zero_grad()
-                opt.backward(loss)
-                assert opt.step()
+                assert _step(wrapped, opt, x[rank * PER_RANK:(rank + 1) * PER_RANK],
+                             y[rank * PER_RANK:(rank + 1) * PER_RANK])
             finals[mode, stage] = opt.fp32_state_dict(wrapped)
     return finals
 
