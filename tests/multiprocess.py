@@ -22,14 +22,45 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+_FIRST_TEST_PORT = 10000
+
+
+def _ephemeral_ports_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default when it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as file:
+            return int(file.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
 
 def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    """A TCP port that was free on 127.0.0.1 a moment ago, below the kernel's ephemeral range.
+
+    A port from ``bind(port=0)`` lies in the ephemeral range, where every
+    outgoing connection and every listener on port 0 also gets its port (gloo
+    opens many of both): between this call and the store binding the port, a
+    connection of a test running beside could take it, and rank 0 failed with
+    EADDRINUSE. Below that range only another explicit bind takes a port, so
+    the port is drawn at random from there (from the OS's entropy: a test may
+    seed ``random``) and checked free.
+    """
+    end = _ephemeral_ports_start()
+    draw = random.SystemRandom()
+    for _ in range(200 if end - _FIRST_TEST_PORT >= 1000 else 0):
+        port = draw.randrange(_FIRST_TEST_PORT, end)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
