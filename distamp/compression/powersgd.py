@@ -75,7 +75,6 @@ import torch
 import torch.distributed as dist
 
 from distamp.compression import low_rank_kernels
-from distamp.compression.grad_layout import as_indexed, memory_order, relayout
 from distamp.compression.low_rank import (
     effective_rank,
     fixed_order_product,
@@ -86,7 +85,8 @@ from distamp.compression.low_rank import (
 )
 from distamp.compression.low_rank_kernels import LowRankKernels
 from distamp.core.attached import GradCompressor
-from distamp.distributed.comm_hooks import CommStats, Pending, add_pending_fp32
+from distamp.distributed.comm_hooks import CommStats, Pending, add_fp32_sums
+from distamp.distributed.grad_layout import as_indexed, memory_order, relayout
 from distamp.model_views import known_name
 from distamp.strategy import PowerSGDConfig
 from distamp.user_warning import warn_user
@@ -403,6 +403,31 @@ class PowerSGD:
                 dense.append(grad)
         return compressed, dense
 
+    def merge_pending(self, buffer: torch.Tensor, grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                      factored: set[str]) -> dict[str, torch.Tensor]:
+        """Divide the bucket's dense gradients by the pre-division factor, with gradient merge's FP32 sums added.
+
+        Returns the merged FP32 sums of the ``factored`` gradients by name:
+        the matrices are built from them, so a window's sum is never rounded
+        to 16 bits before it is compressed. A dense gradient's sum is divided
+        in FP32 and rounded once (one beyond the 16-bit range whose quotient
+        fits stays finite), as the 16-bit hook does.
+        """
+        sums = self.pending(params) if self.pending is not None else None
+        if sums is None and not factored:
+            buffer.div_(self.predivide_factor)
+            return {}
+        merged, dense, dense_sums = {}, [], []
+        for grad, param, total in zip(grads, params, sums or [None] * len(params), strict=True):
+            name = self.names[id(param)]
+            if name not in factored:
+                dense.append(as_indexed(grad, param))
+                dense_sums.append(total)
+            elif total is not None:
+                merged[name] = total.add_(as_indexed(grad, param))
+        add_fp32_sums(dense, dense_sums, self.predivide_factor)
+        return merged
+
     def count(self, nbytes: int, dense_equivalent: int) -> None:
         """Record ``nbytes`` sent (for the payload of ``dense_equivalent`` bytes in the wire dtype)."""
         self.stats.calls += 1
@@ -410,8 +435,11 @@ class PowerSGD:
         self._sent += nbytes
         self._dense_equivalent += dense_equivalent
 
-    def compress(self, compressed: list, scale: float) -> None:
+    def compress(self, compressed: list, scale: float, merged: Mapping[str, torch.Tensor] | None = None) -> None:
         """All-reduce the low-rank factors of ``compressed`` and write the mean approximation back (scaled).
+
+        ``merged``: by name, gradient merge's FP32 sum of the window (this
+        micro-batch's gradient included), read instead of the 16-bit gradient.
 
         Collective and synchronous: the two all-reduces are issued from the
         backward thread, so every rank issues them in the same order as the
@@ -421,7 +449,9 @@ class PowerSGD:
         if not compressed:
             return
         cfg = self.config
-        matrices = [self._start(name, grad, rows, cols, scale) for name, grad, rows, cols in compressed]
+        merged = merged or {}
+        matrices = [self._start(name, grad, rows, cols, scale, merged.get(name))
+                    for name, grad, rows, cols in compressed]
         p_total = sum(x.p.numel() for x in matrices)
         q_total = sum(x.qt.numel() for x in matrices)
         self.count(4 * (p_total + q_total),
@@ -448,8 +478,13 @@ class PowerSGD:
             self._tentative[x.name] = (residual if cfg.error_feedback else None,
                                        x.qt.clone() if cfg.warm_start else None)
 
-    def _start(self, name: str, grad: torch.Tensor, rows: int, cols: int, scale: float) -> _Matrix:
-        """``M = grad / scale + error`` (FP32) and this rank's ``P = M Q`` for one gradient."""
+    def _start(self, name: str, grad: torch.Tensor, rows: int, cols: int, scale: float,
+               source: torch.Tensor | None = None) -> _Matrix:
+        """``M = grad / scale + error`` (FP32) and this rank's ``P = M Q`` for one gradient.
+
+        ``source``: what to read instead of ``grad`` (gradient merge's FP32 sum, indexed as ``grad``).
+        """
+        read = grad if source is None else source
         cfg = self.config
         # M lives in a buffer kept between steps (a fresh 4 bytes per element each step costs more in page
         # faults on CPU than the whole low-rank product).
@@ -460,14 +495,14 @@ class PowerSGD:
         qt_old = self._start_qt(name, rows, cols, grad.device)
         if self.kernels is not None:
             p = torch.empty(rows, qt_old.shape[0], dtype=torch.float32, device=grad.device)
-            if grad.dtype == torch.float16 or not grad.is_contiguous():
-                matrix = m.view(grad.shape).copy_(grad).view(rows, cols)
+            if read.dtype == torch.float16 or not read.is_contiguous():
+                matrix = m.view(grad.shape).copy_(read).view(rows, cols)
             else:
-                matrix = grad.view(rows, cols)
+                matrix = read.view(rows, cols)
             self.kernels.start(matrix, error, m, qt_old, p, scale)
             return _Matrix(name, grad, m, p, qt_old)
         # The widening copy and an FP32 add are faster on CPU than one add of mixed dtypes.
-        m.view(grad.shape).copy_(grad)
+        m.view(grad.shape).copy_(read)
         if error is not None and is_power_of_two(scale):
             # Multiplying by 1/scale is exact for a power of two: the same bits as m / scale + error.
             torch.add(error, m, alpha=1.0 / scale, out=m)
@@ -605,8 +640,9 @@ def powersgd_hook(state: PowerSGD, bucket: dist.GradBucket) -> torch.futures.Fut
     """DDP comm hook body for :class:`PowerSGD` (``state`` is the instance)."""
     buffer = bucket.buffer()
     params = bucket.parameters()
-    add_pending_fp32(buffer, params, state.pending)
-    compressed, dense = state.split(bucket.gradients(), params)
+    grads = bucket.gradients()
+    compressed, dense = state.split(grads, params)
+    merged = state.merge_pending(buffer, grads, params, {entry[0] for entry in compressed})
     # The dense part goes first, asynchronously; the factors' all-reduces follow in the same order on every rank.
     if len(dense) == len(params):
         flat = buffer
@@ -616,12 +652,12 @@ def powersgd_hook(state: PowerSGD, bucket: dist.GradBucket) -> torch.futures.Fut
         flat = None
     future = None
     if flat is not None:
-        wire = flat.div_(state.predivide_factor)
+        wire = flat
         if wire.dtype != state.wire_for(wire.dtype):
             wire = wire.to(state.wire_for(wire.dtype))
         state.count(wire.numel() * wire.element_size(), wire.numel() * wire.element_size())
         future = dist.all_reduce(wire, group=state.process_group, async_op=True).get_future()
-    state.compress(compressed, state._loss_scale())
+    state.compress(compressed, state._loss_scale(), merged)
 
     def finish(fut: torch.futures.Future) -> torch.Tensor:
         reduced = fut.value()[0]

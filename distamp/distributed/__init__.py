@@ -1,5 +1,7 @@
 """The communication core every capability builds on: process groups, the
-16-bit wire hook, flag sync, fingerprint, replica check, timeouts.
+16-bit wire hook (with ``grad_layout``: a hook's gradient indexed as its
+parameter whatever the memory format), flag sync, fingerprint, replica
+check, timeouts.
 
 Nothing here imports a capability (``amp``, ``scaling``, ``sharding``,
 ``compression``) or a composer (``optim``, ``model``); usable alone::

@@ -15,9 +15,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distamp.distributed.grad_layout import as_indexed
 from distamp.torch_compat import foreach_add_, foreach_copy_, foreach_div_
 
-__all__ = ["CommStats", "LowPrecisionAllReduce", "PendingFp32Grads", "add_pending_fp32", "low_precision_allreduce_hook"]
+__all__ = ["CommStats", "LowPrecisionAllReduce", "PendingFp32Grads", "add_fp32_sums", "add_pending_fp32",
+           "low_precision_allreduce_hook"]
 
 Pending = Callable[[Sequence[torch.Tensor]], "list[torch.Tensor | None] | None"]
 
@@ -141,20 +143,31 @@ def add_pending_fp32(buffer: torch.Tensor, params: Sequence[torch.Tensor], pendi
         if divisor is not None:
             buffer.div_(divisor)
         return
-    sums, grads, rest, position = [], [], [], 0
-    for p, e in zip(params, extra, strict=True):
-        part = buffer[position : position + p.numel()]
-        if e is not None:
-            sums.append(e.view(-1))
-            grads.append(part)
-        else:
-            rest.append(part)
+    grads, position = [], 0
+    for p in params:
+        grads.append(as_indexed(buffer[position : position + p.numel()].view(p.shape), p))
         position += p.numel()
-    if sums:
-        foreach_add_(sums, grads)
+    add_fp32_sums(grads, extra, divisor)
+
+
+def add_fp32_sums(grads: Sequence[torch.Tensor], sums: Sequence[torch.Tensor | None],
+                  divisor: float | None = None) -> None:
+    """Round ``(sums[i] + grads[i]) / divisor``, computed in the FP32 ``sums[i]``, into ``grads[i]``.
+
+    ``grads`` are indexed as their parameters (:func:`as_indexed`: the
+    bucket holds a gradient in its parameter's memory order, the sum is in
+    index order, so a ``channels_last`` one is added element by element as
+    its parameter indexes it). A gradient without a sum (None) is only
+    divided. The sums are consumed.
+    """
+    totals = [(g, s) for g, s in zip(grads, sums, strict=True) if s is not None]
+    rest = [g for g, s in zip(grads, sums, strict=True) if s is None]
+    if totals:
+        targets, fp32 = [g for g, _ in totals], [s for _, s in totals]
+        foreach_add_(fp32, targets)
         if divisor is not None:
-            foreach_div_(sums, divisor)
-        foreach_copy_(grads, sums)
+            foreach_div_(fp32, divisor)
+        foreach_copy_(targets, fp32)
     if divisor is not None and rest:
         foreach_div_(rest, divisor)
 

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distamp.compression.grad_layout import as_indexed, memory_order, relayout
 from distamp.compression.low_rank import effective_rank, fixed_order_product, matrix_shape, orthogonalize_, start_q
 from distamp.compression.low_rank_kernels import KERNELS_ENV
+from distamp.distributed.grad_layout import as_indexed, memory_order, relayout
 from tests.compression.test_low_rank_kernels import (
     compiler_present,
     reference_orthogonalize,
