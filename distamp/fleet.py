@@ -340,7 +340,8 @@ def distributed_model(
     the model is sharded now with torch's FSDP2 (collective: every rank
     calls it), on the units ``sharding_configs["units"]`` names (default:
     the model's repeated blocks); no DDP, so of DDP's keyword arguments
-    only ``broadcast_buffers`` is taken, the others are refused.
+    only ``broadcast_buffers`` and ``forward_sync_buffers`` (torch 2.13+)
+    are taken, the others are refused.
 
     From then on the strategy's settings cannot change (``ValueError``), as
     with ``distributed_optimizer``.

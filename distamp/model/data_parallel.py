@@ -29,7 +29,6 @@ FP32 gradient slices.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -46,7 +45,7 @@ from distamp.core.precision import o2_dtype_error_hint
 from distamp.distributed.comm_hooks import CommStats, LowPrecisionAllReduce
 from distamp.distributed.devices import check_device
 from distamp.distributed.groups import group_size
-from distamp.model.ddp_preparation import STAGE2_DDP_KWARGS, DDPPreparation
+from distamp.model.ddp_preparation import DDP_KEYWORDS, DDPPreparation, later_torch_reason, refuse_stage2_kwargs
 from distamp.model_views import fp32_model_state_dict, unwrap_model, user_name
 from distamp.sharding.param_gather_hooks import ForwardParamGather
 from distamp.sharding.reduce_scatter import ShardedGradReduce
@@ -67,21 +66,30 @@ _SET_BY_DISTAMP = {
     "bucket_cap_mb": _BUCKETS_SET,
     "bucket_cap_mb_list": _BUCKETS_SET,
 }
-"""DDP's keyword arguments distamp sets itself, and what to do instead."""
-_DDP_KWARGS = tuple(name for name in inspect.signature(DistributedDataParallel.__init__).parameters
-                    if name not in ("self", "module", "process_group", "find_unused_parameters", *_SET_BY_DISTAMP))
+"""DDP's keyword arguments distamp sets itself where it builds DDP (sharding off, stage 1), and what to do instead."""
+_DDP_KWARGS = tuple(name for name in DDP_KEYWORDS
+                    if name not in ("process_group", "find_unused_parameters", *_SET_BY_DISTAMP))
 """DDP's keyword arguments a user may pass through (the others distamp sets or takes itself)."""
+
+
+def _refuse_unknown_kwargs(ddp_kwargs: dict[str, Any]) -> None:
+    """Raise ``ValueError`` for names neither DDP nor ``fleet.distributed_model`` takes (a later torch's DDP
+    argument named with the torch version that has it)."""
+    unknown = sorted(set(ddp_kwargs) - set(_DDP_KWARGS) - set(_SET_BY_DISTAMP))
+    if not unknown:
+        return
+    later = [f"{name}: {reason}" for name in unknown if (reason := later_torch_reason(name)) is not None]
+    raise ValueError(
+        f"{unknown} are not keyword arguments of fleet.distributed_model"
+        + (f" ({'; '.join(later)})" if later else "")
+        + f"; it takes process_group, find_unused_parameters and these of DDP's: {list(_DDP_KWARGS)}"
+    )
 
 
 def _check_ddp_kwargs(strategy: DistributedStrategy, ddp_kwargs: dict[str, Any]) -> None:
     """Refuse DDP keyword arguments that ``strategy``'s path would not use."""
     if strategy.sharding and strategy.sharding_config.stage == 2:
-        refused = sorted(set(ddp_kwargs) - set(STAGE2_DDP_KWARGS))
-        if refused:
-            raise ValueError(
-                f"{refused} are DDP options, but sharding stage 2 replaces DDP by distamp's reducer, which "
-                f"takes only {list(STAGE2_DDP_KWARGS)} (and find_unused_parameters); remove the others"
-            )
+        refuse_stage2_kwargs(ddp_kwargs)
     _refuse_static_graph_with_merge(strategy, ddp_kwargs)
     _refuse_ddp_mixed_precision(strategy, ddp_kwargs)
 
@@ -169,7 +177,8 @@ class DataParallel(nn.Module):
             that is not). ``None``: not checked, DDP uses the parameters' device.
         ddp_kwargs: further keyword arguments for DDP (e.g. ``static_graph``).
             Sharding stage 2 uses no DDP and takes only ``broadcast_buffers``,
-            ``init_sync`` and ``static_graph`` (which it needs no hint for).
+            ``forward_sync_buffers`` (torch 2.13+), ``init_sync`` and
+            ``static_graph`` (which it needs no hint for).
 
     Raises:
         ValueError: a keyword argument DDP does not take, a DDP argument distamp sets
@@ -191,16 +200,11 @@ class DataParallel(nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
         if isinstance(module, (DataParallel, DistributedDataParallel)):
             raise TypeError(f"model is already wrapped in {type(module).__name__}; pass the bare model")
-        unknown = sorted(set(ddp_kwargs) - set(_DDP_KWARGS) - set(_SET_BY_DISTAMP))
-        if unknown:
-            raise ValueError(
-                f"{unknown} are not keyword arguments of fleet.distributed_model; it takes process_group, "
-                f"find_unused_parameters and these of DDP's: {list(_DDP_KWARGS)}"
-            )
+        _refuse_unknown_kwargs(ddp_kwargs)
+        _check_ddp_kwargs(strategy, ddp_kwargs)  # stage 2 first: it builds no DDP, so its reasons differ
         for name, reason in _SET_BY_DISTAMP.items():
             if name in ddp_kwargs:
                 raise ValueError(f"{name}={ddp_kwargs[name]!r} is set by distamp: {reason}; remove it")
-        _check_ddp_kwargs(strategy, ddp_kwargs)
         self.module = module
         self._find_unused_arg = find_unused_parameters
         self._process_group = process_group

@@ -9,6 +9,7 @@ Sharding stage 2 gets no DDP but distamp's own reducer
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,19 +26,52 @@ from distamp.distributed.comm_threads import check_gloo_workers_found, wait_for_
 from distamp.distributed.fingerprint import check_ranks_agree
 from distamp.distributed.timeouts import named_collective
 from distamp.model_views import parameters_device, unwrap_model
+from distamp.sharding.buffer_broadcast import buffer_sync
 from distamp.sharding.reduce_scatter import ShardedGradReduce, reduce_bucket_bytes
 from distamp.sharding.slice_owner import SliceOwner
 from distamp.sharding.slice_reducer import SliceReducer
 from distamp.strategy import DistributedStrategy
 from distamp.torch_compat import DEFAULT_FIRST_BUCKET_BYTES
 
-__all__ = ["STAGE2_DDP_KWARGS", "STAGE3_DDP_KWARGS", "DDPPreparation", "PreparedDDP", "refuse_stage3_kwargs"]
+__all__ = [
+    "DDP_KEYWORDS", "STAGE2_DDP_KWARGS", "STAGE3_DDP_KWARGS", "DDPPreparation", "PreparedDDP", "later_torch_reason",
+    "refuse_stage2_kwargs", "refuse_stage3_kwargs",
+]
 
-STAGE2_DDP_KWARGS = ("broadcast_buffers", "init_sync", "static_graph")
+DDP_KEYWORDS = tuple(name for name in inspect.signature(DistributedDataParallel.__init__).parameters
+                     if name not in ("self", "module"))
+"""The keyword arguments of the installed torch's DDP, in its order."""
+
+_LATER_TORCH_DDP_KWARGS = {
+    "batched_grad_copy": "2.13",
+    "forward_sync_buffers": "2.13",
+    "lazy_bucket_allocation": "2.15",
+}
+"""DDP keyword arguments missing from distamp's oldest supported torch, each with the torch it was checked on."""
+
+STAGE2_DDP_KWARGS = tuple(name for name in ("broadcast_buffers", "forward_sync_buffers", "init_sync", "static_graph")
+                          if name in DDP_KEYWORDS)
 """DDP keyword arguments sharding stage 2 (which replaces DDP) honours; ``static_graph`` needs nothing from it."""
 
-STAGE3_DDP_KWARGS = ("broadcast_buffers",)
+STAGE3_DDP_KWARGS = tuple(name for name in ("broadcast_buffers", "forward_sync_buffers") if name in DDP_KEYWORDS)
 """DDP keyword arguments sharding stage 3 (FSDP2, no DDP) honours: its wrapper keeps DDP's buffer broadcast."""
+
+_STAGE2_DEVICE = ("stage 2's reducer works on the device distamp trains on (fleet.device(): cuda:LOCAL_RANK with CUDA, "
+                  "else the CPU) and moves a CUDA model's inputs there, as DDP's device_ids would")
+_STAGE2_BUCKETS = "the bucket size is strategy.fuse_grad_size_in_MB: set that instead"
+_STAGE2_INSTEAD = {
+    "device_ids": _STAGE2_DEVICE,
+    "output_device": _STAGE2_DEVICE,
+    "gradient_as_bucket_view": "not needed: stage 2's reducer copies each gradient into its 16-bit bucket and frees "
+                               ".grad at once, so no full-size gradient is kept to be a view",
+    "bucket_cap_mb": _STAGE2_BUCKETS,
+    "bucket_cap_mb_list": _STAGE2_BUCKETS,
+    "batched_grad_copy": "no DDP buckets: stage 2's reducer copies each gradient into its bucket when autograd has "
+                         "accumulated it",
+    "lazy_bucket_allocation": "not needed: stage 2's reducer allocates each bucket at its first gradient and frees "
+                              "it once reduce-scattered",
+    "mixed_precision": "set the precision with strategy.amp = True and amp_configs",
+}
 
 _STAGE3_INSTEAD = {
     "find_unused_parameters": "not needed: FSDP2 reduce-scatters each unit's gradients after its backward and a "
@@ -48,24 +82,57 @@ _STAGE3_INSTEAD = {
     "bucket_cap_mb_list": "no DDP buckets: sharding_configs['units'] decide what is gathered and reduced together",
     "gradient_as_bucket_view": "no DDP buckets: each gradient is reduce-scattered into its shard",
     "init_sync": "the parameters are always broadcast from rank 0 before fully_shard",
+    "batched_grad_copy": "no DDP buckets: FSDP2 copies each unit's gradients into its reduce-scatter input at once",
+    "lazy_bucket_allocation": "not needed: FSDP2 allocates each unit's reduce-scatter buffer when the unit's "
+                              "backward is done and frees it after",
 }
+
+
+def later_torch_reason(name: str) -> str | None:
+    """Why ``name`` is refused where the installed torch's DDP lacks it; ``None`` for any other name."""
+    if name in DDP_KEYWORDS or name not in _LATER_TORCH_DDP_KWARGS:
+        return None
+    return (f"DDP in the installed torch {torch.__version__} has no such argument (torch "
+            f"{_LATER_TORCH_DDP_KWARGS[name]}'s DDP has it): upgrade torch to use it")
+
+
+def refuse_stage2_kwargs(kwargs: dict[str, Any]) -> None:
+    """Raise ``ValueError`` for DDP keyword arguments of ``fleet.distributed_model`` that stage 2 cannot honour.
+
+    Stage 2 replaces DDP by distamp's reducer; of DDP's options it keeps
+    :data:`STAGE2_DDP_KWARGS`. Each other one is named with why it is not
+    needed or what to set instead, where there is more to say than that.
+    """
+    refused = sorted(set(kwargs) - set(STAGE2_DDP_KWARGS))
+    if refused:
+        reasons = [f"{name}: {_STAGE2_INSTEAD[name]}" for name in refused if name in _STAGE2_INSTEAD]
+        raise ValueError(
+            f"{refused} are DDP options, but sharding stage 2 replaces DDP by distamp's reducer, which takes only "
+            f"{list(STAGE2_DDP_KWARGS)} (and find_unused_parameters); remove the others"
+            + (f" ({'; '.join(reasons)})" if reasons else "")
+        )
 
 
 def refuse_stage3_kwargs(kwargs: dict[str, Any]) -> None:
     """Raise ``ValueError`` for DDP keyword arguments of ``fleet.distributed_model`` that stage 3 cannot honour.
 
     Stage 3 shards with FSDP2 and builds no DDP; of DDP's options it keeps
-    ``broadcast_buffers`` (:data:`STAGE3_DDP_KWARGS`). Each other one is
-    named with why it is not needed or what to set instead.
+    the buffer broadcast (:data:`STAGE3_DDP_KWARGS`). Each other one is
+    named with why it is not needed or what to set instead; a buffer option
+    the installed torch's DDP lacks, with that.
     """
     refused = [name for name in kwargs if name not in STAGE3_DDP_KWARGS]
     if refused:
-        reasons = "; ".join(f"{name}: {_STAGE3_INSTEAD.get(name, 'not taken at stage 3')}" for name in refused)
+        reasons = "; ".join(f"{name}: {_stage3_reason(name)}" for name in refused)
         raise ValueError(
             f"fleet.distributed_model(..., {', '.join(f'{name}=...' for name in refused)}): sharding stage 3 shards "
             f"with torch's FSDP2 and builds no DDP ({reasons}); remove them. Of DDP's keyword arguments stage 3 "
             f"takes only {list(STAGE3_DDP_KWARGS)}"
         )
+
+
+def _stage3_reason(name: str) -> str:
+    return later_torch_reason(name) or _STAGE3_INSTEAD.get(name, "not taken at stage 3")
 
 
 @dataclass
@@ -142,15 +209,16 @@ class DDPPreparation:
         """Stage 2: hooks that reduce-scatter 16-bit buckets as gradients arrive (no DDP, no full-size gradient)."""
         # check_sharding made every optimizer stage 2, whose masters are sharded.
         shards: list[SliceOwner] = [opt.master_weights for opt in optimizers]
+        buffers = buffer_sync(self.ddp_kwargs.get("broadcast_buffers"), self.ddp_kwargs.get("forward_sync_buffers"))
         reducer = SliceReducer(
             self.module, shards, self._wire_dtype(), self.process_group, PendingFp32Grads(optimizers),
             bucket_bytes=self._bucket_bytes(),
             find_unused_parameters=self.find_unused_parameters,
-            broadcast_buffers=self.ddp_kwargs.get("broadcast_buffers", True),
+            broadcast_buffers=buffers.before_forward,
             device=self._training_device(),
         )
         if self.ddp_kwargs.get("init_sync", True):
-            reducer.broadcast_from_rank0(buffers=self.ddp_kwargs.get("broadcast_buffers", True))
+            reducer.broadcast_from_rank0(buffers=buffers.at_build)
         return reducer
 
     def _build_ddp(self, bucket_cap_mb: float) -> DistributedDataParallel:

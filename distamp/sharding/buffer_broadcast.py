@@ -5,21 +5,71 @@ forward that follows a training forward whose backward syncs, and before the
 first, so every rank normalizes with the same statistics and a checkpoint,
 which keeps rank 0's, resumes every rank as it trained. Stage 2 replaces DDP
 and FSDP2 syncs no buffer, so both keep the rule with :class:`BufferBroadcast`.
+
+torch 2.13 deprecated ``broadcast_buffers`` for ``forward_sync_buffers``,
+which rules the forward broadcast only: the buffers are still broadcast when
+the model is built. :func:`buffer_sync` reads both as torch's DDP does.
 """
 
 from __future__ import annotations
 
+import inspect
+import warnings
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from distamp.distributed.timeouts import named_collective
 from distamp.torch_compat import sync_params_and_buffers
 
-__all__ = ["BROADCAST_BYTES", "BufferBroadcast", "broadcast_from_rank0"]
+__all__ = ["BROADCAST_BYTES", "BufferBroadcast", "BufferSync", "broadcast_from_rank0", "buffer_sync"]
 
 BROADCAST_BYTES = 1 << 20
 """Coalescing bound of the broadcasts from rank 0 (as DDP's): no model-size flat copy."""
+
+
+_DDP_HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+@dataclass(frozen=True)
+class BufferSync:
+    """When rank 0's buffers are broadcast, as DDP decides it from its keyword arguments."""
+
+    at_build: bool
+    """When the model is built (unless ``init_sync=False``, which broadcasts nothing then)."""
+    before_forward: bool
+    """Before a forward that follows a synced training forward, and before the first (:class:`BufferBroadcast`)."""
+
+
+def buffer_sync(broadcast_buffers: bool | None = None, forward_sync_buffers: bool | None = None) -> BufferSync:
+    """DDP's rule for its two buffer options (``None``: not given), with the warnings torch 2.13+ gives.
+
+    ``forward_sync_buffers`` rules the forward broadcast and leaves the one at
+    build on; given, it wins and ``broadcast_buffers`` is ignored. Alone,
+    ``broadcast_buffers`` rules both; neither given: both on.
+    """
+    if broadcast_buffers is not None and _DDP_HAS_FORWARD_SYNC_BUFFERS:
+        _warn_as_ddp(forward_sync_buffers is not None)
+    if forward_sync_buffers is not None:
+        return BufferSync(at_build=True, before_forward=forward_sync_buffers)
+    enabled = True if broadcast_buffers is None else broadcast_buffers
+    return BufferSync(at_build=enabled, before_forward=enabled)
+
+
+def _warn_as_ddp(both: bool) -> None:
+    """The ``FutureWarning`` torch's DDP gives for ``broadcast_buffers`` (deprecated in 2.13)."""
+    if both:
+        message = ("fleet.distributed_model(..., broadcast_buffers=..., forward_sync_buffers=...): broadcast_buffers "
+                   "is ignored, as torch's DDP ignores it when forward_sync_buffers is given; remove it")
+    else:
+        message = ("fleet.distributed_model(..., broadcast_buffers=...): torch deprecated DDP's broadcast_buffers for "
+                   "forward_sync_buffers, which distamp's sharded stages honour too. Unlike broadcast_buffers=False, "
+                   "forward_sync_buffers=False still broadcasts rank 0's buffers when the model is built; to keep "
+                   "each rank's own from the start, keep broadcast_buffers=False")
+    warnings.warn(message, FutureWarning, stacklevel=3)
 
 
 def broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:

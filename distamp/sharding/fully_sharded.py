@@ -48,7 +48,7 @@ from distamp.distributed.fingerprint import check_ranks_agree
 from distamp.distributed.groups import group_size
 from distamp.distributed.timeouts import named_collective
 from distamp.model_views import fp32_model_state_dict, parameters_device, unwrap_model
-from distamp.sharding.buffer_broadcast import BufferBroadcast, broadcast_from_rank0
+from distamp.sharding.buffer_broadcast import BufferBroadcast, broadcast_from_rank0, buffer_sync
 from distamp.sharding.fsdp_comms import InPlaceAllGather, WireReduceScatter
 from distamp.sharding.fsdp_policy import unit_policies
 from distamp.sharding.shard_units import choose_units, shared_parameters
@@ -97,7 +97,11 @@ class FullyShardedModel(nn.Module):
         broadcast_buffers: DDP's option of that name: rank 0's buffers are
             broadcast when the model is sharded and before each forward that
             follows a synced training forward (FSDP2 alone syncs none); False
-            keeps each rank's own, at start-up too.
+            keeps each rank's own, at start-up too. ``None``: True.
+        forward_sync_buffers: DDP's replacement of ``broadcast_buffers``
+            (torch 2.13+): it rules the forward broadcast only, the one at
+            start-up stays; given, ``broadcast_buffers`` is ignored, as DDP
+            does (:func:`~distamp.sharding.buffer_broadcast.buffer_sync`).
 
     Raises:
         ValueError: a ``units`` or ``custom_black_varnames`` pattern matches
@@ -106,7 +110,7 @@ class FullyShardedModel(nn.Module):
 
     def __init__(self, module: nn.Module, strategy: DistributedStrategy, precision: ModelPrecision, *,
                  process_group: dist.ProcessGroup | None = None, device: torch.device | str | None = None,
-                 broadcast_buffers: bool = True) -> None:
+                 broadcast_buffers: bool | None = None, forward_sync_buffers: bool | None = None) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(module).__name__}")
@@ -127,11 +131,12 @@ class FullyShardedModel(nn.Module):
         if group is None:
             raise RuntimeError("sharding stage 3 needs a process group: call fleet.init() first")
         self._group_size = group_size(process_group)
+        buffers = buffer_sync(broadcast_buffers, forward_sync_buffers)
         if self._group_size > 1:
             check_ranks_agree(strategy, module)
             with named_collective("the start-up broadcast of parameters from rank 0"):
                 # DDP's broadcast_buffers=False leaves each rank its own buffers from the start too.
-                states = [*module.parameters(), *(module.buffers() if broadcast_buffers else ())]
+                states = [*module.parameters(), *(module.buffers() if buffers.at_build else ())]
                 broadcast_from_rank0([t.detach() for t in states], group)
         before = list(module.named_parameters())
         self._reduce_scatter = WireReduceScatter()
@@ -151,7 +156,8 @@ class FullyShardedModel(nn.Module):
         self._grad_sync = True
         self._forward_synced = True  # _grad_sync at the latest forward with gradients: its backward reduces
         # FSDP2 syncs no buffer: DDP's broadcast_buffers rule keeps BatchNorm statistics equal across ranks.
-        self._buffer_broadcast = BufferBroadcast(module, group, enabled=self._group_size > 1 and broadcast_buffers)
+        self._buffer_broadcast = BufferBroadcast(module, group,
+                                                 enabled=self._group_size > 1 and buffers.before_forward)
 
     # ------------------------------------------------------------------
     @property

@@ -9,6 +9,7 @@ computes gradients on the unsharded parameters, so the hook goes there.
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 
 import pytest
@@ -20,6 +21,11 @@ from tests.multiprocess import run_workers
 from tests.sharding.test_sharding import assert_within_bf16_rounding
 
 STEPS, PER_RANK = 5, 4
+
+
+def _ddp_takes(name: str) -> bool:
+    """Whether the installed torch's DDP has the keyword argument ``name``."""
+    return name in inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
 
 
 def _model() -> nn.Module:
@@ -799,7 +805,7 @@ def test_stage_3_keeps_each_ranks_buffers_with_broadcast_buffers_false_and_names
         assert "find_unused_parameters: not needed" in message
         assert "static_graph: not needed" in message
         assert "sharding_configs['units']" in message
-        assert "takes only ['broadcast_buffers']" in message
+        assert re.search(r"takes only \['broadcast_buffers'(, 'forward_sync_buffers')?\]$", message)
 
 
 def _start_buffers(rank, world):
@@ -831,6 +837,90 @@ def test_broadcast_buffers_false_keeps_each_ranks_buffers_from_the_start_as_ddp_
         for stage in (0, 2, 3):
             assert torch.equal(out[stage, True], torch.full((4,), 1.0)), (rank, stage)
             assert torch.equal(out[stage, False], torch.full((4,), rank + 1.0)), (rank, stage)
+
+
+_BUFFER_OPTIONS = [
+    {},
+    {"forward_sync_buffers": False},
+    {"forward_sync_buffers": True, "broadcast_buffers": False},
+    {"forward_sync_buffers": False, "broadcast_buffers": True},
+    {"broadcast_buffers": False},
+]
+"""DDP's buffer options as torch 2.13+ takes them: forward_sync_buffers alone, with broadcast_buffers (ignored)."""
+
+
+def _buffer_options(rank, world):
+    """Per stage (0: DDP) and per option set of _BUFFER_OPTIONS: the FP32 model and BatchNorm buffers after three
+    steps on each rank's own data, its running mean rank + 1 before the wrap, and the FutureWarnings the wrap gave."""
+    import warnings
+
+    from distamp import fleet
+
+    fleet.init()
+    out = {}
+    for stage in (0, 2, 3):
+        for i, options in enumerate(_BUFFER_OPTIONS):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+            model[1].running_mean.fill_(rank + 1.0)
+            strategy = _strategy(stage, amp=False)  # FP32: every stage sums g0/2 + g1/2, bit for bit
+            opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                wrapped = fleet.distributed_model(model, strategy, **options)
+                g = torch.Generator().manual_seed(rank)  # each rank its own data: its own batch statistics
+                for _ in range(3):
+                    loss = F.mse_loss(wrapped(torch.randn(8, 6, generator=g)), torch.randn(8, 3, generator=g))
+                    opt.zero_grad()
+                    opt.backward(loss)
+                    opt.step()
+            state = {k: v.clone() for k, v in wrapped.fp32_state_dict().items()}
+            future = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+            out[stage, i] = state, future
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not _ddp_takes("forward_sync_buffers"), reason="torch's DDP has no forward_sync_buffers")
+def test_forward_sync_buffers_is_honoured_at_stages_2_and_3_as_ddp_does():
+    # was: stages 2 and 3 refused torch 2.13's forward_sync_buffers (DDP's replacement of broadcast_buffers), so a
+    # user following torch's deprecation could not shard; DDP broadcasts the buffers at build whatever its value
+    results = run_workers(_buffer_options, 2, timeout=180)
+    for rank, out in enumerate(results):
+        for i, options in enumerate(_BUFFER_OPTIONS):
+            ddp_state, ddp_warnings = out[0, i]
+            for stage in (2, 3):
+                state, stage_warnings = out[stage, i]
+                assert state.keys() == ddp_state.keys()
+                for key, value in ddp_state.items():
+                    assert torch.equal(state[key], value), (rank, stage, options, key)
+                # Where DDP warns of broadcast_buffers (deprecated, or ignored beside forward_sync_buffers), so do they.
+                assert bool(stage_warnings) == bool(ddp_warnings), (stage, options, stage_warnings)
+            assert bool(ddp_warnings) == ("broadcast_buffers" in options), (options, ddp_warnings)
+    # The options differ where DDP says: forward_sync_buffers=False broadcasts at build, broadcast_buffers=False not;
+    # given both, forward_sync_buffers decides.
+    means = {i: [out[0, i][0]["1.running_mean"] for out in results] for i in range(len(_BUFFER_OPTIONS))}
+    for rank in (0, 1):
+        assert torch.equal(means[2][rank], means[0][rank])
+        assert torch.equal(means[3][rank], means[1][rank])
+    assert not torch.equal(means[1][1], means[4][1])  # rank 1 started from rank 0's statistics, or from its own
+    assert not torch.equal(means[1][0], means[1][1])  # no forward broadcast: each rank its own statistics
+
+
+@pytest.mark.parametrize("name", ["forward_sync_buffers", "batched_grad_copy", "lazy_bucket_allocation"])
+def test_ddp_options_of_a_later_torch_are_refused_at_every_stage_naming_the_torch_version(name):
+    # was: "not keyword arguments of fleet.distributed_model" (stage 3: "not taken at stage 3"), not saying why
+    from distamp.model.data_parallel import DataParallel
+    from distamp.model.ddp_preparation import refuse_stage3_kwargs
+
+    if _ddp_takes(name):
+        pytest.skip(f"this torch's DDP has {name}")
+    why = rf"{name}: DDP in the installed torch {re.escape(torch.__version__)} has no such argument \(torch 2\.1\d's"
+    for stage in (0, 1, 2):
+        with pytest.raises(ValueError, match=rf"\['{name}'\] are not keyword arguments of .*\({why}"):
+            DataParallel(nn.Linear(2, 2), _strategy(stage), **{name: True})
+    with pytest.raises(ValueError, match=rf"stage 3 .*\({why}"):
+        refuse_stage3_kwargs({name: True})
 
 
 def _rank_seeded_start(rank, world):

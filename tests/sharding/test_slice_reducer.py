@@ -13,6 +13,7 @@ stage 2.
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import pytest
 import torch
@@ -189,10 +190,51 @@ def test_ddp_options_stage_2_cannot_honour_are_refused_before_anything_runs():
 
     with pytest.raises(ValueError, match=r"\['delay_all_reduce_named_params', 'mixed_precision'\] are DDP "
                                          r"options, but sharding stage 2 replaces DDP by distamp's reducer, which "
-                                         r"takes only \['broadcast_buffers', 'init_sync', 'static_graph'\]"):
+                                         r"takes only \['broadcast_buffers', ('forward_sync_buffers', )?"
+                                         r"'init_sync', 'static_graph'\]"):
         DataParallel(nn.Linear(2, 2), _strategy(2), mixed_precision=None, delay_all_reduce_named_params=None,
                      static_graph=True)
     DataParallel(nn.Linear(2, 2), _strategy(1), static_graph=True)  # stage 1 still runs on DDP
+
+
+@pytest.mark.parametrize(("name", "value", "reason"), [
+    ("gradient_as_bucket_view", True, r"gradient_as_bucket_view: not needed: stage 2's reducer copies each gradient "
+                                      r"into its 16-bit bucket and frees \.grad at once"),
+    ("device_ids", [0], r"device_ids: stage 2's reducer works on the device distamp trains on \(fleet\.device\(\)"),
+    ("bucket_cap_mb", 50, r"bucket_cap_mb: the bucket size is strategy\.fuse_grad_size_in_MB"),
+])
+def test_stage_2_refuses_the_ddp_options_distamp_sets_with_its_own_reason_not_ddps(name, value, reason):
+    # was: "gradient_as_bucket_view=True is set by distamp: distamp always builds DDP with
+    # gradient_as_bucket_view=True", although stage 2 builds no DDP
+    from distamp.model.data_parallel import DataParallel
+
+    with pytest.raises(ValueError, match=rf"\['{name}'\] are DDP options, but sharding stage 2 replaces DDP .*"
+                                         rf"remove the others \({reason}") as refused:
+        DataParallel(nn.Linear(2, 2), _strategy(2), **{name: value})
+    assert "builds DDP" not in str(refused.value)
+    with pytest.raises(ValueError, match=rf"{name}=.* is set by distamp"):
+        DataParallel(nn.Linear(2, 2), _strategy(1), **{name: value})  # stage 1 builds DDP with it
+
+
+@pytest.mark.parametrize(("name", "stage_2", "stage_3"), [
+    ("batched_grad_copy", "copies each gradient into its bucket when autograd has accumulated it",
+     "FSDP2 copies each unit's gradients into its reduce-scatter input at once"),
+    ("lazy_bucket_allocation", "allocates each bucket at its first gradient and frees it once reduce-scattered",
+     "FSDP2 allocates each unit's reduce-scatter buffer"),
+])
+def test_ddps_newer_bucket_options_are_refused_at_stages_2_and_3_with_why_they_are_not_needed(name, stage_2, stage_3):
+    # was: stage 2 named them among "DDP options" with no reason, stage 3 said "not taken at stage 3"
+    from distamp.model.data_parallel import DataParallel
+    from distamp.model.ddp_preparation import refuse_stage3_kwargs
+
+    if name not in inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters:
+        pytest.skip(f"this torch's DDP has no {name}")
+    with pytest.raises(ValueError, match=rf"\({name}: .*{stage_2}"):
+        DataParallel(nn.Linear(2, 2), _strategy(2), **{name: True})
+    with pytest.raises(ValueError, match=rf"\({name}: .*{stage_3}"):
+        refuse_stage3_kwargs({name: True})
+    for stage in (0, 1):  # DDP takes them
+        DataParallel(nn.Linear(2, 2), _strategy(stage), **{name: True})
 
 
 def _reducer_dropped(rank, world):
