@@ -308,3 +308,39 @@ def test_stage3_refuses_non_contiguous_parameters_by_name_before_sharding():
         assert applied is True
         for weight in weights:
             assert torch.equal(weight, torch.zeros(weight.shape)), weight
+
+
+def _strided_after_the_optimizer(rank, world, stage):
+    from distamp import fleet
+
+    fleet.init()
+    model = _StridedWeights()
+    model.to(memory_format=torch.contiguous_format)
+    model.units[2].weight.data = model.units[2].weight.data.contiguous()
+    strategy = _strategy(stage, "o2-bf16")
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.5), strategy)
+    model.to(memory_format=torch.channels_last)  # after the optimizer cut its slices
+    model.units[2].weight.data = model.units[2].weight.data.t().contiguous().t()
+    try:
+        wrapped = fleet.distributed_model(model, strategy)
+    except ValueError as error:
+        return str(error)
+    opt.backward(wrapped([torch.full(p.shape, 2.0) for p in model.parameters()]))
+    return opt.step()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_1_and_2_refuse_parameters_made_non_contiguous_after_the_optimizer(stage):
+    """fleet.distributed_optimizer refuses non-contiguous parameters (its slices are flat ranges of each one);
+    a model moved to channels_last between it and fleet.distributed_model failed in the first step() with
+    torch's "view size is not compatible with input tensor's size and stride". fleet.distributed_model now
+    names the parameters and the fix, before any collective."""
+    for message in run_workers(_strided_after_the_optimizer, 2, stage, timeout=100):
+        assert message == (
+            f"sharding stage {stage}: parameters 'units.1.weight' (shape (2, 3, 2, 2), strides (12, 1, 6, 3)), "
+            "'units.2.weight' (shape (2, 3), strides (1, 2)) are not contiguous (channels_last, or a transposed "
+            "view) although they were when fleet.distributed_optimizer cut them into slices, which are flat ranges "
+            "of each parameter. Change the memory format before building the optimizer and keep it, or make them "
+            "contiguous again: model.to(memory_format=torch.contiguous_format) for 4-d and 5-d weights, "
+            "p.data = p.data.contiguous() for others (sharding off and PowerSGD train any memory format).")
