@@ -46,7 +46,8 @@ def _inputs(rank: int, step: int) -> list[torch.Tensor]:
             for n, shape in ((24, (2, 3, 2, 2)), (6, (2, 3)), (5, (5,)))]
 
 
-def _build(strided, pure, powersgd, merge):
+def _build(strided, pure, powersgd, merge, model=None):
+    """``fleet``'s optimizer (AdamW) and wrapper for ``model`` (default: :class:`_Gains`)."""
     from distamp import fleet
 
     fleet.init()
@@ -56,7 +57,7 @@ def _build(strided, pure, powersgd, merge):
         strategy.gradient_merge_configs = {"k_steps": merge}
     if powersgd:  # compresses the 2 x 12 and 2 x 3 matrices, with error feedback and warm start
         strategy.powersgd_configs = {"rank": 1, "start_step": 0, "min_compression_rate": 1.0}
-    model = _Gains(strided)
+    model = _Gains(strided) if model is None else model
     opt = fleet.distributed_optimizer(torch.optim.AdamW(model.parameters(), lr=LR), strategy)
     return model, opt, fleet.distributed_model(model, strategy)
 
