@@ -144,8 +144,8 @@ class _Runtime:
         self.param_gather = ForwardParamGather(module)  # overlap_param_gather: finished in forward
         # Parameters frozen when DDP (or stage 2's reducer) was built, which therefore never reduces them.
         self.frozen_at_build: dict[str, nn.Parameter] = {}
-        # Each parameter's dtype and device when the reducer was built (see _refuse_converted).
-        self.layout_at_build: list[tuple[str, nn.Parameter, torch.dtype, torch.device]] = []
+        # Each parameter's dtype, device and strides when the reducer was built (see _refuse_converted).
+        self.layout_at_build: list[tuple[str, nn.Parameter, torch.dtype, torch.device, tuple[int, ...]]] = []
 
 
 class DataParallel(nn.Module):
@@ -428,7 +428,7 @@ class DataParallel(nn.Module):
         ignored = ddp_ignored_names(self.module)  # DDP's names: those of self.module, wrappers included
         runtime.frozen_at_build = {user_name(self.module, name): p for name, p in self.module.named_parameters()
                                    if not p.requires_grad and name not in ignored}
-        runtime.layout_at_build = [(name, p, p.dtype, p.device)
+        runtime.layout_at_build = [(name, p, p.dtype, p.device, p.stride())
                                    for name, p in unwrap_model(self.module).named_parameters()]
         runtime.ddp, runtime.comm_hook, runtime.reduce_scatter, runtime.reducer = (
             prepared.ddp, prepared.comm_hook, prepared.reduce_scatter, prepared.reducer
@@ -449,8 +449,8 @@ class DataParallel(nn.Module):
             self.prepare()
         if any(p.requires_grad for p in runtime.frozen_at_build.values()):
             self._refuse_unfrozen()
-        if torch.is_grad_enabled() and any(p.dtype != dtype or p.device != device
-                                           for _, p, dtype, device in runtime.layout_at_build):
+        if torch.is_grad_enabled() and any(p.dtype != dtype or p.device != device or p.stride() != strides
+                                           for _, p, dtype, device, strides in runtime.layout_at_build):
             self._refuse_converted()  # a forward without gradients reduces nothing: converting for evaluation is fine
         if torch.is_grad_enabled():
             runtime.forward_synced = runtime.sync_enabled
@@ -504,8 +504,11 @@ class DataParallel(nn.Module):
         never fire for it: each rank would apply its own gradient.
         """
         changed = [f"{name} ({dtype} on {device} -> {p.dtype} on {p.device})"
-                   for name, p, dtype, device in self._runtime.layout_at_build
+                   for name, p, dtype, device, _ in self._runtime.layout_at_build
                    if p.dtype != dtype or p.device != device]
+        if not changed:
+            self._refuse_relaid()
+            return
         shown = listed(changed, 3)
         raise RuntimeError(
             f"parameters {shown} changed dtype or device after fleet.distributed_model built its gradient "
@@ -516,6 +519,35 @@ class DataParallel(nn.Module):
             "model.to(dtype)"
         )
 
+    def _refuse_relaid(self) -> None:
+        """Raise: a parameter changed memory format since the reducer was built (a layout of the same order passes).
+
+        DDP lays out each gradient in its bucket with the strides its
+        parameter had when the buckets were built; a parameter made
+        ``channels_last`` after that gets its reduced gradient on other
+        elements (torch's DDP only warns "Grad strides do not match bucket
+        view strides"), and distamp's comm hooks, which index the bucket as
+        the parameter, add the gradient-merge sum and compress onto others.
+        Strides that differ only in dims of size 1 describe the same layout.
+        """
+        changed = [f"{name} (strides {strides} -> {p.stride()})"
+                   for name, p, _, _, strides in self._runtime.layout_at_build
+                   if len(strides) != p.dim()
+                   or _unit_dims_dropped(p.shape, p.stride()) != _unit_dims_dropped(p.shape, strides)]
+        if not changed:
+            # Only size-1 dims' strides moved: the same memory order. Take the new strides, check again next time.
+            self._runtime.layout_at_build = [(name, p, dtype, device, p.stride())
+                                             for name, p, dtype, device, _ in self._runtime.layout_at_build]
+            return
+        raise RuntimeError(
+            f"parameters {listed(changed, 3)} changed memory format after fleet.distributed_model built its "
+            "gradient reducer (when the first optimizer was attached, or at the first forward): DDP keeps each "
+            "gradient in its bucket in the layout its parameter had then, so the reduced gradient would land on "
+            "other elements (torch's DDP warns 'Grad strides do not match bucket view strides'). Change the memory "
+            "format before fleet.distributed_model (model.to(memory_format=torch.channels_last) right after "
+            "building the model)"
+        )
+
     def fp32_state_dict(self) -> dict[str, Any]:
         """The wrapped model's ``state_dict()`` with every parameter in exact FP32 (from the masters).
 
@@ -524,6 +556,11 @@ class DataParallel(nn.Module):
         ``module.`` prefix).
         """
         return fp32_model_state_dict(self.module, [opt.master_weights for opt in self._runtime.optimizers])
+
+
+def _unit_dims_dropped(shape: torch.Size, strides: tuple[int, ...]) -> tuple[int, ...]:
+    """``strides`` without those of dims of size 1, which address no second element: equal ones, equal layouts."""
+    return tuple(stride for size, stride in zip(shape, strides, strict=True) if size != 1)
 
 
 def _refuse_static_graph_with_merge(strategy: DistributedStrategy, ddp_kwargs: dict[str, Any]) -> None:

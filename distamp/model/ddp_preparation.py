@@ -281,6 +281,8 @@ class DDPPreparation:
             RuntimeError: the model's strategy and an attached optimizer's
                 disagree on the stage, or a parameter that gets a gradient
                 belongs to no sharded optimizer (nobody would own its sum).
+            ValueError: a parameter of a sharded optimizer is no longer
+                contiguous (see :func:`_check_still_contiguous`).
         """
         strategy = self.strategy
         model_stage = strategy.sharding_config.stage if strategy.sharding else 0
@@ -305,4 +307,28 @@ class DDPPreparation:
                 "fleet.distributed_optimizer for this model. Give every trainable parameter to such an optimizer, "
                 "or set requires_grad=False on the others"
             )
+        _check_still_contiguous(self.module, owned, model_stage)
         return model_stage
+
+
+def _check_still_contiguous(module: nn.Module, owned: set[int], stage: int) -> None:
+    """Refuse sharded parameters made non-contiguous after ``fleet.distributed_optimizer`` refused none, by name.
+
+    The optimizer's slices are flat ranges of each parameter; a model moved
+    to ``channels_last`` (or given a transposed ``.data``) between the two
+    calls failed in the first ``step()`` with torch's "view size is not
+    compatible with input tensor's size and stride".
+
+    Raises:
+        ValueError: naming each such parameter with its shape and strides, and the fix.
+    """
+    strided = [f"{name!r} (shape {tuple(p.shape)}, strides {p.stride()})"
+               for name, p in unwrap_model(module).named_parameters() if id(p) in owned and not p.is_contiguous()]
+    if strided:
+        raise ValueError(
+            f"sharding stage {stage}: parameters {', '.join(strided)} are not contiguous (channels_last, or a "
+            "transposed view) although they were when fleet.distributed_optimizer cut them into slices, which are "
+            "flat ranges of each parameter. Change the memory format before building the optimizer and keep it, "
+            "or make them contiguous again: model.to(memory_format=torch.contiguous_format) for 4-d and 5-d "
+            "weights, p.data = p.data.contiguous() for others (sharding off and PowerSGD train any memory format)."
+        )

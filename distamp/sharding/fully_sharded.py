@@ -105,7 +105,8 @@ class FullyShardedModel(nn.Module):
 
     Raises:
         ValueError: a ``units`` or ``custom_black_varnames`` pattern matches
-            no module, a tensor is on another device, or ranks disagree.
+            no module, a tensor is on another device, a parameter is not
+            contiguous, or ranks disagree.
     """
 
     def __init__(self, module: nn.Module, strategy: DistributedStrategy, precision: ModelPrecision, *,
@@ -123,6 +124,7 @@ class FullyShardedModel(nn.Module):
         fp32_units = precision.fp32_modules(module)
         _check_nothing_shared(module, [*units, *fp32_units])
         _check_no_empty_trainable(module)
+        _check_contiguous(module)
         self.module = module
         self.strategy = strategy
         self._black_modules = precision.keep_black_modules_in_fp32(module)
@@ -428,6 +430,28 @@ def _check_no_empty_trainable(module: nn.Module) -> None:
             "them in the first backward (torch: '_chunk_cat expects non-empty tensor'). Remove them, register "
             "them as buffers, or set requires_grad=False on them before fleet.distributed_model (stages 1 and 2 "
             "train them)."
+        )
+
+
+def _check_contiguous(module: nn.Module) -> None:
+    """Refuse parameters FSDP2 cannot shard (``channels_last``, a transposed view), naming them and the fix.
+
+    torch's ``fully_shard`` raises ``NotImplementedError`` without the
+    parameter's name, after the start-up collectives and with the units
+    before it already sharded.
+
+    Raises:
+        ValueError: naming each such parameter with its shape and strides, and the fix.
+    """
+    strided = [f"{name!r} (shape {tuple(p.shape)}, strides {p.stride()})"
+               for name, p in module.named_parameters() if not p.is_contiguous()]
+    if strided:
+        raise ValueError(
+            f"sharding stage 3: parameters {', '.join(strided)} are not contiguous (channels_last, or a transposed "
+            "view); FSDP2 shards rows of contiguous parameters only (torch: 'FSDP does not support non-contiguous "
+            "parameters'). Make them contiguous before fleet.distributed_model: "
+            "model.to(memory_format=torch.contiguous_format) for 4-d and 5-d weights, p.data = p.data.contiguous() "
+            "for others (sharding off and PowerSGD train any memory format)."
         )
 
 

@@ -802,3 +802,65 @@ def test_a_model_converted_to_another_dtype_after_the_wrapper_was_built_is_refus
         assert message.startswith(f"parameters {first}.weight {converted}, {first}.bias {converted}")
         assert "changed dtype or device after fleet.distributed_model built its gradient reducer" in message
         assert "use_pure_fp16" in message
+
+
+class _Depthwise(nn.Module):
+    """``x * weight`` with a (4, 1, 3, 3) weight: channels_last changes only the stride of its size-1 dim."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4, 1, 3, 3))
+
+    def forward(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        return (xs[0] * self.weight).sum()
+
+
+def _relaid_after_the_wrapper(rank, world_size, pure, merge, powersgd, depthwise):
+    """Train 3 steps; before the second, move the model to channels_last. Returns (the step refused, its message)
+    or (None, the FP32 weights)."""
+    from distamp import fleet
+    from tests.distributed.test_memory_formats import _build, _inputs
+
+    model, opt, wrapped = _build(False, pure, powersgd, merge, _Depthwise() if depthwise else None)
+    for step in range(3):
+        if step == 1:
+            model.to(memory_format=torch.channels_last)
+        opt.zero_grad()
+        for _ in range(merge):
+            try:
+                with fleet.auto_cast():
+                    loss = wrapped([torch.arange(36.0).view(4, 1, 3, 3) + rank] if depthwise else _inputs(rank, step))
+            except RuntimeError as error:
+                return step, str(error)
+            opt.backward(loss)
+        opt.step()
+    return None, opt.fp32_state_dict(wrapped)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(("pure", "merge", "powersgd"), [(True, 2, False), (False, 1, True), (True, 1, False)],
+                         ids=["o2-merge", "o1-powersgd", "o2"])
+def test_a_model_moved_to_channels_last_after_the_wrapper_was_built_is_refused(pure, merge, powersgd):
+    """DDP keeps each gradient in its bucket with the strides its parameter had when the buckets were built
+    (again at its rebuild after the first backward): a weight made channels_last after that had its reduced
+    gradient on other elements (torch's DDP only warns), and the comm hooks added the merge sum and compressed
+    onto others too. The next forward with gradients now refuses, before DDP's."""
+    for step, message in run_workers(_relaid_after_the_wrapper, 2, pure, merge, powersgd, False, timeout=100):
+        assert step == 1, message
+        assert message == (
+            "parameters conv (strides (12, 4, 2, 1) -> (12, 1, 6, 3)) changed memory format after "
+            "fleet.distributed_model built its gradient reducer (when the first optimizer was attached, or at the "
+            "first forward): DDP keeps each gradient in its bucket in the layout its parameter had then, so the "
+            "reduced gradient would land on other elements (torch's DDP warns 'Grad strides do not match bucket "
+            "view strides'). Change the memory format before fleet.distributed_model "
+            "(model.to(memory_format=torch.channels_last) right after building the model)")
+
+
+@pytest.mark.timeout(120)
+def test_a_channels_last_move_that_keeps_the_memory_order_trains_on():
+    """A (4, 1, 3, 3) depthwise weight in channels_last changes only its size-1 dim's stride: the same memory
+    order, so DDP's buckets still match it and training goes on, as without the move."""
+    moved = run_workers(_relaid_after_the_wrapper, 2, True, 2, False, True, timeout=100)
+    for step, weights in moved:
+        assert step is None, weights
+        assert torch.equal(weights["weight"], moved[0][1]["weight"])

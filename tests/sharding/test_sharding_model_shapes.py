@@ -250,3 +250,97 @@ def test_stage3_refuses_a_trainable_parameter_without_elements_before_sharding()
             "them as buffers, or set requires_grad=False on them before fleet.distributed_model (stages 1 and 2 "
             "train them).")
     assert run_workers(_stage3_with_an_empty_parameter, 2, True, timeout=100) == [True, True]
+
+
+class _StridedWeights(nn.Module):
+    """Three units of ``x * weight``: a contiguous weight, a ``channels_last`` one and a transposed one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.units = nn.Sequential(_Gain(), _Gain(), _Gain())
+        self.units[1].weight = nn.Parameter(torch.ones(2, 3, 2, 2).to(memory_format=torch.channels_last))
+        self.units[2].weight = nn.Parameter(torch.ones(3, 2).t())
+
+    def forward(self, xs: list[torch.Tensor]) -> torch.Tensor:
+        return sum((unit(x).sum() for unit, x in zip(self.units, xs, strict=True)), torch.zeros(()))
+
+
+def _stage3_with_strided_parameters(rank, world):
+    from torch.distributed.tensor import DTensor
+
+    from distamp import fleet
+
+    fleet.init()
+    model = _StridedWeights()
+    strategy = _strategy(3, "off")
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.5), strategy)
+    try:
+        fleet.distributed_model(model, strategy)
+    except ValueError as error:
+        message = str(error)
+    untouched = not any(isinstance(p, DTensor) for p in model.parameters())
+    kept = model.units[1].weight.is_contiguous(memory_format=torch.channels_last)
+    model.to(memory_format=torch.contiguous_format)  # the fixes the message names
+    model.units[2].weight.data = model.units[2].weight.data.contiguous()
+    wrapped = fleet.distributed_model(model, strategy)
+    xs = [torch.full(p.shape, 2.0) for p in model.parameters()]
+    opt.backward(wrapped(xs))
+    applied = opt.step()
+    return message, untouched, kept, applied, [p.full_tensor() for p in model.parameters()]
+
+
+@pytest.mark.timeout(120)
+def test_stage3_refuses_non_contiguous_parameters_by_name_before_sharding():
+    """torch's fully_shard raised NotImplementedError("FSDP does not support non-contiguous parameters yet")
+    naming no parameter, after the start-up collectives and with the units before it already sharded into
+    DTensors. fleet.distributed_model now names each one with the fix, and leaves the model as it was; with
+    the fix applied it trains (the gradient is 2 everywhere: every weight becomes 1 - 0.5 * 2 = 0)."""
+    for message, untouched, kept, applied, weights in run_workers(_stage3_with_strided_parameters, 2, timeout=100):
+        assert message == (
+            "sharding stage 3: parameters 'units.1.weight' (shape (2, 3, 2, 2), strides (12, 1, 6, 3)), "
+            "'units.2.weight' (shape (2, 3), strides (1, 2)) are not contiguous (channels_last, or a transposed "
+            "view); FSDP2 shards rows of contiguous parameters only (torch: 'FSDP does not support non-contiguous "
+            "parameters'). Make them contiguous before fleet.distributed_model: model.to(memory_format="
+            "torch.contiguous_format) for 4-d and 5-d weights, p.data = p.data.contiguous() for others (sharding "
+            "off and PowerSGD train any memory format).")
+        assert untouched, "the model was sharded before the refusal"
+        assert kept, "the test needs the weight in channels_last"
+        assert applied is True
+        for weight in weights:
+            assert torch.equal(weight, torch.zeros(weight.shape)), weight
+
+
+def _strided_after_the_optimizer(rank, world, stage):
+    from distamp import fleet
+
+    fleet.init()
+    model = _StridedWeights()
+    model.to(memory_format=torch.contiguous_format)
+    model.units[2].weight.data = model.units[2].weight.data.contiguous()
+    strategy = _strategy(stage, "o2-bf16")
+    opt = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.5), strategy)
+    model.to(memory_format=torch.channels_last)  # after the optimizer cut its slices
+    model.units[2].weight.data = model.units[2].weight.data.t().contiguous().t()
+    try:
+        wrapped = fleet.distributed_model(model, strategy)
+    except ValueError as error:
+        return str(error)
+    opt.backward(wrapped([torch.full(p.shape, 2.0) for p in model.parameters()]))
+    return opt.step()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_1_and_2_refuse_parameters_made_non_contiguous_after_the_optimizer(stage):
+    """fleet.distributed_optimizer refuses non-contiguous parameters (its slices are flat ranges of each one);
+    a model moved to channels_last between it and fleet.distributed_model failed in the first step() with
+    torch's "view size is not compatible with input tensor's size and stride". fleet.distributed_model now
+    names the parameters and the fix, before any collective."""
+    for message in run_workers(_strided_after_the_optimizer, 2, stage, timeout=100):
+        assert message == (
+            f"sharding stage {stage}: parameters 'units.1.weight' (shape (2, 3, 2, 2), strides (12, 1, 6, 3)), "
+            "'units.2.weight' (shape (2, 3), strides (1, 2)) are not contiguous (channels_last, or a transposed "
+            "view) although they were when fleet.distributed_optimizer cut them into slices, which are flat ranges "
+            "of each parameter. Change the memory format before building the optimizer and keep it, or make them "
+            "contiguous again: model.to(memory_format=torch.contiguous_format) for 4-d and 5-d weights, "
+            "p.data = p.data.contiguous() for others (sharding off and PowerSGD train any memory format).")
