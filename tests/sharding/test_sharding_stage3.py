@@ -923,6 +923,24 @@ def test_ddp_options_of_a_later_torch_are_refused_at_every_stage_naming_the_torc
         refuse_stage3_kwargs({name: True})
 
 
+def test_every_ddp_option_stages_2_and_3_refuse_is_named_with_its_own_reason():
+    # was: stage 3 said "not taken at stage 3" for dim, check_reduction, device_mesh, mixed_precision, ... and
+    # stage 2 listed dim, check_reduction, device_mesh, ... among the refused with no reason at all
+    from distamp.model.data_parallel import DataParallel
+    from distamp.model.ddp_preparation import STAGE2_DDP_KWARGS, STAGE3_DDP_KWARGS, refuse_stage3_kwargs
+
+    names = [name for name in inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+             if name not in ("self", "module")]
+    for name in names:
+        if name not in STAGE3_DDP_KWARGS:
+            with pytest.raises(ValueError, match=rf"sharding stage 3 .*\({name}: \w") as stage_3:
+                refuse_stage3_kwargs({name: None})
+            assert "not taken at stage 3" not in str(stage_3.value), name
+        if name not in (*STAGE2_DDP_KWARGS, "process_group", "find_unused_parameters"):  # the last two it takes
+            with pytest.raises(ValueError, match=rf"sharding stage 2 .* remove the others \({name}: \w"):
+                DataParallel(nn.Linear(2, 2), _strategy(2), **{name: None})
+
+
 def _rank_seeded_start(rank, world):
     from distamp import fleet
 
