@@ -907,6 +907,49 @@ def test_forward_sync_buffers_is_honoured_at_stages_2_and_3_as_ddp_does():
     assert not torch.equal(means[1][0], means[1][1])  # no forward broadcast: each rank its own statistics
 
 
+def _one_process_warnings(rank, world):
+    """Per option set of _BUFFER_OPTIONS the installed DDP takes: whether a one-process DDP gives a FutureWarning,
+    and whether each stage's fleet.distributed_model (and a training forward) does."""
+    import warnings
+
+    from distamp import fleet
+
+    fleet.init()
+    out = {}
+    for options in _BUFFER_OPTIONS:
+        if not all(_ddp_takes(name) for name in options):
+            continue
+        runs = {}
+        for stage in ("ddp", 0, 1, 2, 3):
+            model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+            if stage != "ddp":
+                strategy = _strategy(stage)
+                fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if stage == "ddp":
+                    nn.parallel.DistributedDataParallel(model, **options)
+                else:
+                    with fleet.auto_cast():
+                        fleet.distributed_model(model, strategy, **options)(torch.randn(4, 2))
+            runs[stage] = any(issubclass(w.category, FutureWarning) for w in caught)
+        out[str(options)] = runs
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_one_process_world_warns_of_broadcast_buffers_at_every_stage_as_ddp_does():
+    # was: stage 3 warned in a one-process world and stages 0-2, which build nothing there, stayed silent;
+    # torch's DDP warns when built in a one-process world too
+    (out,) = run_workers(_one_process_warnings, 1, timeout=100)
+    assert "{}" in out
+    assert "{'broadcast_buffers': False}" in out
+    for options, runs in out.items():
+        assert runs == dict.fromkeys(runs, runs["ddp"]), options
+    assert out["{'broadcast_buffers': False}"]["ddp"] == _ddp_takes("forward_sync_buffers")
+    assert not out["{}"]["ddp"]
+
+
 @pytest.mark.parametrize("name", ["forward_sync_buffers", "batched_grad_copy", "lazy_bucket_allocation"])
 def test_ddp_options_of_a_later_torch_are_refused_at_every_stage_naming_the_torch_version(name):
     # was: "not keyword arguments of fleet.distributed_model" (stage 3: "not taken at stage 3"), not saying why
