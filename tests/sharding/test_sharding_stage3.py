@@ -815,13 +815,14 @@ def _start_buffers(rank, world):
 
     fleet.init()
     out = {}
+    kept = []  # fleet holds optimizers weakly; stage 2 needs each attached at its model's forward
     for stage in (0, 2, 3):
         for broadcast in (True, False):
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
             model[1].running_mean.fill_(rank + 1.0)
             strategy = _strategy(stage)
-            fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+            kept.append(fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy))
             wrapped = fleet.distributed_model(model, strategy, **({} if broadcast else {"broadcast_buffers": False}))
             with torch.no_grad():
                 wrapped.eval()(torch.randn(2, 4))
@@ -916,6 +917,7 @@ def _one_process_warnings(rank, world):
 
     fleet.init()
     out = {}
+    kept = []  # fleet holds optimizers weakly; stage 2 needs each attached at its model's forward
     for options in _BUFFER_OPTIONS:
         if not all(_ddp_takes(name) for name in options):
             continue
@@ -924,7 +926,7 @@ def _one_process_warnings(rank, world):
             model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
             if stage != "ddp":
                 strategy = _strategy(stage)
-                fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+                kept.append(fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy))
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 if stage == "ddp":
