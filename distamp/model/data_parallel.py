@@ -47,6 +47,7 @@ from distamp.distributed.devices import check_device
 from distamp.distributed.groups import group_size
 from distamp.model.ddp_preparation import DDP_KEYWORDS, DDPPreparation, later_torch_reason, refuse_stage2_kwargs
 from distamp.model_views import fp32_model_state_dict, unwrap_model, user_name
+from distamp.sharding.buffer_broadcast import warn_of_deprecated_buffer_option
 from distamp.sharding.param_gather_hooks import ForwardParamGather
 from distamp.sharding.reduce_scatter import ShardedGradReduce
 from distamp.sharding.slice_reducer import SliceReducer
@@ -212,6 +213,10 @@ class DataParallel(nn.Module):
         self._ddp_kwargs = ddp_kwargs
         self._runtime = _Runtime(module)
         self._runtime.prepared = not self.distributed  # one process: nothing to agree on or build
+        if not self.distributed:  # DDP, built in a one-process world too, would warn (as stage 3 does)
+            warn_of_deprecated_buffer_option(
+                ddp_kwargs.get("broadcast_buffers"), ddp_kwargs.get("forward_sync_buffers"), stacklevel=4
+            )
         self._black_modules: BlackModulesHandle | None = None
         self.strategy_is_default = False
         self._configure(strategy)

@@ -56,36 +56,71 @@ STAGE2_DDP_KWARGS = tuple(name for name in ("broadcast_buffers", "forward_sync_b
 STAGE3_DDP_KWARGS = tuple(name for name in ("broadcast_buffers", "forward_sync_buffers") if name in DDP_KEYWORDS)
 """DDP keyword arguments sharding stage 3 (FSDP2, no DDP) honours: its wrapper keeps DDP's buffer broadcast."""
 
+_CHECK_REDUCTION = "deprecated in torch's DDP, where it does nothing: remove it"
+_WHOLE_INPUTS = ("not needed: each rank's model gets its inputs whole; DDP's dim only splits them over several "
+                 "device_ids")
+_AMP_INSTEAD = "set the precision with strategy.amp = True and amp_configs"
+
 _STAGE2_DEVICE = ("stage 2's reducer works on the device distamp trains on (fleet.device(): cuda:LOCAL_RANK with CUDA, "
                   "else the CPU) and moves a CUDA model's inputs there, as DDP's device_ids would")
 _STAGE2_BUCKETS = "the bucket size is strategy.fuse_grad_size_in_MB: set that instead"
+_STAGE2_NO_DELAY = ("no DDP all-reduce to delay: stage 2's reducer reduce-scatters each bucket as soon as its "
+                    "gradients are accumulated")
 _STAGE2_INSTEAD = {
     "device_ids": _STAGE2_DEVICE,
     "output_device": _STAGE2_DEVICE,
+    "dim": _WHOLE_INPUTS,
+    "check_reduction": _CHECK_REDUCTION,
     "gradient_as_bucket_view": "not needed: stage 2's reducer copies each gradient into its 16-bit bucket and frees "
                                ".grad at once, so no full-size gradient is kept to be a view",
     "bucket_cap_mb": _STAGE2_BUCKETS,
     "bucket_cap_mb_list": _STAGE2_BUCKETS,
+    "delay_all_reduce_named_params": _STAGE2_NO_DELAY,
+    "param_to_hook_all_reduce": _STAGE2_NO_DELAY,
+    "mixed_precision": _AMP_INSTEAD,
+    "device_mesh": "stage 2's reducer reduces over fleet.distributed_model's process group (the world by default), "
+                   "not a DeviceMesh: remove it",
+    "skip_all_reduce_unused_params": "not taken: stage 2's reducer reduces every bucket whole (a parameter no rank "
+                                     "used as zeros); with find_unused_parameters=True such a parameter keeps "
+                                     "grad None in the optimizer, as with DDP",
     "batched_grad_copy": "no DDP buckets: stage 2's reducer copies each gradient into its bucket when autograd has "
                          "accumulated it",
     "lazy_bucket_allocation": "not needed: stage 2's reducer allocates each bucket at its first gradient and frees "
                               "it once reduce-scattered",
-    "mixed_precision": "set the precision with strategy.amp = True and amp_configs",
 }
+"""Why stage 2 refuses each DDP keyword argument of torch 2.11-2.15 it does not take, or what to set instead."""
 
+_STAGE3_DEVICE = ("stage 3 shards on the device distamp trains on (fleet.device(): cuda:LOCAL_RANK with CUDA, else "
+                  "the CPU)")
+_STAGE3_GROUP = "stage 3 shards over every rank fleet.init() started (FSDP2's mesh is built from that group)"
+_STAGE3_BUCKETS = "no DDP buckets: sharding_configs['units'] decide what is gathered and reduced together"
+_STAGE3_NO_DELAY = ("no DDP all-reduce to delay: FSDP2 reduce-scatters each unit's gradients after its backward; "
+                    "sharding_configs['units'] decide which are reduced together")
 _STAGE3_INSTEAD = {
+    "device_ids": _STAGE3_DEVICE,
+    "output_device": _STAGE3_DEVICE,
+    "dim": _WHOLE_INPUTS,
+    "init_sync": "the parameters are always broadcast from rank 0 before fully_shard",
+    "process_group": _STAGE3_GROUP,
     "find_unused_parameters": "not needed: FSDP2 reduce-scatters each unit's gradients after its backward and a "
                               "parameter no rank used keeps none, but every rank must run the same units (a branch "
                               "only some ranks take needs stage 2 with find_unused_parameters)",
+    "check_reduction": _CHECK_REDUCTION,
     "static_graph": "not needed: FSDP2 takes no hint",
-    "bucket_cap_mb": "no DDP buckets: sharding_configs['units'] decide what is gathered and reduced together",
-    "bucket_cap_mb_list": "no DDP buckets: sharding_configs['units'] decide what is gathered and reduced together",
+    "bucket_cap_mb": _STAGE3_BUCKETS,
+    "bucket_cap_mb_list": _STAGE3_BUCKETS,
     "gradient_as_bucket_view": "no DDP buckets: each gradient is reduce-scattered into its shard",
-    "init_sync": "the parameters are always broadcast from rank 0 before fully_shard",
+    "delay_all_reduce_named_params": _STAGE3_NO_DELAY,
+    "param_to_hook_all_reduce": _STAGE3_NO_DELAY,
+    "mixed_precision": f"{_AMP_INSTEAD}: stage 3 gives FSDP2 its MixedPrecisionPolicy from them",
+    "device_mesh": _STAGE3_GROUP,
+    "skip_all_reduce_unused_params": "not needed: FSDP2 reduces only the units whose backward ran (every rank must "
+                                     "run the same units)",
     "batched_grad_copy": "no DDP buckets: FSDP2 copies each unit's gradients into its reduce-scatter input at once",
     "lazy_bucket_allocation": "not needed: FSDP2 allocates each unit's reduce-scatter buffer when the unit's "
                               "backward is done and frees it after",
 }
+"""Why stage 3 refuses each DDP keyword argument of torch 2.11-2.15 it does not take, or what to set instead."""
 
 
 def later_torch_reason(name: str) -> str | None:
@@ -132,6 +167,8 @@ def refuse_stage3_kwargs(kwargs: dict[str, Any]) -> None:
 
 
 def _stage3_reason(name: str) -> str:
+    if name not in DDP_KEYWORDS and name not in _LATER_TORCH_DDP_KWARGS:
+        return "no keyword argument of DDP's"
     return later_torch_reason(name) or _STAGE3_INSTEAD.get(name, "not taken at stage 3")
 
 

@@ -25,7 +25,8 @@ from torch.nn.parallel import DistributedDataParallel
 from distamp.distributed.timeouts import named_collective
 from distamp.torch_compat import sync_params_and_buffers
 
-__all__ = ["BROADCAST_BYTES", "BufferBroadcast", "BufferSync", "broadcast_from_rank0", "buffer_sync"]
+__all__ = ["BROADCAST_BYTES", "BufferBroadcast", "BufferSync", "broadcast_from_rank0", "buffer_sync",
+           "warn_of_deprecated_buffer_option"]
 
 BROADCAST_BYTES = 1 << 20
 """Coalescing bound of the broadcasts from rank 0 (as DDP's): no model-size flat copy."""
@@ -51,17 +52,21 @@ def buffer_sync(broadcast_buffers: bool | None = None, forward_sync_buffers: boo
     build on; given, it wins and ``broadcast_buffers`` is ignored. Alone,
     ``broadcast_buffers`` rules both; neither given: both on.
     """
-    if broadcast_buffers is not None and _DDP_HAS_FORWARD_SYNC_BUFFERS:
-        _warn_as_ddp(forward_sync_buffers is not None)
+    warn_of_deprecated_buffer_option(broadcast_buffers, forward_sync_buffers)
     if forward_sync_buffers is not None:
         return BufferSync(at_build=True, before_forward=forward_sync_buffers)
     enabled = True if broadcast_buffers is None else broadcast_buffers
     return BufferSync(at_build=enabled, before_forward=enabled)
 
 
-def _warn_as_ddp(both: bool) -> None:
-    """The ``FutureWarning`` torch's DDP gives for ``broadcast_buffers`` (deprecated in 2.13)."""
-    if both:
+def warn_of_deprecated_buffer_option(broadcast_buffers: bool | None, forward_sync_buffers: bool | None, *,
+                                     stacklevel: int = 3) -> None:
+    """The ``FutureWarning`` torch's DDP (2.13+) gives when built with ``broadcast_buffers`` (deprecated in 2.13),
+    ignored or not; nothing where the installed DDP has no ``forward_sync_buffers``. ``stacklevel``: as
+    ``warnings.warn``'s, seen from this function (the default names its caller's caller)."""
+    if broadcast_buffers is None or not _DDP_HAS_FORWARD_SYNC_BUFFERS:
+        return
+    if forward_sync_buffers is not None:
         message = ("fleet.distributed_model(..., broadcast_buffers=..., forward_sync_buffers=...): broadcast_buffers "
                    "is ignored, as torch's DDP ignores it when forward_sync_buffers is given; remove it")
     else:
@@ -69,7 +74,7 @@ def _warn_as_ddp(both: bool) -> None:
                    "forward_sync_buffers, which distamp's sharded stages honour too. Unlike broadcast_buffers=False, "
                    "forward_sync_buffers=False still broadcasts rank 0's buffers when the model is built; to keep "
                    "each rank's own from the start, keep broadcast_buffers=False")
-    warnings.warn(message, FutureWarning, stacklevel=3)
+    warnings.warn(message, FutureWarning, stacklevel=stacklevel)
 
 
 def broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:

@@ -815,13 +815,14 @@ def _start_buffers(rank, world):
 
     fleet.init()
     out = {}
+    kept = []  # fleet holds optimizers weakly; stage 2 needs each attached at its model's forward
     for stage in (0, 2, 3):
         for broadcast in (True, False):
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
             model[1].running_mean.fill_(rank + 1.0)
             strategy = _strategy(stage)
-            fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy)
+            kept.append(fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy))
             wrapped = fleet.distributed_model(model, strategy, **({} if broadcast else {"broadcast_buffers": False}))
             with torch.no_grad():
                 wrapped.eval()(torch.randn(2, 4))
@@ -907,6 +908,50 @@ def test_forward_sync_buffers_is_honoured_at_stages_2_and_3_as_ddp_does():
     assert not torch.equal(means[1][0], means[1][1])  # no forward broadcast: each rank its own statistics
 
 
+def _one_process_warnings(rank, world):
+    """Per option set of _BUFFER_OPTIONS the installed DDP takes: whether a one-process DDP gives a FutureWarning,
+    and whether each stage's fleet.distributed_model (and a training forward) does."""
+    import warnings
+
+    from distamp import fleet
+
+    fleet.init()
+    out = {}
+    kept = []  # fleet holds optimizers weakly; stage 2 needs each attached at its model's forward
+    for options in _BUFFER_OPTIONS:
+        if not all(_ddp_takes(name) for name in options):
+            continue
+        runs = {}
+        for stage in ("ddp", 0, 1, 2, 3):
+            model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+            if stage != "ddp":
+                strategy = _strategy(stage)
+                kept.append(fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                if stage == "ddp":
+                    nn.parallel.DistributedDataParallel(model, **options)
+                else:
+                    with fleet.auto_cast():
+                        fleet.distributed_model(model, strategy, **options)(torch.randn(4, 2))
+            runs[stage] = any(issubclass(w.category, FutureWarning) for w in caught)
+        out[str(options)] = runs
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_one_process_world_warns_of_broadcast_buffers_at_every_stage_as_ddp_does():
+    # was: stage 3 warned in a one-process world and stages 0-2, which build nothing there, stayed silent;
+    # torch's DDP warns when built in a one-process world too
+    (out,) = run_workers(_one_process_warnings, 1, timeout=100)
+    assert "{}" in out
+    assert "{'broadcast_buffers': False}" in out
+    for options, runs in out.items():
+        assert runs == dict.fromkeys(runs, runs["ddp"]), options
+    assert out["{'broadcast_buffers': False}"]["ddp"] == _ddp_takes("forward_sync_buffers")
+    assert not out["{}"]["ddp"]
+
+
 @pytest.mark.parametrize("name", ["forward_sync_buffers", "batched_grad_copy", "lazy_bucket_allocation"])
 def test_ddp_options_of_a_later_torch_are_refused_at_every_stage_naming_the_torch_version(name):
     # was: "not keyword arguments of fleet.distributed_model" (stage 3: "not taken at stage 3"), not saying why
@@ -921,6 +966,24 @@ def test_ddp_options_of_a_later_torch_are_refused_at_every_stage_naming_the_torc
             DataParallel(nn.Linear(2, 2), _strategy(stage), **{name: True})
     with pytest.raises(ValueError, match=rf"stage 3 .*\({why}"):
         refuse_stage3_kwargs({name: True})
+
+
+def test_every_ddp_option_stages_2_and_3_refuse_is_named_with_its_own_reason():
+    # was: stage 3 said "not taken at stage 3" for dim, check_reduction, device_mesh, mixed_precision, ... and
+    # stage 2 listed dim, check_reduction, device_mesh, ... among the refused with no reason at all
+    from distamp.model.data_parallel import DataParallel
+    from distamp.model.ddp_preparation import STAGE2_DDP_KWARGS, STAGE3_DDP_KWARGS, refuse_stage3_kwargs
+
+    names = [name for name in inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+             if name not in ("self", "module")]
+    for name in names:
+        if name not in STAGE3_DDP_KWARGS:
+            with pytest.raises(ValueError, match=rf"sharding stage 3 .*\({name}: \w") as stage_3:
+                refuse_stage3_kwargs({name: None})
+            assert "not taken at stage 3" not in str(stage_3.value), name
+        if name not in (*STAGE2_DDP_KWARGS, "process_group", "find_unused_parameters"):  # the last two it takes
+            with pytest.raises(ValueError, match=rf"sharding stage 2 .* remove the others \({name}: \w"):
+                DataParallel(nn.Linear(2, 2), _strategy(2), **{name: None})
 
 
 def _rank_seeded_start(rank, world):
