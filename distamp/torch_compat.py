@@ -23,6 +23,7 @@ DDP's input-moving helpers) is imported on first use, not at
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 
 __all__ = [
+    "DDP_KEYWORDS",
     "DEFAULT_FIRST_BUCKET_BYTES",
     "TORCH_DEFAULT_GRACE_PERIOD",
     "DisableTorchFunction",
@@ -246,6 +248,13 @@ def disable_aot_autograd_cache() -> None:
 # --------------------------------------------------------------------------- process groups and DDP
 # DDP's default size of its first bucket; torch.compile's DDPOptimizer assumes it (2.11-2.14: 1 MiB).
 DEFAULT_FIRST_BUCKET_BYTES: int = dist._DEFAULT_FIRST_BUCKET_BYTES
+
+# The keyword arguments of the installed torch's DDP, in its order. They differ across 2.11-2.15:
+# forward_sync_buffers and batched_grad_copy came in 2.13, lazy_bucket_allocation in 2.15.
+DDP_KEYWORDS: tuple[str, ...] = tuple(
+    name for name in inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    if name not in ("self", "module")
+)
 
 
 def default_store() -> dist.Store:

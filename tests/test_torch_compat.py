@@ -112,6 +112,13 @@ def test_first_bucket_is_one_mebibyte():
     assert tc.DEFAULT_FIRST_BUCKET_BYTES == 1024 * 1024
 
 
+def test_ddp_keywords_are_the_installed_ddps_and_follow_its_release():
+    assert {"process_group", "broadcast_buffers", "find_unused_parameters", "static_graph"} <= set(tc.DDP_KEYWORDS)
+    assert not {"self", "module"} & set(tc.DDP_KEYWORDS)
+    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    assert ("forward_sync_buffers" in tc.DDP_KEYWORDS) == (release >= (2, 13))
+
+
 def test_launch_config_takes_the_grace_period_where_torch_has_it():
     from torch.distributed.launcher.api import LaunchConfig
 

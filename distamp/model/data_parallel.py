@@ -45,7 +45,7 @@ from distamp.core.precision import o2_dtype_error_hint
 from distamp.distributed.comm_hooks import CommStats, LowPrecisionAllReduce
 from distamp.distributed.devices import check_device
 from distamp.distributed.groups import group_size
-from distamp.model.ddp_preparation import DDP_KEYWORDS, DDPPreparation, later_torch_reason, refuse_stage2_kwargs
+from distamp.model.ddp_preparation import DDPPreparation, later_torch_reason, refuse_stage2_kwargs
 from distamp.model_views import fp32_model_state_dict, unwrap_model, user_name
 from distamp.sharding.buffer_broadcast import warn_of_deprecated_buffer_option
 from distamp.sharding.param_gather_hooks import ForwardParamGather
@@ -53,7 +53,7 @@ from distamp.sharding.reduce_scatter import ShardedGradReduce
 from distamp.sharding.slice_reducer import SliceReducer
 from distamp.strategy import DistributedStrategy
 from distamp.suggest import listed
-from distamp.torch_compat import ddp_has_rebuilt_buckets, ddp_ignored_names
+from distamp.torch_compat import DDP_KEYWORDS, ddp_has_rebuilt_buckets, ddp_ignored_names
 
 __all__ = ["DataParallel", "strategy_fp32_parameters"]
 

@@ -9,7 +9,6 @@ Sharding stage 2 gets no DDP but distamp's own reducer
 
 from __future__ import annotations
 
-import inspect
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,16 +30,12 @@ from distamp.sharding.reduce_scatter import ShardedGradReduce, reduce_bucket_byt
 from distamp.sharding.slice_owner import SliceOwner
 from distamp.sharding.slice_reducer import SliceReducer
 from distamp.strategy import DistributedStrategy
-from distamp.torch_compat import DEFAULT_FIRST_BUCKET_BYTES
+from distamp.torch_compat import DDP_KEYWORDS, DEFAULT_FIRST_BUCKET_BYTES
 
 __all__ = [
-    "DDP_KEYWORDS", "STAGE2_DDP_KWARGS", "STAGE3_DDP_KWARGS", "DDPPreparation", "PreparedDDP", "later_torch_reason",
+    "STAGE2_DDP_KWARGS", "STAGE3_DDP_KWARGS", "DDPPreparation", "PreparedDDP", "later_torch_reason",
     "refuse_stage2_kwargs", "refuse_stage3_kwargs",
 ]
-
-DDP_KEYWORDS = tuple(name for name in inspect.signature(DistributedDataParallel.__init__).parameters
-                     if name not in ("self", "module"))
-"""The keyword arguments of the installed torch's DDP, in its order."""
 
 _LATER_TORCH_DDP_KWARGS = {
     "batched_grad_copy": "2.13",

@@ -13,26 +13,21 @@ the model is built. :func:`buffer_sync` reads both as torch's DDP does.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from distamp.distributed.timeouts import named_collective
-from distamp.torch_compat import sync_params_and_buffers
+from distamp.torch_compat import DDP_KEYWORDS, sync_params_and_buffers
 
 __all__ = ["BROADCAST_BYTES", "BufferBroadcast", "BufferSync", "broadcast_from_rank0", "buffer_sync",
            "warn_of_deprecated_buffer_option"]
 
 BROADCAST_BYTES = 1 << 20
 """Coalescing bound of the broadcasts from rank 0 (as DDP's): no model-size flat copy."""
-
-
-_DDP_HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
 
 
 @dataclass(frozen=True)
@@ -64,7 +59,7 @@ def warn_of_deprecated_buffer_option(broadcast_buffers: bool | None, forward_syn
     """The ``FutureWarning`` torch's DDP (2.13+) gives when built with ``broadcast_buffers`` (deprecated in 2.13),
     ignored or not; nothing where the installed DDP has no ``forward_sync_buffers``. ``stacklevel``: as
     ``warnings.warn``'s, seen from this function (the default names its caller's caller)."""
-    if broadcast_buffers is None or not _DDP_HAS_FORWARD_SYNC_BUFFERS:
+    if broadcast_buffers is None or "forward_sync_buffers" not in DDP_KEYWORDS:
         return
     if forward_sync_buffers is not None:
         message = ("fleet.distributed_model(..., broadcast_buffers=..., forward_sync_buffers=...): broadcast_buffers "
