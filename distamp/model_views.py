@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Protocol
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["ExactFp32Source", "fp32_model_state_dict", "known_name", "parameters_device", "unwrap_model",
-           "user_name", "wrapper_prefix"]
+__all__ = ["CONTIGUOUS_FIX", "ExactFp32Source", "fp32_model_state_dict", "known_name", "non_contiguous",
+           "parameters_device", "unwrap_model", "user_name", "wrapper_prefix"]
 
 _WRAPPED_ATTRIBUTES = ("module", "_orig_mod")  # DataParallel/DDP, torch.compile's OptimizedModule
 
@@ -83,6 +83,17 @@ class ExactFp32Source(Protocol):
     def exact_fp32(self) -> dict[int, torch.Tensor]:
         """``{id(model parameter): FP32 value}`` (collective for sharded masters)."""
         ...
+
+
+CONTIGUOUS_FIX = ("model.to(memory_format=torch.contiguous_format) for 4-d and 5-d weights, "
+                  "p.data = p.data.contiguous() for others (sharding off and PowerSGD train any memory format).")
+"""How to make parameters contiguous again, for the sharded stages' refusals."""
+
+
+def non_contiguous(named_params: Iterable[tuple[str, nn.Parameter]]) -> list[str]:
+    """``'name' (shape ..., strides ...)`` for each of ``named_params`` that is not contiguous."""
+    return [f"{name!r} (shape {tuple(p.shape)}, strides {p.stride()})" for name, p in named_params
+            if not p.is_contiguous()]
 
 
 def parameters_device(module: nn.Module) -> torch.device:

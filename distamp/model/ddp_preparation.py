@@ -24,7 +24,7 @@ from distamp.distributed.comm_hooks import LowPrecisionAllReduce, PendingFp32Gra
 from distamp.distributed.comm_threads import check_gloo_workers_found, wait_for_comm_threads
 from distamp.distributed.fingerprint import check_ranks_agree
 from distamp.distributed.timeouts import named_collective
-from distamp.model_views import parameters_device, unwrap_model
+from distamp.model_views import CONTIGUOUS_FIX, non_contiguous, parameters_device, unwrap_model
 from distamp.sharding.buffer_broadcast import buffer_sync
 from distamp.sharding.reduce_scatter import ShardedGradReduce, reduce_bucket_bytes
 from distamp.sharding.slice_owner import SliceOwner
@@ -354,13 +354,11 @@ def _check_still_contiguous(module: nn.Module, owned: set[int], stage: int) -> N
     Raises:
         ValueError: naming each such parameter with its shape and strides, and the fix.
     """
-    strided = [f"{name!r} (shape {tuple(p.shape)}, strides {p.stride()})"
-               for name, p in unwrap_model(module).named_parameters() if id(p) in owned and not p.is_contiguous()]
+    strided = non_contiguous((name, p) for name, p in unwrap_model(module).named_parameters() if id(p) in owned)
     if strided:
         raise ValueError(
             f"sharding stage {stage}: parameters {', '.join(strided)} are not contiguous (channels_last, or a "
             "transposed view) although they were when fleet.distributed_optimizer cut them into slices, which are "
             "flat ranges of each parameter. Change the memory format before building the optimizer and keep it, "
-            "or make them contiguous again: model.to(memory_format=torch.contiguous_format) for 4-d and 5-d "
-            "weights, p.data = p.data.contiguous() for others (sharding off and PowerSGD train any memory format)."
+            f"or make them contiguous again: {CONTIGUOUS_FIX}"
         )

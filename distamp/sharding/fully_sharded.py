@@ -47,7 +47,7 @@ from distamp.distributed.devices import check_device
 from distamp.distributed.fingerprint import check_ranks_agree
 from distamp.distributed.groups import group_size
 from distamp.distributed.timeouts import named_collective
-from distamp.model_views import fp32_model_state_dict, parameters_device, unwrap_model
+from distamp.model_views import CONTIGUOUS_FIX, fp32_model_state_dict, non_contiguous, parameters_device, unwrap_model
 from distamp.sharding.buffer_broadcast import BufferBroadcast, broadcast_from_rank0, buffer_sync
 from distamp.sharding.fsdp_comms import InPlaceAllGather, WireReduceScatter
 from distamp.sharding.fsdp_policy import unit_policies
@@ -443,15 +443,12 @@ def _check_contiguous(module: nn.Module) -> None:
     Raises:
         ValueError: naming each such parameter with its shape and strides, and the fix.
     """
-    strided = [f"{name!r} (shape {tuple(p.shape)}, strides {p.stride()})"
-               for name, p in module.named_parameters() if not p.is_contiguous()]
+    strided = non_contiguous(module.named_parameters())
     if strided:
         raise ValueError(
             f"sharding stage 3: parameters {', '.join(strided)} are not contiguous (channels_last, or a transposed "
             "view); FSDP2 shards rows of contiguous parameters only (torch: 'FSDP does not support non-contiguous "
-            "parameters'). Make them contiguous before fleet.distributed_model: "
-            "model.to(memory_format=torch.contiguous_format) for 4-d and 5-d weights, p.data = p.data.contiguous() "
-            "for others (sharding off and PowerSGD train any memory format)."
+            f"parameters'). Make them contiguous before fleet.distributed_model: {CONTIGUOUS_FIX}"
         )
 
 
