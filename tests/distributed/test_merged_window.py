@@ -13,22 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from tests.multiprocess import run_workers
+from tests.sharding.test_sharding import _Gain
 
 LR = 2.0**-4
-
-
-class _Gain(nn.Module):
-    """``x * weight`` (the O2 weight is promoted to FP32 by the FP32 input): the gradient is ``x``, cast to 16 bits."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.weight
 
 
 def _rank_one_pattern() -> torch.Tensor:

@@ -538,11 +538,12 @@ def test_stage_1_with_static_graph_trains_as_without():
 
 
 class _Gain(nn.Module):
-    """``x * weight``: a product autocast leaves in FP32, so the weight's gradient is FP32 in O1."""
+    """``x * weight``: a product autocast leaves in FP32, so the weight's gradient is FP32 in O1 (and ``x``, cast
+    to 16 bits, in O2). ``weight``: its initial value (default four ones), any shape and memory format."""
 
-    def __init__(self) -> None:
+    def __init__(self, weight: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(4))
+        self.weight = nn.Parameter(torch.ones(4) if weight is None else weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.weight
