@@ -52,7 +52,7 @@ from distamp.model.forward_weight_writes import check_forward_weight_writes
 from distamp.model.sparse_gradients import refuse_sparse_gradients
 from distamp.optim.optimizer import AmpOptimizer
 from distamp.strategy import DistributedStrategy
-from distamp.strategy.applicability import check_applicable, check_same_strategy
+from distamp.strategy.applicability import check_applicable, check_same_strategy, warn_of_inert_configs
 
 if TYPE_CHECKING:
     from distamp.sharding.fully_sharded import FullyShardedModel
@@ -265,9 +265,11 @@ def _strategy(strategy: DistributedStrategy | None) -> DistributedStrategy:
 def _adopt(strategy: DistributedStrategy, by: str) -> None:
     """Once ``by`` has built on ``strategy``: it is in use, and the latest (``auto_cast`` follows it).
 
-    Not before: a call that refuses its strategy leaves the latest one as it was.
+    Not before: a call that refuses its strategy leaves the latest one as it was. The first call to build
+    on a strategy warns of any configs it sets for a feature that is off.
     """
-    strategy.mark_in_use(by)
+    if strategy.mark_in_use(by):
+        warn_of_inert_configs(strategy)
     _state.strategy = strategy
 
 

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -319,6 +320,43 @@ def test_a_refused_call_leaves_the_latest_strategy_as_it_was():
     with fleet.auto_cast():
         loss = F.mse_loss(wrapped(torch.randn(3, 4)), torch.randn(3, 2))
     assert opt.minimize(loss) is True
+
+
+@pytest.mark.parametrize("built_by", ["optimizer", "model"])
+def test_configs_of_a_feature_that_is_off_warn_once_that_they_have_no_effect(built_by):
+    """Was: silent; sharding_configs = {"stage": 2} without sharding = True trained unsharded without a word,
+    and only amp_configs' check_nan_inf warned (from the optimizer alone)."""
+    from distamp import fleet
+
+    fleet.init()
+    model = nn.Linear(4, 2)
+    strategy = fleet.DistributedStrategy(amp_configs={"check_nan_inf": True, "dtype": "bfloat16"},
+                                         sharding_configs={"stage": 2}, powersgd_configs={"rank": 1},
+                                         gradient_merge=True, gradient_merge_configs={"k_steps": 2})
+    builds = {"optimizer": lambda: fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), strategy),
+              "model": lambda: fleet.distributed_model(model, strategy)}
+    with pytest.warns(UserWarning, match="has no effect") as record:
+        builds[built_by]()
+    messages = [str(w.message) for w in record if "has no effect" in str(w.message)]
+    assert messages == [
+        "strategy.amp_configs has no effect: strategy.amp is False, so distamp reads none of amp_configs (set "
+        "away from the defaults: dtype='bfloat16', check_nan_inf=True). Set strategy.amp = True, or leave "
+        "amp_configs unset.",
+        "strategy.sharding_configs has no effect: strategy.sharding is False, so distamp reads none of "
+        "sharding_configs (set away from the defaults: stage=2). Set strategy.sharding = True, or leave "
+        "sharding_configs unset.",
+    ]  # powersgd_configs: rank 1 is the default; gradient_merge is on
+    assert all(w.filename == __file__ for w in record if "has no effect" in str(w.message))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the strategy is in use: the other call does not warn again
+        opt = builds["model" if built_by == "optimizer" else "optimizer"]()
+        if built_by == "model":
+            assert opt.merge.k_steps == 2
+    plain = fleet.DistributedStrategy(amp=True, amp_configs={"check_nan_inf": True}, sharding_configs={"stage": 1})
+    plain.sharding_configs = {}  # back to the defaults
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fleet.distributed_optimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), plain)
 
 
 def test_equal_strategies_and_settings_read_by_one_side_only_may_differ():

@@ -101,12 +101,6 @@ class AmpOptimizer(AmpStatus, DelegatingOptimizer):
             raise TypeError(f"strategy must be a fleet.DistributedStrategy, got {type(strategy).__name__}")
         self.strategy = strategy
         self.amp_enabled: bool = bool(strategy.amp)
-        if not self.amp_enabled and strategy.amp_config.check_nan_inf:
-            warn_user(
-                "amp_configs['check_nan_inf'] = True has no effect: strategy.amp is False, and check_nan_inf is a "
-                "check of the AMP meta-optimizer. Set strategy.amp = True (with dtype and use_pure_fp16 as you "
-                "train), or remove check_nan_inf."
-            )
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.precision: FullPrecision = precision_for(strategy, params, data_parallel_group(process_group))
         self.take_over_inner()

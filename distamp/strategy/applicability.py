@@ -17,6 +17,9 @@ fuse_grad_size_in_MB           DDP's buckets, stages 1 and 2's buckets, PowerSGD
 Stage 3 (FSDP2) reduce-scatters unit by unit (``sharding_configs["units"]``),
 with the sum taken in FP32.
 
+:func:`warn_of_inert_configs` warns of a feature's configs set while the
+feature is off (Paddle Fleet ignores them without a word).
+
 :func:`check_same_strategy` refuses a meta-optimizer and a model wrapper
 given different strategies (one of the two fleet calls without it).
 """
@@ -25,11 +28,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from distamp.user_warning import warn_user
+
 if TYPE_CHECKING:
     from distamp.strategy.distributed_strategy import DistributedStrategy
 
-__all__ = ["check_applicable", "check_same_strategy"]
-
+__all__ = ["check_applicable", "check_same_strategy", "warn_of_inert_configs"]
 
 
 def check_applicable(strategy: DistributedStrategy, world_size: int) -> None:
@@ -80,6 +84,26 @@ def check_applicable(strategy: DistributedStrategy, world_size: int) -> None:
 _ONE_SIDED = ("find_unused_parameters", "fuse_grad_size_in_MB", "check_replicas_every")
 _FEATURE_OF = {"amp_configs": "amp", "gradient_merge_configs": "gradient_merge", "sharding_configs": "sharding",
                "powersgd_configs": "powersgd"}
+
+
+def warn_of_inert_configs(strategy: DistributedStrategy) -> None:
+    """A ``UserWarning`` for each ``<feature>_configs`` set away from its defaults while ``<feature>`` is False.
+
+    Nothing reads those configs while their flag is off, so a job that set
+    ``sharding_configs = {"stage": 2}`` and forgot ``sharding = True`` would
+    otherwise train unsharded without a word.
+    """
+    for configs, feature in _FEATURE_OF.items():
+        if getattr(strategy, feature):
+            continue
+        changed = getattr(strategy, configs[:-1]).non_defaults()
+        if changed:
+            settings = ", ".join(f"{key}={value!r}" for key, value in changed.items())
+            warn_user(
+                f"strategy.{configs} has no effect: strategy.{feature} is False, so distamp reads none of "
+                f"{configs} (set away from the defaults: {settings}). Set strategy.{feature} = True, or leave "
+                f"{configs} unset."
+            )
 
 
 def _stage(strategy: DistributedStrategy) -> int:

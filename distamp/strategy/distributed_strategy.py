@@ -206,8 +206,11 @@ class DistributedStrategy:
             f"(recompute, pipeline, dgc, ...) are not implemented by distamp."
         )
 
-    def mark_in_use(self, by: str) -> None:
+    def mark_in_use(self, by: str) -> bool:
         """Refuse, from now on, any change of a setting: ``by`` (e.g. ``"fleet.distributed_optimizer"``) built on them.
+
+        Returns True when this call put the strategy in use (False when an
+        earlier call had).
 
         What ``fleet.distributed_optimizer`` and ``fleet.distributed_model``
         build reads the settings once (the parameters' dtype, the loss
@@ -215,8 +218,10 @@ class DistributedStrategy:
         retries); a later change would reach some of those parts and not the
         others. A copy (``copy.deepcopy``, ``from_dict(to_dict())``) is not in use.
         """
-        if self._in_use_by is None:
-            object.__setattr__(self, "_in_use_by", by)
+        if self._in_use_by is not None:
+            return False
+        object.__setattr__(self, "_in_use_by", by)
+        return True
 
     def _refuse_change(self, name: str, value: Any) -> None:
         """Accept an assignment to a strategy in use only when it changes nothing; else raise ``ValueError``."""
