@@ -214,9 +214,8 @@ class DataParallel(nn.Module):
         self._runtime = _Runtime(module)
         self._runtime.prepared = not self.distributed  # one process: nothing to agree on or build
         if not self.distributed:  # DDP, built in a one-process world too, would warn (as stage 3 does)
-            warn_of_deprecated_buffer_option(
-                ddp_kwargs.get("broadcast_buffers"), ddp_kwargs.get("forward_sync_buffers"), stacklevel=4
-            )
+            warn_of_deprecated_buffer_option(ddp_kwargs.get("broadcast_buffers"),
+                                             ddp_kwargs.get("forward_sync_buffers"))
         self._black_modules: BlackModulesHandle | None = None
         self.strategy_is_default = False
         self._configure(strategy)

@@ -13,7 +13,6 @@ the model is built. :func:`buffer_sync` reads both as torch's DDP does.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 
 from distamp.distributed.timeouts import named_collective
 from distamp.torch_compat import DDP_KEYWORDS, sync_params_and_buffers
+from distamp.user_warning import warn_user
 
 __all__ = ["BROADCAST_BYTES", "BufferBroadcast", "BufferSync", "broadcast_from_rank0", "buffer_sync",
            "warn_of_deprecated_buffer_option"]
@@ -54,11 +54,9 @@ def buffer_sync(broadcast_buffers: bool | None = None, forward_sync_buffers: boo
     return BufferSync(at_build=enabled, before_forward=enabled)
 
 
-def warn_of_deprecated_buffer_option(broadcast_buffers: bool | None, forward_sync_buffers: bool | None, *,
-                                     stacklevel: int = 3) -> None:
+def warn_of_deprecated_buffer_option(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> None:
     """The ``FutureWarning`` torch's DDP (2.13+) gives when built with ``broadcast_buffers`` (deprecated in 2.13),
-    ignored or not; nothing where the installed DDP has no ``forward_sync_buffers``. ``stacklevel``: as
-    ``warnings.warn``'s, seen from this function (the default names its caller's caller)."""
+    ignored or not, attributed to the user's line; nothing where the installed DDP has no ``forward_sync_buffers``."""
     if broadcast_buffers is None or "forward_sync_buffers" not in DDP_KEYWORDS:
         return
     if forward_sync_buffers is not None:
@@ -69,7 +67,7 @@ def warn_of_deprecated_buffer_option(broadcast_buffers: bool | None, forward_syn
                    "forward_sync_buffers, which distamp's sharded stages honour too. Unlike broadcast_buffers=False, "
                    "forward_sync_buffers=False still broadcasts rank 0's buffers when the model is built; to keep "
                    "each rank's own from the start, keep broadcast_buffers=False")
-    warnings.warn(message, FutureWarning, stacklevel=stacklevel)
+    warn_user(message, FutureWarning)
 
 
 def broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:

@@ -918,6 +918,7 @@ def _one_process_warnings(rank, world):
     fleet.init()
     out = {}
     kept = []  # fleet holds optimizers weakly; stage 2 needs each attached at its model's forward
+    elsewhere = []
     for options in _BUFFER_OPTIONS:
         if not all(_ddp_takes(name) for name in options):
             continue
@@ -934,8 +935,12 @@ def _one_process_warnings(rank, world):
                 else:
                     with fleet.auto_cast():
                         fleet.distributed_model(model, strategy, **options)(torch.randn(4, 2))
-            runs[stage] = any(issubclass(w.category, FutureWarning) for w in caught)
+            future = [w for w in caught if issubclass(w.category, FutureWarning)]
+            runs[stage] = bool(future)
+            if stage != "ddp":  # distamp's warning names the user's line (was, at stage 3: inside FullyShardedModel)
+                elsewhere += [(stage, w.filename, w.lineno) for w in future if w.filename != __file__]
         out[str(options)] = runs
+    out["elsewhere"] = elsewhere
     return out
 
 
@@ -944,6 +949,7 @@ def test_a_one_process_world_warns_of_broadcast_buffers_at_every_stage_as_ddp_do
     # was: stage 3 warned in a one-process world and stages 0-2, which build nothing there, stayed silent;
     # torch's DDP warns when built in a one-process world too
     (out,) = run_workers(_one_process_warnings, 1, timeout=100)
+    assert out.pop("elsewhere") == []
     assert "{}" in out
     assert "{'broadcast_buffers': False}" in out
     for options, runs in out.items():
