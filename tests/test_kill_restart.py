@@ -46,7 +46,7 @@ def command(run_dir: Path, *extra: str, variant: str = "plain", script: Path = E
     return [
         sys.executable, "-m", "distamp.launcher", "--nproc_per_node", "2",
         "--log_dir", str(run_dir / "log"), *extra,
-        str(script), "--pure_fp16", "--dtype", "float16", "--max_steps", str(steps),
+        str(script), "--pure_fp16", "--dtype", "float16", "--max_steps", str(steps), "--batch_size", "8",
         *OPTIONS[variant],
         "--checkpoint_dir", str(run_dir / "ckpt"), "--checkpoint_every", str(every),
         "--save_params", str(run_dir / "final.pt"), "--out_dir", str(run_dir / "out"), "--no_progress",

@@ -11,6 +11,7 @@ find gloo's threads by name (as on a torch that renamed them): the tests below s
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pathlib
 import subprocess
@@ -58,6 +59,7 @@ def _train_destroy_free(rank: int, world_size: int, port: int, iterations: int, 
         if progress is not None:
             with open(f"{progress}.{rank}", "w") as file:
                 file.write(f"{it + 1} {time.time()}")
+            _rearm_stall_watchdog()
     dist.init_process_group("gloo", store=dist.PrefixStore("last", store), rank=rank, world_size=world_size)
     # A rank may return from init before its peer finished connecting: a rank that exited at once
     # closed its sockets under the peer's handshake ("connection closed by peer").
@@ -71,11 +73,27 @@ def test_freeing_the_model_after_destroy_process_group_does_not_hang(pure):
     assert run_workers(_train_destroy_free, 2, free_port(), 8, pure, timeout=90) == [8, 8]
 
 
+_STALL_SECONDS = 15.0
+_stall_report = None
+
+
+def _rearm_stall_watchdog() -> None:
+    """Exit this worker with a traceback in its stall file if it finishes no iteration for _STALL_SECONDS.
+
+    The hang holds the GIL, so no Python thread could see it: faulthandler's watchdog is a C thread.
+    """
+    if _stall_report is not None:
+        faulthandler.dump_traceback_later(_STALL_SECONDS, exit=True, file=_stall_report)
+
+
 def _without_the_wait(rank: int, world_size: int, port: int, iterations: int, how: str, progress: str) -> int:
+    global _stall_report
     if how == "no-op finalizer":
         ddp_preparation.wait_for_comm_threads = lambda: None
     else:  # the threads are not found by name, as on a torch that renamed them
         comm_threads.GLOO_WORKER_THREAD_NAME = "pt_renamed_loop"
+    _stall_report = open(f"{progress}.{rank}.stall", "w")  # noqa: SIM115 - the watchdog writes it until exit
+    _rearm_stall_watchdog()
     return _train_destroy_free(rank, world_size, port, iterations, False, progress)
 
 
@@ -88,24 +106,24 @@ def _without_the_wait(rank: int, world_size: int, port: int, iterations: int, ho
 def test_without_waiting_for_the_threads_it_found_the_sequence_hangs(how, tmp_path):
     """The test above can fail: the same sequence, without distamp's wait acting, hangs on torch 2.11 and
     2.13, quietly at the first or second iteration; on a loaded host some iterations get through first.
-    So the workers run until the timeout, and a hang is a rank whose last finished iteration is at least
-    15 s older than the timeout: a slow rank that kept finishing iterations fails the test. Under heavy
-    load the race once missed a whole 45 s window on torch 2.13 (a clean-clone CI run with benchmarks
-    beside it), so a window without a hang is tried once more before the test fails."""
+    So the workers run for up to 45 s, and a hang is a rank that finished no iteration for 15 s: a C
+    watchdog (faulthandler's, since the hang holds the GIL) then writes the rank's stack to its stall
+    file and ends it, and the test stops there. A slow rank that kept finishing iterations fails the
+    test. Under heavy load the race once missed a whole 45 s window on torch 2.13 (a clean-clone CI run
+    with benchmarks beside it), so a window without a hang is tried once more before the test fails."""
     windows = []
     for attempt in range(2):
         progress = str(tmp_path / f"progress{attempt}")
-        with pytest.raises(TimeoutError, match="did not finish within 45"):
+        with pytest.raises((TimeoutError, RuntimeError, AssertionError)) as stopped:
             run_workers(_without_the_wait, 2, free_port(), 10_000, how, progress, timeout=45)
-        stalled, finished = [], []
-        for rank in range(2):
-            path = pathlib.Path(f"{progress}.{rank}")
-            done, at = path.read_text().split() if path.exists() else ("0", "0")
-            finished.append(done)
-            if time.time() - float(at) >= 15.0:
-                stalled.append(f"rank {rank} after {done} iterations")
+        stalls = {rank: pathlib.Path(f"{progress}.{rank}.stall").read_text() for rank in range(2)}
+        stalled = [rank for rank, report in stalls.items() if report.startswith("Timeout")]
         if stalled:
+            assert "_train_destroy_free" in stalls[stalled[0]], stalls[stalled[0]]  # stuck in the loop
             return
+        assert isinstance(stopped.value, TimeoutError), stopped.value  # no other failure than running on
+        finished = [pathlib.Path(f"{progress}.{rank}").read_text().split()[0]
+                    if pathlib.Path(f"{progress}.{rank}").exists() else "0" for rank in range(2)]
         windows.append(f"window {attempt + 1}: iterations finished per rank {finished}")
     raise AssertionError(f"no rank hung: both kept finishing iterations until the timeout ({'; '.join(windows)})")
 
