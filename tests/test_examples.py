@@ -42,6 +42,7 @@ def distrun(tmp_path, script: str, *args: str, timeout: float) -> subprocess.Com
 
 # The limits only catch a hang: the job takes ~20 s alone, and twice (2026-11-27 and -28) over 50 s on
 # torch 2.15.0's CUDA build (slower imports) with the other pytest-xdist worker busy.
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_train_digits_writes_consistent_outputs(tmp_path):
     done = distrun(tmp_path, "train_digits.py", "--max_steps", "6", "--pure_fp16", "--no_progress",
@@ -67,6 +68,7 @@ def test_train_digits_writes_consistent_outputs(tmp_path):
     assert params["classifier.3.weight"].dtype == torch.float16  # O2 keeps 16-bit model weights
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_train_digits_log_lines_are_not_glued_onto_the_progress_bar(tmp_path):
     # A scale of 2**24 overflows FP16 at once: the first steps are skipped and logged while the bar runs.
@@ -80,6 +82,7 @@ def test_train_digits_log_lines_are_not_glued_onto_the_progress_bar(tmp_path):
     assert set(skipped) <= {"\n", "\r"}, log
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_benchmark_smoke_counts_half_the_bytes(tmp_path):
     # 23 s alone, 33 s beside another test; one CI run went past 70 s.
@@ -107,6 +110,7 @@ def test_benchmark_smoke_counts_half_the_bytes(tmp_path):
         rows["distamp_o2_bf16"]["median_s"] / rows["torch_bf16"]["median_s"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("model", ["shallow", "cnn"])  # cnn: BatchNorm, an FP32 unit on both sides
 def test_benchmark_stage3_sends_what_torch_fsdp2_sends_plus_the_verdict(tmp_path, model):
@@ -136,6 +140,7 @@ def run_one_process(tmp_path, *args: str, timeout: float) -> tuple[str, dict]:
     return done.stdout, json.loads((tmp_path / "bench.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_benchmark_cnn_in_one_process(tmp_path):
     out, result = run_one_process(tmp_path, "--model", "cnn", "--batch", "2", "--image_size", "16", "--threads", "1",
@@ -184,6 +189,7 @@ def test_benchmark_tiny_gpt_in_one_process(tmp_path):
         rows["distamp_o1_bf16"]["median_s"] / rows["torch_bf16"]["median_s"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_benchmark_compiled_runners_are_reused_without_recompiling(tmp_path):
     # The MLP with the fewest ops compiles fastest; one torch-native and one distamp mode, and no
@@ -202,6 +208,7 @@ def test_benchmark_compiled_runners_are_reused_without_recompiling(tmp_path):
     assert rows["distamp_o2_bf16"]["last_loss"] == pytest.approx(rows["torch_bf16"]["last_loss"], rel=0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_benchmark_gpt_on_two_ranks_counts_tied_weights_once(tmp_path):
     sizes = {"d_model": 32, "layers": 1, "heads": 2, "vocab": 64, "seq_len": 16}
@@ -313,6 +320,7 @@ def link_runs():
 
 # Two ranks importing torch in namespaces plus probe processes: over a minute
 # when other tests load the machine.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(netns.why_unavailable() is not None, reason=str(netns.why_unavailable()))
 def test_link_mode_runs_one_rank_per_namespace_and_cleans_up(tmp_path, link_runs):

@@ -102,6 +102,7 @@ def is_wildcard(address: str) -> bool:
     return ipaddress.ip_address(address).is_unspecified
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_single_node_job_listens_only_on_loopback_except_torchs_stores(tmp_path):
     (tmp_path / "worker.py").write_text(WORKER)

@@ -566,6 +566,7 @@ TIMES_OUT = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_timeout_reaches_the_process_group():
     """Rank 1 stays away from an all-reduce: with timeout=2 rank 0 raises instead of waiting 30 minutes."""

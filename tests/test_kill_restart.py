@@ -25,6 +25,8 @@ import torch
 
 from tests.processes import descendants
 
+pytestmark = pytest.mark.slow  # long multi-process runs (setup.cfg)
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_digits.py"
 JOBS = {  # variant: (steps, checkpoint every, kill after the checkpoint of)

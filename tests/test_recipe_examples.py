@@ -7,6 +7,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # long multi-process runs (setup.cfg)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TUTORIAL = os.path.join(ROOT, "examples", "ddp_tutorial.py")
 

@@ -175,6 +175,7 @@ with torch.no_grad():
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_model_compiled_under_one_dtype_runs_in_the_next_dtype_too(tmp_path):
     script = tmp_path / "switch.py"

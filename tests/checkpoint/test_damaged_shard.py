@@ -122,6 +122,7 @@ JOB = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_max_restarts_resumes_from_the_older_checkpoint_after_rank_1_damaged_its_shard(tmp_path):
     (tmp_path / "job.py").write_text(textwrap.dedent(JOB))

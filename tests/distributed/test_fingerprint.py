@@ -158,6 +158,7 @@ print("trained")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_mismatched_job_under_distrun_stops_with_the_key_on_the_console(tmp_path):
     script = tmp_path / "job.py"

@@ -346,6 +346,7 @@ def _compiled_stage3(rank, world, every):
     return losses, opt.replicas.checks, opt.replicas.last_held
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_compiled_stage3_model_is_checked_and_trains_as_without_the_check():
     """The stage-3 hooks are installed for check steps only and run eagerly (inductor cannot compile the hash)."""

@@ -103,6 +103,7 @@ def _without_the_wait(rank: int, world_size: int, port: int, iterations: int, ho
     "on torch 2.14.1 the sequence without the wait hangs only sometimes (seen both ways on this host, "
     "depending on load), so it cannot show the wait is needed; the wait itself is tested above and in "
     "test_comm_threads.py"))
+@pytest.mark.slow
 def test_without_waiting_for_the_threads_it_found_the_sequence_hangs(how, tmp_path):
     """The test above can fail: the same sequence, without distamp's wait acting, hangs on torch 2.11 and
     2.13, quietly at the first or second iteration; on a loaded host some iterations get through first.

@@ -197,6 +197,7 @@ def test_failing_rank_is_named_with_its_traceback(tmp_path):
     assert elapsed < 60
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_early_exit_0_is_named_as_the_root_cause_and_tracebacks_have_one_prefix(tmp_path):
     script = write(tmp_path, "job.py", RANK1_EXITS_EARLY)
@@ -324,6 +325,7 @@ NODE1_RUNS_LONGER = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_stop_signal_ends_the_wait_for_the_other_nodes_to_finish(tmp_path):
     """A node whose workers are done waits in torch's exit barrier (C++, up to 300 s) for the others."""
@@ -355,6 +357,7 @@ def test_sigkill_of_distrun_leaves_no_orphans(tmp_path):
     assert wait_until(lambda: all(gone(p) for p in pids), 15), [p for p in pids if not gone(p)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_max_restarts_recovers_from_a_killed_worker(tmp_path):
     script = write(tmp_path, "job.py", FAILS_ONCE)
@@ -463,6 +466,7 @@ def test_two_nodes_with_the_two_hosts_recipe(tmp_path):
     assert "'LOCAL_RANK': '0'" in log1
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_nodes_restart_together(tmp_path):
     """--max_restarts on two 'nodes' (two distrun on this host): both nodes restart."""

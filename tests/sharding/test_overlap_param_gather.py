@@ -171,6 +171,7 @@ def _loads(rank, world):
             for stage in (1, 2) for mode in ("off", "O1") for overlap in (False, True)}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_the_models_load_state_dict_right_after_step_is_not_overwritten_by_the_gather():
     """Was: the model's load_state_dict() right after step() left the gather running, and its messages (on gloo

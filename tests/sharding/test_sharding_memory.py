@@ -97,6 +97,7 @@ def test_stage3_peak_per_rank_is_about_half_of_unsharded_on_two_ranks_when_a_uni
     assert sharded <= 0.52 * unsharded, (sharded, unsharded)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_stage3_checkpoint_save_and_load_peaks_are_within_1_1x_of_training_and_each_rank_writes_half(tmp_path):
     """On 2 ranks at stage 3 a save writes each rank's shards through DCP and a load (fresh processes, as a
