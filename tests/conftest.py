@@ -1,6 +1,6 @@
-"""Test-suite hooks: tests marked ``slow`` run first, tests marked ``cuda`` are skipped where no CUDA
-GPU is available, and a process group a test created in the pytest process (``fleet.init()`` forms a
-one-process world) is destroyed after it, and ``fleet``'s module state (its world, latest strategy, optimizers and
+"""Test-suite hooks: tests marked ``cuda`` are skipped where no CUDA GPU is available, and a
+process group a test created in the pytest process (``fleet.init()`` forms a one-process world)
+is destroyed after it, and ``fleet``'s module state (its world, latest strategy, optimizers and
 models) is reset, so the next test on the same worker starts as a fresh process would."""
 
 from __future__ import annotations
@@ -15,13 +15,7 @@ from distamp import fleet
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Run the ``slow`` tests first; skip ``@pytest.mark.cuda`` tests when ``torch.cuda.is_available()`` is False.
-
-    Under pytest-xdist (``pytest -n 2``) a minute-long job that starts last
-    runs alone while the other worker idles; started first, the short tests
-    fill in around it. Otherwise the order is the files' (a stable sort).
-    """
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """Skip ``@pytest.mark.cuda`` tests when ``torch.cuda.is_available()`` is False."""
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; torch.cuda.is_available() is False")
