@@ -62,7 +62,6 @@ __all__ = [
     "is_view",
     "launch_config_shutdown_timeout",
     "queue_autograd_callback",
-    "sync_params_and_buffers",
     "tensor_version",
     "to_kwargs",
     "tree_flatten",
@@ -285,13 +284,6 @@ def to_kwargs(
 
     moved_args, moved_kwargs = _to_kwargs(args, kwargs, device, False)
     return moved_args[0], moved_kwargs[0]
-
-
-def sync_params_and_buffers(group: dist.ProcessGroup, tensors: list[torch.Tensor], bucket_bytes: int, src: int) -> None:
-    """DDP's bucketed broadcast of ``tensors`` from group rank ``src`` (2.11-2.14)."""
-    from torch.distributed.utils import _sync_params_and_buffers
-
-    _sync_params_and_buffers(group, tensors, bucket_bytes, src)
 
 
 # --------------------------------------------------------------------------- FSDP2 (sharding stage 3)

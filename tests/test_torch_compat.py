@@ -142,8 +142,6 @@ def _group_entries(rank, world_size):
     store.set(f"k{rank}", str(rank))
     store.wait([f"k{1 - rank}"], timedelta(seconds=30))
     timeout = tc.group_timeout(dist.group.WORLD, torch.device("cpu"))
-    tensors = [torch.full((3,), float(rank)), torch.full((2,), float(rank) + 10)]
-    tc.sync_params_and_buffers(dist.group.WORLD, tensors, 1 << 20, 0)
     args, kwargs = tc.to_kwargs((torch.ones(1), [torch.zeros(1)]), {"k": torch.ones(1)}, torch.device("cpu"))
     torch.manual_seed(0)
     ddp = DistributedDataParallel(nn.Linear(4, 2))
@@ -151,17 +149,16 @@ def _group_entries(rank, world_size):
     for _ in range(2):
         ddp(torch.ones(3, 4)).sum().backward()
         rebuilt.append(tc.ddp_has_rebuilt_buckets(ddp))
-    return {"other": store.get(f"k{1 - rank}").decode(), "timeout": timeout, "synced": [t.tolist() for t in tensors],
+    return {"other": store.get(f"k{1 - rank}").decode(), "timeout": timeout,
             "moved": (len(args), len(args[1]), sorted(kwargs)), "rebuilt": rebuilt}
 
 
 @pytest.mark.timeout(120)
-def test_store_timeout_broadcast_input_moves_and_bucket_rebuild_on_a_real_group():
+def test_store_timeout_input_moves_and_bucket_rebuild_on_a_real_group():
     out = run_workers(_group_entries, 2, timeout=100, pg_timeout=77)
     for rank in (0, 1):
         assert out[rank]["other"] == str(1 - rank)
         assert out[rank]["timeout"] == timedelta(seconds=77)
-        assert out[rank]["synced"] == [[0.0] * 3, [10.0] * 2]
         assert out[rank]["moved"] == (2, 1, ["k"])
         # DDP rebuilds its buckets in the forward after the first backward.
         assert out[rank]["rebuilt"] == [False, False, True]

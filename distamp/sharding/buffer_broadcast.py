@@ -20,14 +20,16 @@ import torch.distributed as dist
 from torch import nn
 
 from distamp.distributed.timeouts import named_collective
-from distamp.torch_compat import DDP_KEYWORDS, sync_params_and_buffers
+from distamp.sharding.pairwise import drop_storage
+from distamp.torch_compat import DDP_KEYWORDS
 from distamp.user_warning import warn_user
 
 __all__ = ["BROADCAST_BYTES", "BufferBroadcast", "BufferSync", "broadcast_from_rank0", "buffer_sync",
            "warn_of_deprecated_buffer_option"]
 
 BROADCAST_BYTES = 1 << 20
-"""Coalescing bound of the broadcasts from rank 0 (as DDP's): no model-size flat copy."""
+"""Coalescing bound of the broadcasts from rank 0: tensors this size or larger go in place, smaller ones in flat
+copies of about this size (no model-size flat copy)."""
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,55 @@ def warn_of_deprecated_buffer_option(broadcast_buffers: bool | None, forward_syn
 
 
 def broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Every rank of ``group`` takes group rank 0's values of ``tensors``, in place (collective, coalesced)."""
-    sync_params_and_buffers(group, tensors, BROADCAST_BYTES, 0)
+    """Every rank of ``group`` takes group rank 0's values of ``tensors``, in place (collective).
+
+    A contiguous tensor of :data:`BROADCAST_BYTES` or more is broadcast in
+    place; smaller ones are coalesced, per dtype and device, into flat copies
+    of about that size, one broadcast each (DDP's start-up broadcast
+    coalesces everything, a large tensor included, into flat copies). On CPU
+    every tensor handed to the backend is let go of before this returns
+    (:func:`~distamp.sharding.pairwise.drop_storage`), so no flat copy is
+    freed later on gloo's thread.
+    """
+    source = dist.get_global_rank(group, 0)
+    receiving = dist.get_rank(group) != 0
+    for bucket in _broadcast_buckets(tensors):
+        if len(bucket) == 1 and bucket[0].is_contiguous():
+            sent = bucket[0].detach()  # an alias of its own, which drop_storage may empty
+            dist.broadcast(sent, src=source, group=group)
+        else:
+            sent = torch.cat([t.reshape(-1) for t in bucket])
+            dist.broadcast(sent, src=source, group=group)
+            if receiving:
+                for tensor, piece in zip(bucket, sent.split([t.numel() for t in bucket]), strict=True):
+                    tensor.copy_(piece.view_as(tensor))
+        if sent.device.type == "cpu":
+            drop_storage([sent])
+
+
+def _broadcast_buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` in the order given, each large contiguous one alone, the others in buckets of one dtype and
+    device closed once they hold :data:`BROADCAST_BYTES`; empty tensors in none."""
+    buckets: list[list[torch.Tensor]] = []
+    open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[torch.Tensor], int]] = {}
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            continue
+        if nbytes >= BROADCAST_BYTES and tensor.is_contiguous():
+            buckets.append([tensor])
+            continue
+        key = (tensor.dtype, tensor.device)
+        bucket, size = open_buckets.get(key) or ([], 0)
+        if not bucket:
+            buckets.append(bucket)
+        bucket.append(tensor)
+        size += nbytes
+        if size >= BROADCAST_BYTES:
+            open_buckets.pop(key, None)
+        else:
+            open_buckets[key] = (bucket, size)
+    return buckets
 
 
 class BufferBroadcast:

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from distamp.distributed.comm_hooks import CommStats
-from distamp.sharding.pairwise import on_gloo, peers, receive, send
+from distamp.sharding.pairwise import drop_storage, on_gloo, peers, receive, send
 from distamp.torch_compat import FSDPAllGather, FSDPReduceScatter
 
 __all__ = ["InPlaceAllGather", "WireReduceScatter"]
@@ -79,7 +79,7 @@ class InPlaceAllGather(FSDPAllGather):
                  async_op: bool = False) -> dist.Work | None:
         """Fill ``output_tensor`` with every rank's ``input_tensor``, in rank order; returns a finished Work."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        # Detached: a view would keep the whole output alive through its base while gloo holds it (see _release).
+        # Detached: a view would keep the whole output alive through its base while gloo holds it (see drop_storage).
         chunks = [chunk.detach() for chunk in output_tensor.view(world, -1).unbind()]
         if input_tensor.data_ptr() != chunks[rank].data_ptr():  # FSDP's copy-in usually writes it there already
             chunks[rank].copy_(input_tensor)
@@ -87,21 +87,8 @@ class InPlaceAllGather(FSDPAllGather):
                  for r in range(world)]
         for work in works:
             work.wait()
-        _release(chunks)
+        drop_storage(chunks)
         return _FINISHED
-
-
-def _release(views: list[torch.Tensor]) -> None:
-    """Detach finished collectives' ``views`` (tensors without a base) from their storage, on this thread.
-
-    gloo's Work keeps the tensors it was given until gloo's own thread drops
-    it, which can come after FSDP has let go of the buffer: the buffer would
-    then live on (a loaded host can delay that thread for milliseconds, while
-    the next unit's buffers are allocated) and be freed on gloo's thread. The
-    Work holds these very tensors, so emptying them drops its hold now.
-    """
-    for view in views:
-        view.set_(torch.UntypedStorage(0, device=view.device))
 
 
 class _Finished(dist.Work):
@@ -175,7 +162,8 @@ class WireReduceScatter(FSDPReduceScatter):
                 input_tensor.untyped_storage().resize_(0)
             _sum_into(output_tensor, list(received.view(world, -1).unbind()), divisor)
             if input_tensor.device.type == "cpu":
-                received.untyped_storage().resize_(0)  # here, not whenever gloo's thread drops its Work (see _release)
+                # Here, not whenever gloo's thread drops its Work (see drop_storage).
+                received.untyped_storage().resize_(0)
         return None
 
 
@@ -234,12 +222,12 @@ def _reduce_pairwise(output: torch.Tensor, input_tensor: torch.Tensor, group: di
         by_rank = {peer: buffers[k % 2][i, : hi - lo] for i, peer in enumerate(others)}
         by_rank[rank] = chunks[rank, lo:hi]
         _sum_into(output[lo:hi], [by_rank[r] for r in range(world)], divisor)
-        _release(slots)
+        drop_storage(slots)
         if k + 2 < len(bounds):
             pending[k + 2] = post(k + 2)
     for work in sends:
         work.wait()
-    _release(outgoing)
+    drop_storage(outgoing)
 
 
 TAG_REDUCE_SCATTER = 0x5A3 << 16

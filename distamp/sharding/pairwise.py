@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["on_gloo", "peers", "receive", "send"]
+__all__ = ["drop_storage", "on_gloo", "peers", "receive", "send"]
 
 
 def on_gloo(group: dist.ProcessGroup | None) -> bool:
@@ -48,3 +48,20 @@ def _posted(work: dist.Work | None) -> dist.Work:
     if work is None:  # torch returns None only to a rank outside the group
         raise RuntimeError("a pairwise message was posted by a rank outside its process group")
     return work
+
+
+def drop_storage(tensors: list[torch.Tensor]) -> None:
+    """Point each of ``tensors`` (handed to finished collectives) at an empty storage, on this thread.
+
+    gloo's Work keeps the tensors it was given until gloo's own thread drops
+    it, which can come after the caller has let go of them: their memory
+    would then live on (a loaded host can delay that thread for
+    milliseconds, while the next buffers are allocated) and be freed on
+    gloo's thread, where torch.profiler's memory events do not look. The
+    Work holds these very tensor objects, so emptying them drops its hold
+    now. Pass tensors made for the collective (``detach()`` aliases, buffers
+    without a base), never a parameter itself: its memory stays with any
+    other tensor that shares it.
+    """
+    for tensor in tensors:
+        tensor.set_(torch.UntypedStorage(0, device=tensor.device))
