@@ -24,6 +24,7 @@ def summarize(args: argparse.Namespace, times: dict[str, list[float]], losses: d
                       "last_loss": losses[mode]}
         if mode in probes:
             rows[mode]["wire_bytes_per_step"] = probes[mode][0]["wire_bytes_per_step"]
+            rows[mode]["wire_bytes_by_collective_per_step"] = probes[mode][0]["wire_bytes_by_collective_per_step"]
             rows[mode]["collective_calls_per_step"] = probes[mode][0]["collective_calls_per_step"]
             rows[mode]["peak_bytes_per_rank"] = [p["peak_bytes"] for p in probes[mode]]
             rows[mode]["peak_bytes_per_param"] = max(p["peak_bytes"] for p in probes[mode]) / n_params

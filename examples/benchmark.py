@@ -316,10 +316,12 @@ def run_probe(args: argparse.Namespace) -> dict:
             runner.step(x, y)
         _sync(device)
     calls = {k: v / args.probe_steps for k, v in counter.calls.items()}
+    by_collective = {k: v / args.probe_steps for k, v in counter.bytes.items()}
     wire = counter.total_bytes / args.probe_steps
     peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else tensor_peak(prof)
     dist.destroy_process_group()
-    return {"wire_bytes_per_step": wire, "collective_calls_per_step": calls, "peak_bytes": peak}
+    return {"wire_bytes_per_step": wire, "wire_bytes_by_collective_per_step": by_collective,
+            "collective_calls_per_step": calls, "peak_bytes": peak}
 
 
 def probe_modes(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, list[dict]]:

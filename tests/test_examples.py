@@ -121,8 +121,14 @@ def test_benchmark_stage3_sends_what_torch_fsdp2_sends_plus_the_verdict(tmp_path
     rows = json.loads((tmp_path / "bench.json").read_text())["modes"]
     torch_bytes = rows["torch_bf16_fsdp2"]["wire_bytes_per_step"]
     assert torch_bytes > 0
-    # The same BF16 all-gathers and reduce-scatters, plus distamp's found-inf flag all-reduce.
-    assert torch_bytes < rows["distamp_o2_bf16_stage3"]["wire_bytes_per_step"] <= torch_bytes + 64
+    # The same BF16 all-gathers and reduce-scatters, plus distamp's found-inf flag all-reduce, plus rank 0's
+    # buffers before the forward (DDP's broadcast_buffers, which FSDP2 does not do): half of them leave a rank.
+    ours = rows["distamp_o2_bf16_stage3"]
+    buffer_bytes = sum(b.numel() * b.element_size() for b in bench_modes.FAMILIES[model].build(0).buffers())
+    assert (buffer_bytes > 0) == (model == "cnn")
+    assert torch_bytes < ours["wire_bytes_per_step"] - buffer_bytes / 2 <= torch_bytes + 64
+    for row in rows.values():
+        assert sum(row["wire_bytes_by_collective_per_step"].values()) == row["wire_bytes_per_step"]
     assert rows["distamp_o2_bf16_stage3"]["vs_torch_native"] == pytest.approx(
         rows["distamp_o2_bf16_stage3"]["median_s"] / rows["torch_bf16_fsdp2"]["median_s"])
 
