@@ -2,8 +2,9 @@
 
 The digits example runs twice on 2 CPU ranks in O2 FP16 with checkpoints:
 once uninterrupted, once with rank 1 killed after the step-60 checkpoint
-under ``--max_restarts 1``. The final parameters must be identical. The
-sharded variants (ZeRO stage 2: each rank saves and reloads its own slice of
+under ``--max_restarts 1``. The final parameters must be identical, and the
+plain run skips its step 69 (an FP16 overflow) after the restart as without
+it. The sharded variants (ZeRO stage 2: each rank saves and reloads its own slice of
 the optimizer state; stage 3: its own rows of the parameters and of the
 optimizer state, on FSDP2, through DCP) run a shorter job, as does the PowerSGD one (each
 rank saves and reloads its own error feedback). A rank killed inside a
@@ -104,6 +105,10 @@ def test_sigkilled_worker_restarts_resumes_and_matches_an_uninterrupted_run(tmp_
 
     log = (killed / "log" / "workerlog.1").read_text()
     assert log.count("===== distrun:") == 2, "rank 1 was not restarted exactly once"
+    if variant == "plain":
+        # The restarted job skips a step as the uninterrupted one does: the resumed loss scale is exercised.
+        assert "step 69 skipped" in log.split("===== distrun:")[-1]
+        assert "step 69 skipped" in (clean / "log" / "workerlog.1").read_text()
     parts = sorted(p.name.split(".")[1] for p in (killed / "ckpt").glob(f"step-{kill_after:08d}.*.pt"))
     if variant == "stage3":  # every rank wrote its own shards through DCP
         (dcp_directory,) = (killed / "ckpt").glob(f"step-{kill_after:08d}.dcp-*")
