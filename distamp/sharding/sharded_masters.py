@@ -36,6 +36,7 @@ from distamp.core.chunked_update import adopt_written_values
 from distamp.core.flat_layout import FlatLayout, Piece
 from distamp.core.master_weights import clear_grads
 from distamp.sharding.direct_gather import DirectGather
+from distamp.sharding.pairwise import drop_storage
 from distamp.sharding.param_gather import GatherInFlight, SliceAllGather
 from distamp.sharding.slice_grads import SliceGrads
 from distamp.torch_compat import tensor_version
@@ -271,7 +272,10 @@ class ShardedMasters:
         if self.pending is None:
             return
         for original in self.pending:  # one tensor at a time: no flat copy of the whole model
-            dist.broadcast(original, src=src, group=group if group is not None else self.group)
+            sent = original.detach()  # an alias drop_storage may empty: gloo's Work then holds no start value
+            dist.broadcast(sent, src=src, group=group if group is not None else self.group)
+            if sent.device.type == "cpu":
+                drop_storage([sent])
         with torch.no_grad():
             for piece, master in zip(self.pieces, self.masters, strict=True):
                 master.copy_(self.pending[piece.param].reshape(-1)[piece.start : piece.stop])
