@@ -393,24 +393,28 @@ def test_a_backward_whose_forward_bypassed_ddp_is_refused_where_ddp_reduces_and_
         assert torch.equal(a, b)
 
 
-def _plain_backward(rank: int, world_size: int, amp: bool, misuse: str) -> dict:
+def _plain_backward(rank: int, world_size: int, amp: bool, misuse: str, optimizers: int) -> dict:
     """Three steps with loss.backward() (AMP off, or BF16 O1: a loss scale of 1); the second first runs
     ``misuse`` ("module": the forward through ``wrapped.module``; "no_sync": inside ``wrapped.no_sync()``;
-    "none": neither) and, where that step is refused, is redone through the wrapper on the same batch."""
+    "none": neither) and, where that step is refused, is redone through the wrapper on the same batch.
+    With ``optimizers=2`` each layer has its own, both stepped."""
     fleet.init()
     model = _model()
     strategy = _strategy(amp)
-    optimizer = fleet.distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.5), strategy)
+    groups = [model.parameters()] if optimizers == 1 else [model[0].parameters(), model[2].parameters()]
+    opts = [fleet.distributed_optimizer(torch.optim.SGD(params, lr=0.5), strategy) for params in groups]
     wrapped = fleet.distributed_model(model, strategy)
     errors = []
 
     def train_step(step: int, how: str) -> None:
         x, y = _batch(rank, step)
-        optimizer.zero_grad()
+        for optimizer in opts:
+            optimizer.zero_grad()
         with fleet.auto_cast(), wrapped.no_sync() if how == "no_sync" else contextlib.nullcontext():
             loss = F.cross_entropy((wrapped.module if how == "module" else wrapped)(x).float(), y)
         loss.backward()
-        optimizer.step()
+        for optimizer in opts:
+            optimizer.step()
 
     for step in range(3):
         if step == 1 and misuse != "none":
@@ -421,15 +425,16 @@ def _plain_backward(rank: int, world_size: int, amp: bool, misuse: str) -> dict:
                 errors.append(str(exc))
         train_step(step, "wrapper")
     return {"errors": errors, "params": [p.detach().clone() for p in model.parameters()],
-            "applied": optimizer.steps_applied}
+            "applied": [optimizer.steps_applied for optimizer in opts]}
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("amp", [False, True])
-def test_a_plain_loss_backward_of_a_bypassed_or_no_sync_forward_is_refused_at_step_on_every_rank(amp):
+@pytest.mark.parametrize(("amp", "optimizers"), [(False, 1), (True, 1), (False, 2)])
+def test_a_plain_loss_backward_of_a_bypassed_or_no_sync_forward_is_refused_at_step_on_every_rank(amp, optimizers):
     """optimizer.backward asked the wrapper whether its backward reduced; a plain loss.backward() (usable where
-    the loss scale is 1) was not asked, and each rank applied its own gradient. step() now asks for it."""
-    results = {misuse: run_workers(_plain_backward, 2, amp, misuse, timeout=100)
+    the loss scale is 1) was not asked, and each rank applied its own gradient. step() now asks for it (the first
+    optimizer's step, with two: the wrapper is asked once per backward)."""
+    results = {misuse: run_workers(_plain_backward, 2, amp, misuse, optimizers, timeout=100)
                for misuse in ("module", "no_sync", "none")}
     expected = {"module": "did not run through the fleet.distributed_model wrapper",
                 "no_sync": "after a backward inside model.no_sync()"}
@@ -439,6 +444,6 @@ def test_a_plain_loss_backward_of_a_bypassed_or_no_sync_forward_is_refused_at_st
             assert len(result["errors"]) == (misuse != "none")
             if misuse != "none":
                 assert expected[misuse] in result["errors"][0]
-            assert result["applied"] == 3
+            assert result["applied"] == [3] * optimizers
             for a, b in zip(result["params"], results["none"][0]["params"], strict=True):
                 assert torch.equal(a, b)

@@ -47,6 +47,9 @@ from distamp.user_warning import warn_user
 
 __all__ = ["ModelBinding"]
 
+_ASKED: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
+"""Per data-parallel wrapper: how many times any optimizer asked it about a backward (see ``note_plain_backward``)."""
+
 
 class ModelBinding:
     """Names, FP32-kept parameters and debug hooks of the model an optimizer trains.
@@ -72,6 +75,7 @@ class ModelBinding:
         self._torch_ddp: weakref.ref[DistributedDataParallel] | None = None
         self._names: dict[int, str] = {}
         self._sync_sources: weakref.WeakSet = weakref.WeakSet()
+        self._asked_seen: weakref.WeakKeyDictionary[object, int] = weakref.WeakKeyDictionary()
         self._owned_checked = False  # check_owned passed on the adopted model's names, which never change after
         self.last_backward_local = False
         """Whether the latest backward left each rank's own gradient (inside a wrapper's ``no_sync()``)."""
@@ -148,6 +152,16 @@ class ModelBinding:
             source.backward_communicates() for source in sources)
         bypassed = [source.backward_bypassed() for source in sources]
         self.last_backward_bypassed = any(bypassed)  # every source read: each read uses up its forward
+        for source in sources:
+            _ASKED[source] = self._asked_seen[source] = _ASKED.get(source, 0) + 1
+
+    def note_plain_backward(self) -> None:
+        """A step found gradients but no ``optimizer.backward`` of this optimizer since its last step (a plain
+        ``loss.backward()``): ask the wrappers as :meth:`note_backward` does, unless another optimizer of the
+        model asked them since (its ``optimizer.backward`` ran the backward, and its own step checks it)."""
+        sources = list(self._sync_sources)
+        if all(_ASKED.get(source, 0) == self._asked_seen.get(source, 0) for source in sources):
+            self.note_backward()
 
     def check_owned(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, start: int = 0) -> None:
         """Raise when a data-parallel wrapper reduces the model's gradients but not those of some of ``params``.

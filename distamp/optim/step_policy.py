@@ -67,9 +67,8 @@ class StepPolicy:
     def unscale_and_check(self) -> None:
         """Unscale, check and agree on the verdict (once per step)."""
         if not self.watch.backward_pending:
-            # The gradients came from a plain loss.backward(): ask the wrappers about its forward now, as
-            # optimizer.backward does after its own backward.
-            self.binding.note_backward()
+            # The gradients came from a plain loss.backward() (or another optimizer's optimizer.backward).
+            self.binding.note_plain_backward()
         self.binding.check_grads_reduced(data_parallel_group(self.process_group), self.binding_params())
         self.watch.before_unscale()
         with named_collective(f"the inf/NaN verdict all-reduce of step {self.step_number + 1}"):
