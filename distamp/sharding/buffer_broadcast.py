@@ -86,15 +86,13 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], group: dist.ProcessGroup) 
     source = dist.get_global_rank(group, 0)
     receiving = dist.get_rank(group) != 0
     for bucket in _broadcast_buckets(tensors):
-        if len(bucket) == 1 and bucket[0].is_contiguous():
-            sent = bucket[0].detach()  # an alias of its own, which drop_storage may empty
-            dist.broadcast(sent, src=source, group=group)
-        else:
-            sent = torch.cat([t.reshape(-1) for t in bucket])
-            dist.broadcast(sent, src=source, group=group)
-            if receiving:
-                for tensor, piece in zip(bucket, sent.split([t.numel() for t in bucket]), strict=True):
-                    tensor.copy_(piece.view_as(tensor))
+        in_place = len(bucket) == 1 and bucket[0].is_contiguous()
+        # In place: an alias of its own, which drop_storage may empty.
+        sent = bucket[0].detach() if in_place else torch.cat([t.reshape(-1) for t in bucket])
+        dist.broadcast(sent, src=source, group=group)
+        if receiving and not in_place:
+            for tensor, piece in zip(bucket, sent.split([t.numel() for t in bucket]), strict=True):
+                tensor.copy_(piece.view_as(tensor))
         if sent.device.type == "cpu":
             drop_storage([sent])
 
